@@ -1,0 +1,1 @@
+"""Check implementations, one module per area; declarations live in registry.py."""

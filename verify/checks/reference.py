@@ -1,0 +1,193 @@
+"""Checks of the PyTorch reference (the standard path) itself: consistency and determinism.
+
+``reference.prefill_decode_consistency``: the same tokens fed step by step through the decode path
+must give the logits the prefill path gives at every position. Run for one KDA layer, one MLA layer
+(absorbed decode vs plain prefill) and the whole model, for several batch sizes with ragged lengths.
+The comparison runs in float64, where both paths are the same mathematics and must agree to ~1e-9;
+a bf16 pass records the error seen in the serving dtype (bounded, not bitwise).
+
+``reference.determinism``: two runs from the same seed give bitwise identical logits and greedy tokens;
+weights from another seed give different ones (so the check can fail).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verify.context import CheckContext
+
+F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
+BF16_TOL = 0.25  # absolute logit error bound at bf16 (the model's logits are O(5); bf16 keeps ~3 digits)
+
+
+def _model(cfg, seed: int, dtype: torch.dtype, device: str):
+    from k3_fastpath.reference.model import load_reference
+    from k3_fastpath.synthetic import synthetic_state_dict
+
+    return load_reference(cfg, synthetic_state_dict(cfg, seed), dtype=dtype, device=device)
+
+
+def _lengths(batch: int, prompt_len: int, ragged: bool) -> list[int]:
+    if not ragged or batch == 1:
+        return [prompt_len] * batch
+    # spread over [1, prompt_len]: the shortest prompt is a single token
+    return [max(1, prompt_len - (i * (prompt_len - 1)) // (batch - 1)) for i in range(batch)]
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().clamp_min(1e-30)
+    return float((a - b).abs().max() / scale)
+
+
+@torch.no_grad()
+def _whole_model_case(model, cfg, batch: int, lengths: list[int], steps: int, gen: torch.Generator, device: str,
+                      kv_dtype: torch.dtype) -> dict[str, Any]:
+    """Prefill of prompt+continuation vs prefill(prompt) then ``steps`` teacher-forced decode steps."""
+    total = [n + steps for n in lengths]
+    tmax = max(total)
+    ids = torch.randint(3, cfg.vocab_size, (batch, tmax), generator=gen).to(device)
+    full_cache = model.new_cache(batch, tmax + 1, kv_dtype=kv_dtype, device=device)
+    full = model.prefill(ids, torch.tensor(total, device=device), full_cache)  # [B, T, V]
+    cache = model.new_cache(batch, tmax + 1, kv_dtype=kv_dtype, device=device)
+    plen = torch.tensor(lengths, device=device)
+    pre = model.prefill(ids[:, : max(lengths)], plen, cache)
+    worst = 0.0
+    for b in range(batch):
+        worst = max(worst, _rel_err(pre[b, : lengths[b]], full[b, : lengths[b]]))
+    for s in range(steps):
+        tok = torch.stack([ids[b, lengths[b] + s] for b in range(batch)])
+        step_logits = model.decode(tok, cache)
+        want = torch.stack([full[b, lengths[b] + s] for b in range(batch)])
+        worst = max(worst, _rel_err(step_logits, want))
+    return {"max_rel_err": worst, "positions": sum(total)}
+
+
+@torch.no_grad()
+def _kda_case(cfg, layer: int, sd: dict, batch: int, lengths: list[int], steps: int, gen: torch.Generator,
+              device: str) -> dict[str, Any]:
+    from k3_fastpath.reference.kda import KDACache, KimiDeltaAttention
+
+    m = KimiDeltaAttention(cfg, layer, dtype=torch.float64)
+    prefix = f"model.layers.{layer}.self_attn."
+    m.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
+    m = m.to(device=device, dtype=torch.float64)
+    total = [n + steps for n in lengths]
+    x = torch.randn(batch, max(total), cfg.hidden_size, generator=gen, dtype=torch.float64).to(device)
+    c_full = KDACache.empty(cfg, batch, device=device, conv_dtype=torch.float64, state_dtype=torch.float64)
+    y_full = m(x, c_full, torch.tensor(total, device=device))
+    c = KDACache.empty(cfg, batch, device=device, conv_dtype=torch.float64, state_dtype=torch.float64)
+    y_pre = m(x[:, : max(lengths)], c, torch.tensor(lengths, device=device))
+    worst = max(_rel_err(y_pre[b, : lengths[b]], y_full[b, : lengths[b]]) for b in range(batch))
+    for s in range(steps):
+        xs = torch.stack([x[b, lengths[b] + s] for b in range(batch)]).unsqueeze(1)
+        ys = m(xs, c)[:, 0]
+        want = torch.stack([y_full[b, lengths[b] + s] for b in range(batch)])
+        worst = max(worst, _rel_err(ys, want))
+    worst = max(worst, _rel_err(c.state, c_full.state))
+    return {"max_rel_err": worst}
+
+
+@torch.no_grad()
+def _mla_case(cfg, layer: int, sd: dict, batch: int, lengths: list[int], steps: int, gen: torch.Generator,
+              device: str) -> dict[str, Any]:
+    from k3_fastpath.reference.mla import GatedMLA, MLACache
+
+    m = GatedMLA(cfg, layer, dtype=torch.float64)
+    prefix = f"model.layers.{layer}.self_attn."
+    m.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
+    m = m.to(device=device, dtype=torch.float64)
+    total = [n + steps for n in lengths]
+    tmax = max(total)
+    x = torch.randn(batch, tmax, cfg.hidden_size, generator=gen, dtype=torch.float64).to(device)
+    zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    c_full = MLACache.empty(cfg, batch, tmax, torch.float64, device)
+    y_full = m(x, c_full, zeros, torch.tensor(total, device=device), mode="plain")
+    c = MLACache.empty(cfg, batch, tmax, torch.float64, device)
+    y_pre = m(x[:, : max(lengths)], c, zeros, torch.tensor(lengths, device=device), mode="plain")
+    worst = max(_rel_err(y_pre[b, : lengths[b]], y_full[b, : lengths[b]]) for b in range(batch))
+    for s in range(steps):
+        xs = torch.stack([x[b, lengths[b] + s] for b in range(batch)]).unsqueeze(1)
+        pos = torch.tensor([lengths[b] + s for b in range(batch)], device=device)
+        ys = m(xs, c, pos, None, mode="absorbed")[:, 0]
+        want = torch.stack([y_full[b, lengths[b] + s] for b in range(batch)])
+        worst = max(worst, _rel_err(ys, want))
+    return {"max_rel_err": worst}
+
+
+def prefill_decode_consistency(ctx: CheckContext, batches: list[int], ragged: bool, decode_steps: int,
+                               prompt_len: int) -> Any:
+    from k3_fastpath.synthetic import synthetic_state_dict
+
+    cfg = ctx.config
+    device = ctx.device
+    sd = synthetic_state_dict(cfg, ctx.seed)
+    problems: list[str] = []
+    metrics: dict[str, Any] = {"preset": ctx.preset, "f64_tolerance": F64_TOL, "bf16_tolerance": BF16_TOL}
+    gen = torch.Generator().manual_seed(ctx.seed + 1)
+    kda_layer = cfg.kda_layer_ids[0]
+    mla_layer = cfg.mla_layer_ids[0]
+    model64 = _model(cfg, ctx.seed, torch.float64, device)
+    model16 = _model(cfg, ctx.seed, torch.bfloat16, device)
+    worst = {"kda": 0.0, "mla": 0.0, "model_f64": 0.0, "model_bf16": 0.0}
+    for batch in batches:
+        lengths = _lengths(batch, prompt_len, ragged)
+        cases = {
+            "kda": lambda: _kda_case(cfg, kda_layer, sd, batch, lengths, decode_steps, gen, device),
+            "mla": lambda: _mla_case(cfg, mla_layer, sd, batch, lengths, decode_steps, gen, device),
+            "model_f64": lambda: _whole_model_case(model64, cfg, batch, lengths, decode_steps, gen, device,
+                                                   torch.float64),
+            "model_bf16": lambda: _whole_model_case(model16, cfg, batch, lengths, decode_steps, gen, device,
+                                                    torch.bfloat16),
+        }
+        for name, fn in cases.items():
+            r = fn()
+            tol = BF16_TOL if name == "model_bf16" else F64_TOL
+            ok = r["max_rel_err"] <= tol
+            ctx.record({"case": name, "batch": batch, "lengths": lengths, "decode_steps": decode_steps, **r,
+                        "tolerance": tol, "ok": ok})
+            worst[name] = max(worst[name], r["max_rel_err"])
+            if not ok:
+                problems.append(f"{name} batch {batch} lengths {lengths}: decode vs prefill max relative error "
+                                f"{r['max_rel_err']:.3g} > {tol:g}")
+    metrics.update({f"max_rel_err_{k}": v for k, v in worst.items()})
+    metrics["batches"] = list(batches)
+    return ctx.verdict(problems, metrics)
+
+
+@torch.no_grad()
+def _greedy(model, cfg, batch: int, prompt_len: int, steps: int, seed: int, device: str):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=gen).to(device)
+    cache = model.new_cache(batch, prompt_len + steps + 1, device=device)
+    logits = model.prefill(ids, torch.full((batch,), prompt_len, device=device), cache)[:, -1]
+    all_logits = [logits]
+    tokens = []
+    for _ in range(steps):
+        tok = logits.argmax(-1)
+        tokens.append(tok)
+        logits = model.decode(tok, cache)
+        all_logits.append(logits)
+    return torch.stack(all_logits, 1), torch.stack(tokens, 1)
+
+
+def determinism(ctx: CheckContext, batch: int, prompt_len: int, decode_steps: int) -> Any:
+    cfg = ctx.config
+    dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float32
+    runs = []
+    for weight_seed in (ctx.seed, ctx.seed, ctx.seed + 1):
+        model = _model(cfg, weight_seed, dtype, ctx.device)
+        runs.append(_greedy(model, cfg, batch, prompt_len, decode_steps, ctx.seed + 7, ctx.device))
+        del model
+    (l1, t1), (l2, t2), (l3, _) = runs
+    problems = []
+    same = torch.equal(l1, l2) and torch.equal(t1, t2)
+    if not same:
+        diff = float((l1.float() - l2.float()).abs().max())
+        problems.append(f"two runs from seed {ctx.seed} differ: max logit difference {diff:.3g}")
+    if torch.equal(l1, l3):
+        problems.append(f"weights from seed {ctx.seed + 1} gave the same logits as seed {ctx.seed}: the check is blind")
+    ctx.record({"dtype": str(dtype), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
+                "bitwise_equal": same, "tokens": t1.tolist()})
+    return ctx.verdict(problems, {"dtype": str(dtype), "bitwise_equal": same, "tokens_checked": t1.numel()})

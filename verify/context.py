@@ -1,0 +1,73 @@
+"""What a check gets to work with: the model preset, the device, seeds, and the bundle to stream into."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verify.result import CheckResult
+
+
+@dataclass
+class CheckContext:
+    check_id: str
+    preset: str  # model preset for reference/weights checks (k3-tiny on a CPU)
+    device: str  # "cpu" or "cuda"
+    seed: int
+    writer: Any  # verify.bundle.writer.BundleWriter
+    out: Any  # verify.output.Output
+    tmp_dir: Path
+    budget_s: float
+    started: float = field(default_factory=time.monotonic)
+    records_written: int = 0
+
+    @property
+    def config(self):
+        from k3_fastpath.config import get_config
+
+        return get_config(self.preset)
+
+    @property
+    def stream(self) -> str:
+        return self.check_id
+
+    def record(self, obj: dict[str, Any]) -> None:
+        """Append one raw record to ``records/<check id>.jsonl`` (streamed to disk immediately)."""
+        self.writer.record(self.stream, obj)
+        self.records_written += 1
+
+    def artifact_path(self, name: str) -> Path:
+        return self.writer.artifact_path(f"{self.check_id}/{name}")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def note(self, text: str) -> None:
+        self.out.note(f"  {self.check_id}: {text}")
+        self.writer.log(f"{self.check_id}: {text}")
+
+    # -- results
+    def _result(self, status: str, reason: str, metrics: dict[str, Any] | None, artifacts: list[str] | None
+                ) -> CheckResult:
+        return CheckResult(id=self.check_id, status=status, reason=reason, metrics=dict(metrics or {}),
+                           artifacts=list(artifacts or []))
+
+    def passed(self, metrics: dict[str, Any] | None = None, artifacts: list[str] | None = None,
+               reason: str = "") -> CheckResult:
+        return self._result("passed", reason, metrics, artifacts)
+
+    def failed(self, reason: str, metrics: dict[str, Any] | None = None,
+               artifacts: list[str] | None = None) -> CheckResult:
+        return self._result("failed", reason, metrics, artifacts)
+
+    def verdict(self, problems: list[str], metrics: dict[str, Any] | None = None,
+                artifacts: list[str] | None = None) -> CheckResult:
+        """passed when ``problems`` is empty, else failed with the first problem (and a count) as reason."""
+        if not problems:
+            return self.passed(metrics, artifacts)
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        m = dict(metrics or {})
+        m["problems"] = problems[:50]
+        return self.failed(problems[0] + more, m, artifacts)

@@ -1,0 +1,69 @@
+"""What a check needs from the machine, and the one-line reason when it is missing."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import shutil
+
+
+@functools.cache
+def _cuda_capability() -> tuple[int, int] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(0)
+
+
+@functools.cache
+def cutlass_dsl_version() -> str | None:
+    if importlib.util.find_spec("cutlass") is None:
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version("nvidia-cutlass-dsl")
+    except Exception:
+        return "unknown"
+
+
+def compute_sanitizer_path() -> str | None:
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    for base in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        p = os.path.join(base, "bin", "compute-sanitizer") if base else ""
+        if p and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def unmet(requirement: str) -> str | None:
+    """None when ``requirement`` holds here, else the reason a check needing it is skipped."""
+    if requirement == "cuda":
+        return None if _cuda_capability() is not None else "needs a CUDA device"
+    if requirement == "sm90":
+        cap = _cuda_capability()
+        if cap is None:
+            return "needs a CUDA device"
+        return None if cap == (9, 0) else f"needs an sm_90 GPU (H100/H200), found sm_{cap[0]}{cap[1]}"
+    if requirement == "cutlass":
+        v = cutlass_dsl_version()
+        if v is None:
+            return "needs nvidia-cutlass-dsl==4.8.1 (pip install 'k3-verify[gpu]')"
+        return None
+    if requirement == "compute-sanitizer":
+        return None if compute_sanitizer_path() else "needs compute-sanitizer (CUDA toolkit) on PATH"
+    raise ValueError(f"unknown requirement {requirement!r}")
+
+
+def first_unmet(requirements: tuple[str, ...]) -> str | None:
+    for r in requirements:
+        reason = unmet(r)
+        if reason:
+            return reason
+    return None
