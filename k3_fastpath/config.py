@@ -578,7 +578,7 @@ def _tiny() -> K3Config:
         linear_attn_config=LinearAttnConfig(num_heads=4, head_dim=32, short_conv_kernel_size=4,
                                             use_full_rank_gate=True, gate_lower_bound=-5.0,
                                             kda_layers=kda, full_attn_layers=full),
-        num_experts=16, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=64,
+        num_experts=16, num_experts_per_token=4, num_shared_experts=2, moe_intermediate_size=128,
         routed_expert_hidden_size=64, latent_moe_use_norm=True, moe_router_activation_func="sigmoid",
         moe_renormalize=True, routed_scaling_factor=1.0, first_k_dense_replace=1, moe_layer_freq=1,
         num_expert_group=1, topk_group=1, activation_situ_beta=4.0, activation_situ_linear_beta=25.0,
