@@ -336,12 +336,16 @@ def test_load_ranks_reassemble_and_read_only_slices(cfg, ref, ckpt, monkeypatch)
         assert _same_bits(deq[base + "weight"], whole.narrow(dim, n, n)), w
 
 
-def test_tp_errors(cfg, ckpt):
-    (msg,) = _problems(ckpt, tp_size=4, rank=0)  # 64 / 4 = 16: not a multiple of 32
+def test_tp_errors(cfg, ckpt, tmp_path):
+    narrow = cfg.replace(moe_intermediate_size=64, num_hidden_layers=2,
+                         linear_attn_config=dataclasses.replace(cfg.linear_attn_config, kda_layers=(1,),
+                                                                full_attn_layers=(2,)))
+    narrow_ckpt = write_synthetic_checkpoint(narrow, tmp_path / "narrow")
+    (msg,) = _problems(narrow_ckpt, tp_size=4, rank=0)  # 64 / 4 = 16: not a multiple of 32
     assert "w2.weight_packed" in msg and "multiple of 32" in msg
-    spec = next(s for s in tensor_specs(cfg) if s.name.endswith("experts.0.w2.weight_scale"))
+    spec = next(s for s in tensor_specs(narrow) if s.name.endswith("experts.0.w2.weight_scale"))
     with pytest.raises(CheckpointError, match="experts.0.w2.weight_scale.*multiple of 32"):
-        weights.rank_shape(spec, 4, cfg)
+        weights.rank_shape(spec, 4, narrow)
     with pytest.raises(CheckpointError, match="embed_tokens.*not divisible by tp_size 3"):
         load_checkpoint(ckpt, tp_size=3, rank=0)
     with pytest.raises(CheckpointError, match="rank must be in 0..1"):
