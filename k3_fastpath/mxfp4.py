@@ -20,6 +20,7 @@ import torch
 GROUP = 32
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 _EMAX_ELEM = 2
+_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
 
 def _lut(device: torch.device | str = "cpu") -> torch.Tensor:
@@ -82,15 +83,11 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = exp.clamp(-127, 127)
     scaled = g / torch.pow(2.0, exp).unsqueeze(-1)
     mag = scaled.abs().clamp(max=6.0)
-    pos = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    # nearest e2m1 magnitude; ties go to the even code (the one with mantissa bit 0)
-    dist = (mag.unsqueeze(-1) - pos).abs()
-    best = dist.min(dim=-1, keepdim=True).values
-    cand = dist <= best + 0.0
-    idx_all = torch.arange(8, device=w.device).expand_as(dist)
-    even_pref = torch.where(cand & (idx_all % 2 == 0), idx_all, torch.full_like(idx_all, 99))
-    any_pref = torch.where(cand, idx_all, torch.full_like(idx_all, 99))
-    code = torch.where(even_pref.min(-1).values < 99, even_pref.min(-1).values, any_pref.min(-1).values)
+    # nearest e2m1 magnitude by its midpoints; an exact midpoint goes to the even code (mantissa bit 0)
+    mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=w.device)
+    code = torch.bucketize(mag, mids)  # mids[i-1] < mag <= mids[i] -> i (a tie lands on the lower code)
+    tie = (code < len(_MIDPOINTS)) & (mag == mids[code.clamp(max=len(_MIDPOINTS) - 1)])
+    code = torch.where(tie & (code % 2 == 1), code + 1, code)
     sign = (scaled < 0) & (code > 0)
     code = (code | (sign.to(code.dtype) << 3)).to(torch.uint8)
     packed = pack_codes(code.reshape(*x.shape))
