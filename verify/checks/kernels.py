@@ -1,0 +1,116 @@
+"""Kernel checks: every CuTe DSL kernel compiles, is numerically right on the GPU, and is sanitizer-clean.
+
+``kernels.compile`` (no GPU needed): compile every decode variant of every registered kernel for the
+tier's presets (``CUTE_DSL_ARCH=sm_90a`` on a CPU) and record per (kernel, preset) the variant count,
+seconds and errors.
+
+``kernels.numerics`` (H100/H200): run the GPU test module ``tests/test_kernels_gpu.py`` under the
+``verify.pytest_records`` plugin: each test compares a kernel with the FP64 reference on fresh random
+inputs with NaN-poisoned outputs, asserts its launch counter moved and no fallback was counted, and
+repeats bitwise. Every test's outcome and counter deltas become records; the check fails on any failed
+test, on any skipped one (a skip on an H200 means the envelope shrank), and when no test ran at all.
+
+``kernels.sanitizer``: ``compute-sanitizer --tool T`` over ``k3_fastpath.kernels.sanitize_driver``,
+which launches every kernel once on small shapes; clean means "ERROR SUMMARY: 0 errors" and the
+driver's own "all kernels launched" line (a driver that silently fell back would prove nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from verify.context import CheckContext
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def compile_all(ctx: CheckContext, presets: list[str]) -> Any:
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    from k3_fastpath._lib import compile_cache
+
+    rows = compile_cache.compile_report(list(presets))
+    problems = []
+    total = 0
+    for r in rows:
+        ctx.record(r)
+        total += r["variants"]
+        problems += [f"{r['kernel']} ({r['preset']}): {e}" for e in r["errors"]]
+        if r["variants"] == 0:
+            problems.append(f"{r['kernel']} ({r['preset']}): no variants to compile: the kernel serves no shape")
+    seconds = sum(r["seconds"] for r in rows)
+    return ctx.verdict(problems, {"variants": total, "seconds": round(seconds, 1), "presets": list(presets),
+                                  "kernels": sorted({r["kernel"] for r in rows})})
+
+
+def _pytest_gpu(ctx: CheckContext, test_file: str, extra: list[str]) -> list[dict[str, Any]]:
+    rec_file = ctx.tmp_dir / f"{ctx.check_id}.pytest.jsonl"
+    rec_file.unlink(missing_ok=True)
+    env = {**os.environ, "K3_PYTEST_RECORDS": str(rec_file), "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-p", "verify.pytest_records", "-m", "gpu", "-q", "-rs",
+           "-p", "no:cacheprovider", str(REPO / test_file), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=ctx.budget_s)
+    log = ctx.artifact_path("pytest.log")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(proc.stdout + "\n" + proc.stderr)
+    return [json.loads(line) for line in rec_file.read_text().splitlines()] if rec_file.exists() else []
+
+
+def numerics(ctx: CheckContext) -> Any:
+    tests = _pytest_gpu(ctx, "tests/test_kernels_gpu.py", [])
+    problems = []
+    by_kernel: dict[str, int] = {}
+    for t in tests:
+        ctx.record(t)
+        if t["outcome"] == "failed":
+            problems.append(f"{t['test']}: {t.get('reason', 'failed')}")
+        elif t["outcome"] == "skipped":
+            problems.append(f"{t['test']}: skipped on a GPU ({t.get('reason', '')})")
+        for k, n in (t.get("counters") or {}).get("launches", {}).items():
+            by_kernel[k] = by_kernel.get(k, 0) + n
+    ran = [t for t in tests if t["outcome"] == "passed"]
+    if not ran:
+        problems.append("no kernel test ran (see artifacts pytest.log)")
+    metrics = {"tests": len(tests), "passed": len(ran), "launches_by_kernel": by_kernel}
+    return ctx.verdict(problems, metrics, artifacts=[f"artifacts/{ctx.check_id}/pytest.log"])
+
+
+_SUMMARY = re.compile(r"ERROR SUMMARY: (\d+) error")
+
+
+def sanitizer(ctx: CheckContext, tools: list[str]) -> Any:
+    from verify.requirements import compute_sanitizer_path
+
+    exe = compute_sanitizer_path()
+    problems = []
+    metrics: dict[str, Any] = {}
+    for tool in tools:
+        cmd = [exe, "--tool", tool, "--error-exitcode", "3", sys.executable, "-m",
+               "k3_fastpath.kernels.sanitize_driver"]
+        if tool == "initcheck":
+            cmd[3:3] = ["--track-unused-memory", "no"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ctx.budget_s,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        out = proc.stdout + proc.stderr
+        log = ctx.artifact_path(f"{tool}.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(out)
+        m = _SUMMARY.findall(out)
+        errors = int(m[-1]) if m else None
+        launched = "sanitize_driver: all kernels launched" in out
+        ctx.record({"tool": tool, "returncode": proc.returncode, "errors": errors, "all_kernels_launched": launched})
+        metrics[f"{tool}_errors"] = errors
+        if errors is None:
+            problems.append(f"{tool}: no ERROR SUMMARY in compute-sanitizer output (exit {proc.returncode})")
+        elif errors:
+            problems.append(f"{tool}: {errors} error(s), see artifacts/{ctx.check_id}/{tool}.log")
+        elif proc.returncode != 0:
+            problems.append(f"{tool}: exit code {proc.returncode} with 0 errors reported")
+        if not launched:
+            problems.append(f"{tool}: the driver did not launch every kernel (a fallback proves nothing)")
+    return ctx.verdict(problems, metrics, artifacts=[f"artifacts/{ctx.check_id}/{t}.log" for t in tools])
