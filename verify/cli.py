@@ -62,6 +62,29 @@ def run(
         raise _Exit(EXIT_FAILED)
 
 
+@app.command()
+def bench(
+    what: str = typer.Argument(..., help="kernels"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="bundle directory (default bundles/local/<timestamp>)"),
+    sweep: bool = typer.Option(False, "--sweep", help="also time every candidate config of the skinny GEMM"),
+    fmt: str = FormatOpt,
+) -> None:
+    """Benchmark the fast kernels against cuBLAS / PyTorch into a bundle (needs an H100/H200)."""
+    out = Output(fmt)
+    if what != "kernels":
+        raise UserError(f"unknown bench {what!r}: available: kernels (the decode step sweep is perf.decode_sweep)")
+    from verify.runner import run_tier
+    from verify.tiers import TIER_DIR
+
+    tier = TIER_DIR / "bench-kernels.yaml"
+    overrides = {"bench.kernels": {"sweep": True}} if sweep else None
+    verdict, _ = run_tier(str(tier), output, "auto", "auto", 0, out, argv=["k3-verify", *sys.argv[1:]],
+                          overrides=overrides)
+    out.finish()
+    if verdict == "fail":
+        raise _Exit(EXIT_FAILED)
+
+
 @app.command("list")
 def list_(fmt: str = FormatOpt) -> None:
     """List the tiers and every check (with what it needs and whether it runs here)."""

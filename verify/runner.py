@@ -94,7 +94,7 @@ def run_check(ctx: CheckContext, decl: Any, params: dict[str, Any]) -> CheckResu
 
 
 def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed: int, out: Output,
-             argv: list[str]) -> tuple[str, Path]:
+             argv: list[str], overrides: dict[str, dict[str, Any]] | None = None) -> tuple[str, Path]:
     from verify import environment
     from verify.bundle.writer import BundleWriter
     from verify.tiers import TierError, load_tier
@@ -126,7 +126,7 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
         with tempfile.TemporaryDirectory(prefix="k3verify-") as tmp, out.progress(len(tier.checks), "checks") as bar:
             for spec in tier.checks:
                 decl = REGISTRY[spec.id]
-                params = {**decl.params, **spec.params}
+                params = {**decl.params, **spec.params, **(overrides or {}).get(spec.id, {})}
                 bar.advance(0, description=spec.id)
                 ctx = CheckContext(check_id=spec.id, preset=preset, device=device, seed=seed, writer=writer, out=out,
                                    tmp_dir=Path(tmp), budget_s=spec.budget_s)
