@@ -47,7 +47,17 @@ from safetensors.torch import save_file
 
 from . import mxfp4, synthetic
 from .config import ConfigError, K3Config, load_config
-from .manifest import CHECKPOINT_PREFIX, COL, EXPERT_COL, EXPERT_ROW, HEAD_VEC, REP, ROW, TensorSpec, tensor_specs
+from .manifest import (
+    CHECKPOINT_PREFIX,
+    COL,
+    EXPERT_COL,
+    EXPERT_ROW,
+    HEAD_VEC,
+    REP,
+    ROW,
+    TensorSpec,
+    tensor_specs,
+)
 
 logger = logging.getLogger(__name__)
 

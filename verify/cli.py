@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -45,7 +44,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version_cb,
 @app.command()
 def run(
     tier: str = typer.Option("smoke", "--tier", help="smoke | standard | full | path to a tier .yaml"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="bundle directory (default bundles/local/<timestamp>)"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="bundle directory (default bundles/local/<timestamp>)"),
     preset: str = typer.Option("auto", "--preset", help="model for reference checks: auto (k3-tiny), a preset, or a checkpoint dir"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     seed: int = typer.Option(0, "--seed", help="global seed (recorded in the bundle)"),
@@ -65,7 +64,7 @@ def run(
 @app.command()
 def bench(
     what: str = typer.Argument(..., help="kernels"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="bundle directory (default bundles/local/<timestamp>)"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="bundle directory (default bundles/local/<timestamp>)"),
     sweep: bool = typer.Option(False, "--sweep", help="also time every candidate config of the skinny GEMM"),
     fmt: str = FormatOpt,
 ) -> None:

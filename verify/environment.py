@@ -86,17 +86,17 @@ def _gpus() -> list[dict[str, Any]] | str:
             g: dict[str, Any] = {"index": i, "name": pynvml.nvmlDeviceGetName(h), "uuid": pynvml.nvmlDeviceGetUUID(h),
                                  "driver": driver}
             probes = {
-                "memory_total_bytes": lambda: pynvml.nvmlDeviceGetMemoryInfo(h).total,
-                "sm_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "mem_clock_mhz": lambda: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
-                "max_sm_clock_mhz": lambda: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
-                "throttle_reasons": lambda: int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)),
-                "ecc_mode": lambda: pynvml.nvmlDeviceGetEccMode(h)[0],
-                "ecc_uncorrected_volatile": lambda: pynvml.nvmlDeviceGetTotalEccErrors(
+                "memory_total_bytes": lambda h=h: pynvml.nvmlDeviceGetMemoryInfo(h).total,
+                "sm_clock_mhz": lambda h=h: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "mem_clock_mhz": lambda h=h: pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+                "max_sm_clock_mhz": lambda h=h: pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+                "throttle_reasons": lambda h=h: int(pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)),
+                "ecc_mode": lambda h=h: pynvml.nvmlDeviceGetEccMode(h)[0],
+                "ecc_uncorrected_volatile": lambda h=h: pynvml.nvmlDeviceGetTotalEccErrors(
                     h, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, pynvml.NVML_VOLATILE_ECC),
-                "temperature_c": lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
-                "power_limit_w": lambda: pynvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0,
-                "persistence_mode": lambda: pynvml.nvmlDeviceGetPersistenceMode(h),
+                "temperature_c": lambda h=h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+                "power_limit_w": lambda h=h: pynvml.nvmlDeviceGetPowerManagementLimit(h) / 1000.0,
+                "persistence_mode": lambda h=h: pynvml.nvmlDeviceGetPersistenceMode(h),
             }
             for k, f in probes.items():
                 try:

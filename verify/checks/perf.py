@@ -41,31 +41,42 @@ def measure_read_bandwidth(nbytes: int = 4 << 30) -> dict[str, Any]:
     x = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
     times = _time_ms(lambda: x.sum(dtype=torch.float32))
     med = statistics.median(times)
-    del x
-    torch.cuda.empty_cache()
     return {"bytes": nbytes, "median_ms": med, "read_bytes_per_s": nbytes / (med * 1e-3), "times_ms": times}
+
+
+def _gemv_probe() -> tuple[list[float], float]:
+    """cuBLAS BF16 GEMV over 2 GiB of weights: (times in ms, read bytes/s)."""
+    import torch
+
+    n = 32768
+    k = (2 << 30) // (2 * n)
+    w = torch.empty(n, k, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    v = torch.empty(k, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    times = _time_ms(lambda: torch.mv(w, v))
+    return times, w.numel() * 2 / (statistics.median(times) * 1e-3)
+
+
+def _matmul_probe() -> tuple[list[float], float]:
+    """Dense BF16 8192^3 matmul: (times in ms, TFLOP/s)."""
+    import torch
+
+    a = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+    times = _time_ms(lambda: a @ a, warmup=3, repeats=10)
+    return times, 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
 
 
 def bandwidth_probe(ctx: CheckContext, bytes: int) -> Any:
     import torch
 
     read = measure_read_bandwidth(int(bytes))
-    ctx.record({"probe": "read_reduction", **read})
-    # cuBLAS BF16 GEMV over 2 GiB of weights
-    n = 32768
-    k = (2 << 30) // (2 * n)
-    w = torch.empty(n, k, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
-    v = torch.empty(k, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
-    gemv = _time_ms(lambda: torch.mv(w, v))
-    gemv_bw = w.numel() * 2 / (statistics.median(gemv) * 1e-3)
-    ctx.record({"probe": "cublas_gemv", "n": n, "k": k, "times_ms": gemv, "read_bytes_per_s": gemv_bw})
-    del w, v
-    a = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
-    mm = _time_ms(lambda: a @ a, warmup=3, repeats=10)
-    tflops = 2 * 8192**3 / (statistics.median(mm) * 1e-3) / 1e12
-    ctx.record({"probe": "bf16_matmul_8192", "times_ms": mm, "tflops": tflops})
-    del a
     torch.cuda.empty_cache()
+    ctx.record({"probe": "read_reduction", **read})
+    gemv, gemv_bw = _gemv_probe()
+    torch.cuda.empty_cache()
+    ctx.record({"probe": "cublas_gemv", "bytes": 2 << 30, "times_ms": gemv, "read_bytes_per_s": gemv_bw})
+    mm, tflops = _matmul_probe()
+    torch.cuda.empty_cache()
+    ctx.record({"probe": "bf16_matmul_8192", "times_ms": mm, "tflops": tflops})
     spread = (max(read["times_ms"]) - min(read["times_ms"])) / statistics.median(read["times_ms"])
     metrics = {"read_tb_per_s": read["read_bytes_per_s"] / 1e12, "cublas_gemv_tb_per_s": gemv_bw / 1e12,
                "bf16_matmul_tflops": tflops, "read_spread": spread, "device": torch.cuda.get_device_name(0)}

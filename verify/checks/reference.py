@@ -136,15 +136,14 @@ def prefill_decode_consistency(ctx: CheckContext, batches: list[int], ragged: bo
     for batch in batches:
         lengths = _lengths(batch, prompt_len, ragged)
         cases = {
-            "kda": lambda: _kda_case(cfg, kda_layer, sd, batch, lengths, decode_steps, gen, device),
-            "mla": lambda: _mla_case(cfg, mla_layer, sd, batch, lengths, decode_steps, gen, device),
-            "model_f64": lambda: _whole_model_case(model64, cfg, batch, lengths, decode_steps, gen, device,
-                                                   torch.float64),
-            "model_bf16": lambda: _whole_model_case(model16, cfg, batch, lengths, decode_steps, gen, device,
-                                                    torch.bfloat16),
+            "kda": (_kda_case, (cfg, kda_layer, sd)),
+            "mla": (_mla_case, (cfg, mla_layer, sd)),
+            "model_f64": (_whole_model_case, (model64, cfg)),
+            "model_bf16": (_whole_model_case, (model16, cfg)),
         }
-        for name, fn in cases.items():
-            r = fn()
+        for name, (fn, head) in cases.items():
+            tail = (torch.float64,) if name == "model_f64" else (torch.bfloat16,) if name == "model_bf16" else ()
+            r = fn(*head, batch, lengths, decode_steps, gen, device, *tail)
             stat = "median_rel_err" if name == "model_bf16" else "max_rel_err"
             tol = BF16_MEDIAN_TOL if name == "model_bf16" else F64_TOL
             ok = r[stat] <= tol
