@@ -1,0 +1,126 @@
+"""Torch-facing AttnRes mixing: compile cache, precompile, support gate, fallback.
+
+    mix, normed = attn_res_mix(sources, norm_w, proj_w, eps, out_w=input_norm_w, out_eps=eps)
+    mix, _      = attn_res_mix(sources, norm_w, proj_w, eps)         # no trailing RMSNorm
+
+``sources`` is one contiguous [S, M, H] bf16 tensor (S <= 9: block snapshots + running prefix).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._lib import compile_cache, counters
+from ..._lib.dispatch import OK, Support, check_tensors, no
+from .config import MAX_SOURCES, VEC, AttnResConfig
+from .reference import attn_res_mix_ref
+
+NAME = "attn_res_mix"
+
+
+def compile_attn_res_mix(dtype: str, S: int, H: int, config: AttnResConfig) -> Any:
+    """Compile (or fetch) the mixer for S sources of width H; M stays symbolic."""
+    if dtype != "bf16":
+        raise ValueError(f"{NAME}: only bf16 is implemented, got {dtype}")
+    key = compile_cache.CompileKey.make(NAME, dtype, (S, H), config)
+
+    def build(options: str) -> Any:
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..._lib.tensor import fake_stream, fake_tensor
+        from .kernel import AttnResMixKernel
+
+        bf = cutlass.BFloat16
+        norm = config.has_norm
+        args = (fake_tensor(bf, (S, None, H)), fake_tensor(bf, (H,)), fake_tensor(bf, (H,)),
+                fake_tensor(bf, (None, H)), fake_tensor(bf, (H,)) if norm else None,
+                fake_tensor(bf, (None, H)) if norm else None)
+        return cute.compile(AttnResMixKernel(S, H, config), *args, cutlass.Float32(1e-5),
+                            cutlass.Float32(1e-5), fake_stream(), options=options)
+
+    return compile_cache.get_or_compile(key, build)
+
+
+def compile_variants(preset_name: str) -> list[dict[str, Any]]:
+    """Every source count a decode step of ``preset_name`` mixes (1 .. blocks + 1, capped at 9), with
+    the trailing norm (before attention / MLP / the final norm) and without it."""
+    from ...config import preset
+
+    cfg = preset(preset_name).config
+    H = cfg.hidden_size
+    if H % VEC:
+        return []
+    s_max = min(MAX_SOURCES, cfg.num_attn_res_blocks + 1)
+    return [{"dtype": "bf16", "S": S, "H": H, "config": AttnResConfig.from_heuristic(S, H, has_norm=norm)}
+            for S in range(1, s_max + 1) for norm in (True, False)]
+
+
+def precompile(preset_name: str) -> int:
+    variants = compile_variants(preset_name)
+    for v in variants:
+        compile_attn_res_mix(**v)
+    return len(variants)
+
+
+def is_supported(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor,
+                 out_w: torch.Tensor | None = None, mix_out: torch.Tensor | None = None,
+                 normed_out: torch.Tensor | None = None) -> Support:
+    if sources.dim() != 3:
+        return no(f"sources is {sources.dim()}-d (needs [S, M, H])")
+    S, M, H = sources.shape
+    if not 1 <= S <= MAX_SOURCES:
+        return no(f"S={S} outside 1..{MAX_SOURCES}")
+    if M == 0:
+        return no("M=0")
+    if H % VEC:
+        return no(f"H={H} not a multiple of {VEC}")
+    for name, t in (("norm_w", norm_w), ("proj_w", proj_w), ("out_w", out_w)):
+        if t is not None and t.shape != (H,):
+            return no(f"{name} shape")
+    for name, t in (("mix_out", mix_out), ("normed_out", normed_out)):
+        if t is not None and t.shape != (M, H):
+            return no(f"{name} shape")
+    if normed_out is not None and out_w is None:
+        return no("normed_out without out_w")
+    s = check_tensors({"sources": sources, "norm_w": norm_w, "proj_w": proj_w, "out_w": out_w,
+                       "mix_out": mix_out, "normed_out": normed_out}, torch.bfloat16)
+    return s if not s else OK
+
+
+def attn_res_mix(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float, *,
+                 out_w: torch.Tensor | None = None, out_eps: float | None = None,
+                 mix_out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None,
+                 config: AttnResConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(mix, normed): softmax-weighted mix of the S sources, and RMSNorm(mix) * out_w when out_w is given.
+    ``config`` overrides the heuristic (benches); its has_norm must match."""
+    support = is_supported(sources, norm_w, proj_w, out_w, mix_out, normed_out)
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        mix, normed = attn_res_mix_ref(sources, norm_w, proj_w, eps, out_w, out_eps)
+        if mix_out is not None:
+            mix = mix_out.copy_(mix)
+        if normed is not None and normed_out is not None:
+            normed = normed_out.copy_(normed)
+        return mix, normed
+
+    from ..._lib.tensor import current_stream, to_cute
+
+    S, M, H = sources.shape
+    has_norm = out_w is not None
+    cfg = config or AttnResConfig.from_heuristic(S, H, has_norm=has_norm)
+    if cfg.has_norm != has_norm:
+        raise ValueError(f"config.has_norm={cfg.has_norm} but out_w is {'given' if has_norm else 'None'}")
+    fn = compile_attn_res_mix("bf16", S, H, cfg)
+    if mix_out is None:
+        mix_out = torch.empty((M, H), dtype=sources.dtype, device=sources.device)
+    if has_norm and normed_out is None:
+        normed_out = torch.empty((M, H), dtype=sources.dtype, device=sources.device)
+    fn(to_cute(sources, dynamic_dims=(1,)), to_cute(norm_w, dynamic_dims=()), to_cute(proj_w, dynamic_dims=()),
+       to_cute(mix_out), to_cute(out_w, dynamic_dims=()) if has_norm else None,
+       to_cute(normed_out) if has_norm else None, float(eps), float(eps if out_eps is None else out_eps),
+       current_stream(sources.device))
+    counters.count_launch(NAME)
+    return mix_out, (normed_out if has_norm else None)

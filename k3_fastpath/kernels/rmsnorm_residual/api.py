@@ -1,0 +1,126 @@
+"""Torch-facing fused residual add + RMSNorm: compile cache, precompile, support gate, fallback.
+
+    normed, new_residual = rmsnorm_residual(x, residual, weight, eps)      # x, residual: [M, H] bf16
+    normed, _ = rmsnorm_residual(x, None, weight, eps)                      # plain RMSNorm
+
+``out=`` / ``residual_out=`` may alias ``x`` / ``residual`` (in place is safe, see kernel.py).
+Outside the envelope (not bf16, not on an sm_90 device, H % 8, non-contiguous, ...) the call is served
+by ``reference.py`` and counted as a fallback with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._lib import compile_cache, counters
+from ..._lib.dispatch import OK, Support, check_tensors, no
+from .config import VEC, RMSNormConfig
+from .reference import rmsnorm_residual_ref
+
+NAME = "rmsnorm_residual"
+
+
+def compile_rmsnorm_residual(dtype: str, H: int, config: RMSNormConfig) -> Any:
+    """Compile (or fetch) the kernel for hidden size ``H``; M stays symbolic (one binary for every M)."""
+    if dtype != "bf16":
+        raise ValueError(f"{NAME}: only bf16 is implemented, got {dtype}")
+    key = compile_cache.CompileKey.make(NAME, dtype, (H,), config)
+
+    def build(options: str) -> Any:
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..._lib.tensor import fake_stream, fake_tensor
+        from .kernel import RMSNormResidualKernel
+
+        bf = cutlass.BFloat16
+        res = config.has_residual
+        args = (fake_tensor(bf, (None, H)), fake_tensor(bf, (None, H)) if res else None, fake_tensor(bf, (H,)),
+                fake_tensor(bf, (None, H)), fake_tensor(bf, (None, H)) if res else None)
+        return cute.compile(RMSNormResidualKernel(H, config), *args, cutlass.Float32(1e-5), fake_stream(),
+                            options=options)
+
+    return compile_cache.get_or_compile(key, build)
+
+
+def compile_variants(preset_name: str) -> list[dict[str, Any]]:
+    """Every (H, residual?) a decode step of ``preset_name`` normalises: the residual stream (with and
+    without the add), the MLA q_a / kv_a latents, the LatentMoE latent, the KDA per-head norm."""
+    from ...config import preset
+
+    cfg = preset(preset_name).config
+    wanted = [(cfg.hidden_size, True), (cfg.hidden_size, False), (cfg.q_lora_rank, False),
+              (cfg.kv_lora_rank, False), (cfg.routed_expert_hidden_size, False),
+              (cfg.linear_attn_config.head_dim, False)]
+    out, seen = [], set()
+    for H, res in wanted:
+        if (H, res) in seen or H % VEC:
+            continue
+        seen.add((H, res))
+        out.append({"dtype": "bf16", "H": H, "config": RMSNormConfig.from_heuristic(H, has_residual=res)})
+    return out
+
+
+def precompile(preset_name: str) -> int:
+    variants = compile_variants(preset_name)
+    for v in variants:
+        compile_rmsnorm_residual(**v)
+    return len(variants)
+
+
+def is_supported(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None) -> Support:
+    if x.dim() != 2:
+        return no(f"x is {x.dim()}-d (needs [M, H])")
+    M, H = x.shape
+    if H % VEC:
+        return no(f"H={H} not a multiple of {VEC}")
+    if M == 0:
+        return no("M=0")
+    if weight.shape != (H,):
+        return no("weight shape")
+    for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
+        if t is not None and t.shape != x.shape:
+            return no(f"{name} shape")
+    if residual_out is not None and residual is None:
+        return no("residual_out without residual")
+    s = check_tensors({"x": x, "residual": residual, "weight": weight, "out": out,
+                       "residual_out": residual_out}, torch.bfloat16)
+    return s if not s else OK
+
+
+def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                     *, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
+                     config: RMSNormConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normed, new_residual): new_residual = bf16(x + residual), normed = RMSNorm(new_residual) * weight.
+    ``config`` overrides the heuristic (benches); its has_residual must match."""
+    support = is_supported(x, residual, weight, out, residual_out)
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        normed, h = rmsnorm_residual_ref(x, residual, weight, eps)
+        if out is not None:
+            out.copy_(normed)
+            normed = out
+        if h is not None and residual_out is not None:
+            residual_out.copy_(h)
+            h = residual_out
+        return normed, h
+
+    from ..._lib.tensor import current_stream, to_cute
+
+    H = x.shape[1]
+    has_res = residual is not None
+    cfg = config or RMSNormConfig.from_heuristic(H, has_residual=has_res)
+    if cfg.has_residual != has_res:
+        raise ValueError(f"config.has_residual={cfg.has_residual} but residual is {'given' if has_res else 'None'}")
+    fn = compile_rmsnorm_residual("bf16", H, cfg)
+    if out is None:
+        out = torch.empty_like(x)
+    if has_res and residual_out is None:
+        residual_out = torch.empty_like(x)
+    fn(to_cute(x), to_cute(residual) if has_res else None, to_cute(weight, dynamic_dims=()), to_cute(out),
+       to_cute(residual_out) if has_res else None, float(eps), current_stream(x.device))
+    counters.count_launch(NAME)
+    return out, (residual_out if has_res else None)

@@ -1,0 +1,39 @@
+"""Launch knobs of the fused residual-add + RMSNorm kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VEC = 8  # bf16 elements per 16-byte vector access
+
+# Bench that measures the knobs below (H200, CUDA-graph medians over M = 1..64):
+#   python -m k3_fastpath.kernels.rmsnorm_residual.bench --preset k3-tp8-rank
+MAX_VEC_PER_THREAD = 4  # TO BE MEASURED: 2 / 4 / 8 vectors per thread at H = 7168
+
+
+@dataclass(frozen=True)
+class RMSNormConfig:
+    """One CTA normalises one row. ``threads`` threads each own ``vec_per_thread`` 16-byte vectors,
+    strided by ``threads`` vectors (thread t owns vectors t, t + threads, ...), so a warp's loads
+    are contiguous 512-byte runs."""
+
+    threads: int
+    vec_per_thread: int
+    has_residual: bool = True
+
+    def __post_init__(self) -> None:
+        if self.threads % 32 or not 32 <= self.threads <= 1024:
+            raise ValueError(f"threads must be a multiple of 32 in 32..1024, got {self.threads}")
+        if self.vec_per_thread < 1:
+            raise ValueError("vec_per_thread must be >= 1")
+
+    @classmethod
+    def from_heuristic(cls, H: int, arch: str = "sm_90a", has_residual: bool = True) -> RMSNormConfig:
+        """Fewest whole warps such that no thread owns more than MAX_VEC_PER_THREAD vectors
+        (H = 7168: 224 threads x 4 vectors, no predication)."""
+        if H % VEC:
+            raise ValueError(f"H = {H} is not a multiple of {VEC}")
+        nv = H // VEC
+        want = -(-nv // MAX_VEC_PER_THREAD)  # threads needed at MAX_VEC_PER_THREAD each
+        threads = min(1024, max(32, -(-want // 32) * 32))
+        return cls(threads=threads, vec_per_thread=-(-nv // threads), has_residual=has_residual)

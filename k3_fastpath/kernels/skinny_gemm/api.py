@@ -1,0 +1,168 @@
+"""Torch-facing skinny GEMM: y = x @ W^T (+ residual) for decode batches M = 1..64.
+
+    y = skinny_gemm(x, w)                                # x [M, K] bf16, w [N, K] bf16 -> [M, N] bf16
+    y = skinny_gemm(x, w, residual=h, out_dtype=torch.float32)
+
+The config (variant, M bucket, split-K) comes from ``SkinnyGemmConfig.from_heuristic(M, N, K)``; the
+compiled kernel serves every M of its bucket. ``precompile(preset)`` compiles every
+``rank_shapes(...).gemm_shapes()`` shape for every bucket. Outside the envelope the call is served by
+``reference.py`` and counted as a fallback with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._lib import compile_cache, counters
+from ..._lib.dispatch import OK, Support, check_tensors, no
+from .config import MAX_M, SkinnyGemmConfig, m_buckets
+from .reference import skinny_gemm_ref
+
+NAME = "skinny_gemm"
+
+
+def compile_skinny_gemm(dtype: str, N: int, K: int, config: SkinnyGemmConfig) -> Any:
+    """Compile (or fetch) y = x @ W^T for W [N, K]; M stays symbolic up to ``config.m_max``."""
+    if dtype != "bf16":
+        raise ValueError(f"{NAME}: only bf16 weights/activations are implemented, got {dtype}")
+    key = compile_cache.CompileKey.make(NAME, dtype, (N, K), config)
+
+    def build(options: str) -> Any:
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..._lib.tensor import fake_stream, fake_tensor
+        from .kernel import SkinnyGemmKernel
+
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
+        c = config
+        ws = cnt = None
+        if c.split_k > 1:
+            ws = fake_tensor(f32, (c.split_k, c.num_blocks(N), 32 * c.warps_n, c.acc_per_thread))
+            cnt = fake_tensor(cutlass.Int32, (c.num_blocks(N),))
+        args = (fake_tensor(bf, (None, K)), fake_tensor(bf, (N, K)),
+                fake_tensor(f32 if c.out_fp32 else bf, (None, N)),
+                fake_tensor(bf, (None, N)) if c.residual else None, ws, cnt)
+        return cute.compile(SkinnyGemmKernel(N, K, config), *args, fake_stream(), options=options)
+
+    return compile_cache.get_or_compile(key, build)
+
+
+def preset_shapes(preset_name: str) -> dict[str, tuple[int, int]]:
+    """name -> (N, K) of every decode GEMM of one rank of ``preset_name``."""
+    from ...config import preset
+
+    return dict(preset(preset_name).shapes.gemm_shapes())
+
+
+# Epilogues each projection is launched with besides plain bf16 output (what precompile covers): the router
+# produces FP32 logits; output / down projections can fuse the residual add. Keep in sync with runtime/.
+EXTRA_EPILOGUES: dict[str, tuple[tuple[bool, bool], ...]] = {  # name -> ((out_fp32, residual), ...)
+    "router": ((True, False),),
+    "kda_o_proj": ((False, True),), "mla_o_proj": ((False, True),),
+    "shared_down": ((False, True),), "latent_up": ((False, True),), "dense_down": ((False, True),),
+}
+
+
+def compile_variants(preset_name: str) -> list[dict[str, Any]]:
+    """Every (N, K, config) a decode step of ``preset_name`` can launch: each M bucket, bf16 output, plus
+    the EXTRA_EPILOGUES of the projections that use them."""
+    out, seen = [], set()
+    for name, (N, K) in preset_shapes(preset_name).items():
+        for out_fp32, residual in ((False, False),) + EXTRA_EPILOGUES.get(name, ()):
+            for M in m_buckets():
+                try:
+                    cfg = SkinnyGemmConfig.from_heuristic(M, N, K, out_fp32=out_fp32, residual=residual)
+                except ValueError:
+                    continue
+                if (N, K, cfg) in seen:
+                    continue
+                seen.add((N, K, cfg))
+                out.append({"dtype": "bf16", "N": N, "K": K, "config": cfg, "shape_name": name, "M": M})
+    return out
+
+
+def precompile(preset_name: str) -> int:
+    variants = compile_variants(preset_name)
+    for v in variants:
+        compile_skinny_gemm(v["dtype"], v["N"], v["K"], v["config"])
+    return len(variants)
+
+
+def is_supported(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Support:
+    if x.dim() != 2 or w.dim() != 2:
+        return no("x and w must be 2-d")
+    M, K = x.shape
+    N = w.shape[0]
+    if w.shape[1] != K:
+        return no("K mismatch")
+    if not 1 <= M <= MAX_M:
+        return no(f"M={M} outside 1..{MAX_M}")
+    if N % 8:
+        return no(f"N={N} not a multiple of 8")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        return no(f"out dtype {out_dtype}")
+    try:
+        SkinnyGemmConfig.from_heuristic(M, N, K)
+    except ValueError as e:
+        return no(str(e))
+    for name, t, dt in (("residual", residual, torch.bfloat16), ("out", out, out_dtype)):
+        if t is not None and (t.shape != (M, N) or t.dtype != dt):
+            return no(f"{name} shape/dtype")
+    s = check_tensors({"x": x, "w": w, "residual": residual}, torch.bfloat16)
+    if s and out is not None:
+        s = check_tensors({"out": out}, out_dtype)
+    return s if not s else OK
+
+
+_workspaces: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, N: int, cfg: SkinnyGemmConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Persistent split-K workspace + zeroed counters per (device, N, config); the kernel re-zeroes them."""
+    key = (device, N, cfg)
+    if key not in _workspaces:
+        ws = torch.empty((cfg.split_k, cfg.num_blocks(N), 32 * cfg.warps_n, cfg.acc_per_thread),
+                         dtype=torch.float32, device=device)
+        cnt = torch.zeros(cfg.num_blocks(N), dtype=torch.int32, device=device)
+        _workspaces[key] = (ws, cnt)
+    return _workspaces[key]
+
+
+def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                config: SkinnyGemmConfig | None = None) -> torch.Tensor:
+    """y = x @ w^T (+ residual) with FP32 accumulation; ``config`` overrides the heuristic (benches)."""
+    if out_dtype is None:
+        out_dtype = out.dtype if out is not None else torch.bfloat16
+    support = is_supported(x, w, residual, out, out_dtype)
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        y = skinny_gemm_ref(x, w, residual, out_dtype=out_dtype)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+
+    from ..._lib.tensor import current_stream, to_cute
+
+    M, K = x.shape
+    N = w.shape[0]
+    cfg = config or SkinnyGemmConfig.from_heuristic(M, N, K, out_fp32=out_dtype == torch.float32,
+                                                    residual=residual is not None)
+    if cfg.m_max < M or cfg.out_fp32 != (out_dtype == torch.float32) or cfg.residual != (residual is not None):
+        raise ValueError(f"config {cfg} does not fit M={M}, out {out_dtype}, residual={residual is not None}")
+    fn = compile_skinny_gemm("bf16", N, K, cfg)
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    ws = cnt = None
+    if cfg.split_k > 1:
+        ws_t, cnt_t = _workspace(x.device, N, cfg)
+        ws, cnt = to_cute(ws_t, dynamic_dims=()), to_cute(cnt_t, dynamic_dims=())
+    fn(to_cute(x), to_cute(w, dynamic_dims=()), to_cute(out),
+       to_cute(residual) if residual is not None else None, ws, cnt, current_stream(x.device))
+    counters.count_launch(NAME)
+    return out

@@ -1,0 +1,101 @@
+"""Bench of the skinny GEMM on every decode shape of a preset (H200): the measurements config.py needs.
+
+    python -m k3_fastpath.kernels.skinny_gemm.bench --preset k3-tp8-rank --preset k3-tp16-rank --sweep
+
+For each rank GEMM shape and M it reports, as CUDA-graph medians with cold L2 (distinct weight copies):
+the heuristic config, cuBLAS (torch bf16 x @ W^T), the bandwidth floor (weight bytes / read bandwidth
+measured in the same run) and, with --sweep, the best of a candidate grid and its config. --json writes
+every row. Use the results to replace the "TO BE MEASURED" constants in config.py, citing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from ..._lib.timing import copies_for_cold_l2, graph_time_us, read_bandwidth_gbs
+from .api import preset_shapes, skinny_gemm
+from .config import MMA_BUCKETS, SkinnyGemmConfig
+
+
+def candidates(M: int, N: int, K: int) -> list[SkinnyGemmConfig]:
+    """The sweep grid for one shape: every valid fma config (M <= 8) and mma config of M's bucket."""
+    grid = []
+    if M <= 8 and K % 8 == 0:
+        for rows, wn, wk, unroll in itertools.product((1, 2, 4), (2, 4, 8), (1, 2), (2, 4, 8)):
+            grid.append(dict(variant="fma", m_max=M, rows_per_warp=rows, warps_n=wn, warps_k=wk, k_unroll=unroll))
+    if K % 32 == 0:
+        m_max = next(b for b in MMA_BUCKETS if b >= M)
+        for mt, wn, split, unroll in itertools.product((1, 2), (1, 2, 4, 8), (1, 2, 4, 8, 16), (2, 4)):
+            if (K // 32) // split >= 2:
+                grid.append(dict(variant="mma", m_max=m_max, rows_per_warp=mt, warps_n=wn, split_k=split,
+                                 k_unroll=unroll))
+    out = []
+    for kw in grid:
+        try:
+            out.append(SkinnyGemmConfig(**kw))
+        except ValueError:
+            pass
+    return out
+
+
+def bench_one(M: int, N: int, K: int, sweep: bool) -> dict:
+    copies = copies_for_cold_l2(N * K * 2)
+    ws = [(torch.randn(N, K, device="cuda") / K**0.5).bfloat16() for _ in range(copies)]
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    outs = [torch.empty(M, N, dtype=torch.bfloat16, device="cuda") for _ in ws]
+
+    def timed(cfg):
+        return graph_time_us([lambda w=w, o=o: skinny_gemm(x, w, out=o, config=cfg) for w, o in zip(ws, outs, strict=True)])
+
+    heur = SkinnyGemmConfig.from_heuristic(M, N, K)
+    row = {"M": M, "N": N, "K": K, "heuristic": repr(heur), "heuristic_us": timed(heur)["median_us"],
+           "cublas_us": graph_time_us([lambda w=w, o=o: torch.matmul(x, w.t(), out=o)
+                                       for w, o in zip(ws, outs, strict=True)])["median_us"]}
+    if sweep:
+        best = (row["heuristic_us"], heur)
+        for cfg in candidates(M, N, K):
+            try:
+                t = timed(cfg)["median_us"]
+            except Exception as e:  # a config the kernel rejects for this shape
+                print(f"  skip {cfg}: {e}")
+                continue
+            best = min(best, (t, cfg), key=lambda b: b[0])
+        row["best_us"], row["best"] = best[0], repr(best[1])
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", action="append", default=None)
+    ap.add_argument("--m", default="1,2,3,4,8,16,32,64")
+    ap.add_argument("--shape", action="append", default=None, help="only these shape names")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    bw = read_bandwidth_gbs()
+    print(f"read bandwidth {bw:.0f} GB/s")
+    rows = []
+    seen = set()
+    for p in a.preset or ["k3-tp8-rank"]:
+        for name, (N, K) in preset_shapes(p).items():
+            if (a.shape and name not in a.shape) or (N, K) in seen:
+                continue
+            seen.add((N, K))
+            for M in (int(m) for m in a.m.split(",")):
+                row = bench_one(M, N, K, a.sweep)
+                row.update(preset=p, shape=name, floor_us=N * K * 2 / (bw * 1e3))
+                rows.append(row)
+                extra = f" best {row['best_us']:.1f} {row['best']}" if a.sweep else ""
+                print(f"{p} {name} {N}x{K} M={M}: ours {row['heuristic_us']:.1f} us, cuBLAS {row['cublas_us']:.1f},"
+                      f" floor {row['floor_us']:.1f}{extra}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"read_bandwidth_gbs": bw, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
