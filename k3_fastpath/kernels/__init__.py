@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-KERNELS = ("rmsnorm_residual", "skinny_gemm", "attn_res_mix")
+KERNELS = ("rmsnorm_residual", "skinny_gemm", "attn_res_mix", "kda_decode")
 REQUIRED_EXPORTS = ("NAME", "is_supported", "compile_kernel", "compile_variants", "precompile", "op", "reference")
 
 

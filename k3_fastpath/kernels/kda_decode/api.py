@@ -1,0 +1,169 @@
+"""Torch-facing KDA decode step (T = 1): conv4 + SiLU, L2 norm, gates, delta-rule state update, gated
+RMSNorm, for a batch of sequences whose caches live in slot-indexed pools. One launch per layer.
+
+    y = kda_decode(q, k, v, g, a, beta_logits,                 # [B, C] x5, [B, H]: bf16 projection outputs
+                   conv_q_w, conv_k_w, conv_v_w,               # [C, 4] (or [C, 1, 4]) fp32
+                   A_log, dt_bias, o_norm_w,                   # [>= H] (first H used), [C], [D] fp32
+                   slot,                                       # [B] int32 pool index per sequence; 0 = empty
+                   conv_q, conv_k, conv_v,                     # [N, 3, C] bf16 pools, updated in place
+                   state,                                      # [N, H, D, D] fp32 pool, updated in place
+                   eps=1e-5, lower_bound=-5.0)                 # -> y [B, C] bf16 (input of o_proj)
+
+Layout choice: q, k, v, g, a are separate contiguous [B, C] tensors (C = H*D), ``a`` being the f_b
+projection output (the decay pre-activation) and ``g`` the output-gate pre-activation. The conv pools use
+KDACache's [., W-1, C] layout (oldest input first), so a ``KDACache`` of N sequences *is* a pool.
+
+Empty slot: a sequence with ``slot[b] == 0`` leaves every cache untouched and gets y[b] = 0. Non-zero slots
+in one call must be distinct (two sequences sharing a slot race). Outside the envelope (see
+``is_supported``) the call is served by ``reference.py`` (same semantics) and counted as a fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._lib import compile_cache, counters
+from ..._lib.dispatch import OK, Support, check_tensors, no
+from .config import CONV_W, HEAD_DIMS, KDADecodeConfig
+from .reference import kda_decode_ref
+
+NAME = "kda_decode"
+
+
+def compile_kda_decode(dtype: str, H: int, D: int, config: KDADecodeConfig) -> Any:
+    """Compile (or fetch) the step for H heads of dim D; the batch B and the pool size N stay symbolic."""
+    if dtype != "bf16":
+        raise ValueError(f"{NAME}: only bf16 activations / conv state are implemented, got {dtype}")
+    key = compile_cache.CompileKey.make(NAME, dtype, (H, D), config)
+
+    def build(options: str) -> Any:
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..._lib.tensor import fake_stream, fake_tensor
+        from .kernel import KDADecodeKernel
+
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
+        C = H * D
+        act = [fake_tensor(bf, (None, C)) for _ in range(5)]  # q, k, v, g, a
+        args = (*act, fake_tensor(bf, (None, H)),
+                *(fake_tensor(f32, (C, CONV_W)) for _ in range(3)),
+                fake_tensor(f32, (H,)), fake_tensor(f32, (C,)), fake_tensor(f32, (D,)),
+                fake_tensor(cutlass.Int32, (None,), align=4),
+                *(fake_tensor(bf, (None, CONV_W - 1, C)) for _ in range(3)),
+                fake_tensor(f32, (None, H, D, D)), fake_tensor(bf, (None, C)))
+        return cute.compile(KDADecodeKernel(H, D, config), *args, cutlass.Float32(1e-5), cutlass.Float32(-5.0),
+                            fake_stream(), options=options)
+
+    return compile_cache.get_or_compile(key, build)
+
+
+def compile_variants(preset_name: str) -> list[dict[str, Any]]:
+    """The (H, D) of one rank of ``preset_name``: KDA heads per GPU (rank_shapes) and the head dim."""
+    from ...config import preset
+
+    p = preset(preset_name)
+    D = p.config.linear_attn_config.head_dim
+    H = p.shapes.kda_heads
+    if D not in HEAD_DIMS:
+        return []
+    return [{"dtype": "bf16", "H": H, "D": D, "config": KDADecodeConfig.from_heuristic(D)}]
+
+
+def precompile(preset_name: str) -> int:
+    variants = compile_variants(preset_name)
+    for v in variants:
+        compile_kda_decode(**v)
+    return len(variants)
+
+
+def _conv_w(w: torch.Tensor) -> torch.Tensor:
+    return w.reshape(w.shape[0], w.shape[-1]) if w.dim() == 3 and w.shape[1] == 1 else w
+
+
+def is_supported(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                 conv_q, conv_k, conv_v, state, out=None) -> Support:
+    if state.dim() != 4 or state.shape[2] != state.shape[3]:
+        return no("state must be [N, H, D, D]")
+    N, H, D, _ = state.shape
+    C = H * D
+    if D not in HEAD_DIMS:
+        return no(f"head dim {D} not in {HEAD_DIMS}")
+    if q.dim() != 2:
+        return no("q must be [B, C]")
+    B = q.shape[0]
+    if B == 0:
+        return no("B=0")
+    if B > 65535:
+        return no(f"B={B} > 65535 (grid y limit)")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("a", a)):
+        if t.shape != (B, C):
+            return no(f"{name} shape {list(t.shape)} (needs [{B}, {C}])")
+    if out is not None and out.shape != (B, C):
+        return no("out shape")
+    if beta_logits.shape != (B, H):
+        return no("beta_logits shape")
+    for name, w in (("conv_q_w", conv_q_w), ("conv_k_w", conv_k_w), ("conv_v_w", conv_v_w)):
+        if _conv_w(w).shape != (C, CONV_W):
+            return no(f"{name} shape {list(w.shape)} (needs [{C}, {CONV_W}])")
+    for name, p in (("conv_q", conv_q), ("conv_k", conv_k), ("conv_v", conv_v)):
+        if p.shape != (N, CONV_W - 1, C):
+            return no(f"{name} shape {list(p.shape)} (needs [{N}, {CONV_W - 1}, {C}])")
+    if A_log.dim() != 1 or A_log.shape[0] < H:
+        return no("A_log needs >= H entries")
+    if dt_bias.numel() != C or o_norm_w.shape != (D,):
+        return no("dt_bias / o_norm_w shape")
+    if slot.shape != (B,):
+        return no("slot shape")
+    bf, f32 = torch.bfloat16, torch.float32
+    dtypes = {"q": bf, "k": bf, "v": bf, "g": bf, "a": bf, "beta_logits": bf, "conv_q_w": f32, "conv_k_w": f32,
+              "conv_v_w": f32, "A_log": f32, "dt_bias": f32, "o_norm_w": f32, "conv_q": bf, "conv_k": bf,
+              "conv_v": bf, "state": f32, "out": bf}
+    s = check_tensors({"q": q, "k": k, "v": v, "g": g, "a": a, "beta_logits": beta_logits,
+                       "conv_q_w": conv_q_w, "conv_k_w": conv_k_w, "conv_v_w": conv_v_w, "dt_bias": dt_bias,
+                       "o_norm_w": o_norm_w, "conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v,
+                       "state": state, "out": out}, dtypes)
+    if not s:
+        return s
+    s = check_tensors({"A_log": A_log}, f32, align=4)
+    if s:
+        s = check_tensors({"slot": slot}, {"slot": torch.int32}, align=4)
+    if s and slot.device != q.device:
+        return no("slot on another device")
+    return s if not s else OK
+
+
+def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+               conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0,
+               out: torch.Tensor | None = None, config: KDADecodeConfig | None = None) -> torch.Tensor:
+    """One decode step of a KDA layer for B sequences; updates the pools in place; returns y [B, C] bf16.
+    ``config`` overrides the heuristic (benches)."""
+    support = is_supported(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
+                           slot, conv_q, conv_k, conv_v, state, out)
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        y = kda_decode_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
+                           slot, conv_q, conv_k, conv_v, state, eps=eps, lower_bound=lower_bound)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+
+    from ..._lib.tensor import current_stream, to_cute
+
+    _, H, D, _ = state.shape
+    cfg = config or KDADecodeConfig.from_heuristic(D)
+    fn = compile_kda_decode("bf16", H, D, cfg)
+    if out is None:
+        out = torch.empty_like(q)
+    static = ()
+    fn(to_cute(q), to_cute(k), to_cute(v), to_cute(g), to_cute(a), to_cute(beta_logits),
+       to_cute(_conv_w(conv_q_w), dynamic_dims=static), to_cute(_conv_w(conv_k_w), dynamic_dims=static),
+       to_cute(_conv_w(conv_v_w), dynamic_dims=static), to_cute(A_log[:H], align=4, dynamic_dims=static),
+       to_cute(dt_bias.reshape(-1), dynamic_dims=static), to_cute(o_norm_w, dynamic_dims=static),
+       to_cute(slot, align=4), to_cute(conv_q), to_cute(conv_k), to_cute(conv_v), to_cute(state), to_cute(out),
+       float(eps), float(lower_bound), current_stream(q.device))
+    counters.count_launch(NAME)
+    return out

@@ -1,0 +1,80 @@
+"""FP32 oracle of the KDA decode step, built from ``k3_fastpath.reference.kda`` (the model reference).
+
+For every sequence b with ``slot[b] = s != 0`` (C = H*D, W = 4):
+
+    q_b, cq' = conv_update(q[b], conv_q_w, conv_q[s])  (SiLU; likewise k, v)   ; conv_*[s] <- cq' (bf16 copy)
+    q = l2_normalize(q) * D^-0.5 ; k = l2_normalize(k)                          (per head)
+    g_log = kda_gate(a[b], A_log, dt_bias, lower_bound) ; beta = sigmoid(beta_logits[b])
+    o, S' = kda_recurrent_step(q, k, v, g_log, beta, state[s])                  ; state[s] <- S'
+    y[b] = bf16(rms_norm(o, o_norm_w, eps) * sigmoid(g[b]))
+
+Sequences with ``slot[b] == 0`` touch no cache and get y[b] = 0. ``kda_decode_ref_outputs`` computes the
+new values without writing anything (in ``compute_dtype``: tests use FP64); ``kda_decode_ref`` is the op
+(same signature as ``api.kda_decode``) and writes the pools in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...reference.common import rms_norm
+from ...reference.kda import conv_update, kda_gate, kda_recurrent_step, l2_normalize
+
+
+def _conv_w3(w: torch.Tensor) -> torch.Tensor:
+    """[C, W] or [C, 1, W] -> [C, 1, W] (conv_update's layout)."""
+    return w if w.dim() == 3 else w[:, None, :]
+
+
+def kda_decode_ref_outputs(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
+                           slot, conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0,
+                           compute_dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Pure: {"y": [B, C] compute_dtype (0 at empty slots), "active": [B] bool, "idx": slots of the active
+    rows, "conv_q"/"conv_k"/"conv_v": their new conv rows [n, 3, C] (pool dtype), "state": their new
+    states [n, H, D, D] (compute_dtype)}."""
+    _, H, D, _ = state.shape
+    B, C = q.shape
+    cdt = compute_dtype
+    active = slot.to(torch.long) != 0
+    idx = slot.to(torch.long)[active]
+    n = int(idx.numel())
+    out = {"active": active, "idx": idx, "y": torch.zeros(B, C, dtype=cdt, device=q.device)}
+    rows = [t[active].to(cdt) for t in (q, k, v, g, a, beta_logits)]
+    qa, ka, va, ga, aa, ba = rows
+    convs = []
+    for name, x, w, pool in (("conv_q", qa, conv_q_w, conv_q), ("conv_k", ka, conv_k_w, conv_k),
+                             ("conv_v", va, conv_v_w, conv_v)):
+        o_c, out[name] = conv_update(x[:, None, :], _conv_w3(w).to(cdt), pool[idx])
+        convs.append(o_c[:, 0].reshape(n, H, D))
+    qc, kc, vc = convs
+    qn = l2_normalize(qc) * D ** -0.5
+    kn = l2_normalize(kc)
+    g_log = kda_gate(aa.reshape(n, H, D), A_log.to(cdt), dt_bias.to(cdt), lower_bound)
+    beta = torch.sigmoid(ba)
+    o, s_new = kda_recurrent_step(qn, kn, vc, g_log, beta, state[idx].to(cdt))
+    y = rms_norm(o, o_norm_w.to(cdt), eps) * torch.sigmoid(ga.reshape(n, H, D))
+    out["y"][active] = y.reshape(n, C)
+    out["state"] = s_new
+    return out
+
+
+def kda_decode_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                   conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0,
+                   out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """The op in FP32 torch: updates the pools in place, returns y [B, C] in q.dtype."""
+    r = kda_decode_ref_outputs(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias,
+                               o_norm_w, slot, conv_q, conv_k, conv_v, state, eps=eps, lower_bound=lower_bound)
+    idx = r["idx"]
+    if idx.numel():
+        conv_q[idx] = r["conv_q"]
+        conv_k[idx] = r["conv_k"]
+        conv_v[idx] = r["conv_v"]
+        state[idx] = r["state"].to(state.dtype)
+    y = r["y"].to(q.dtype)
+    if out is not None:
+        out.copy_(y)
+        return out
+    return y
+
+
+__all__ = ["kda_decode_ref", "kda_decode_ref_outputs"]
