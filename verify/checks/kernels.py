@@ -4,7 +4,7 @@
 tier's presets (``CUTE_DSL_ARCH=sm_90a`` on a CPU) and record per (kernel, preset) the variant count,
 seconds and errors.
 
-``kernels.numerics`` (H100/H200): run the GPU test module ``tests/test_kernels_gpu.py`` under the
+``kernels.numerics`` (H100/H200): run the GPU kernel test modules (``GPU_KERNEL_TESTS``) under the
 ``verify.pytest_records`` plugin: each test compares a kernel with the FP64 reference on fresh random
 inputs with NaN-poisoned outputs, asserts its launch counter moved and no fallback was counted, and
 repeats bitwise. Every test's outcome and counter deltas become records; the check fails on any failed
@@ -48,12 +48,15 @@ def compile_all(ctx: CheckContext, presets: list[str]) -> Any:
                                   "kernels": sorted({r["kernel"] for r in rows})})
 
 
-def _pytest_gpu(ctx: CheckContext, test_file: str, extra: list[str]) -> list[dict[str, Any]]:
+GPU_KERNEL_TESTS = ("tests/test_kernels_gpu.py", "tests/test_kda_decode_gpu.py")
+
+
+def _pytest_gpu(ctx: CheckContext, test_files: tuple[str, ...], extra: list[str]) -> list[dict[str, Any]]:
     rec_file = ctx.tmp_dir / f"{ctx.check_id}.pytest.jsonl"
     rec_file.unlink(missing_ok=True)
     env = {**os.environ, "K3_PYTEST_RECORDS": str(rec_file), "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "pytest", "-p", "verify.pytest_records", "-m", "gpu", "-q", "-rs",
-           "-p", "no:cacheprovider", str(REPO / test_file), *extra]
+           "-p", "no:cacheprovider", *(str(REPO / f) for f in test_files), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=ctx.budget_s)
     log = ctx.artifact_path("pytest.log")
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +65,7 @@ def _pytest_gpu(ctx: CheckContext, test_file: str, extra: list[str]) -> list[dic
 
 
 def numerics(ctx: CheckContext) -> Any:
-    tests = _pytest_gpu(ctx, "tests/test_kernels_gpu.py", [])
+    tests = _pytest_gpu(ctx, GPU_KERNEL_TESTS, [])
     from k3_fastpath import kernels as registry
 
     problems = []
