@@ -19,6 +19,8 @@ import torch
 def main() -> int:
     from k3_fastpath._lib import counters
     from k3_fastpath.kernels.attn_res_mix.api import attn_res_mix
+    from k3_fastpath.kernels.kda_decode.api import kda_decode
+    from k3_fastpath.kernels.kda_decode.bench import _ORDER, _case
     from k3_fastpath.kernels.rmsnorm_residual.api import rmsnorm_residual
     from k3_fastpath.kernels.skinny_gemm.api import skinny_gemm
 
@@ -41,13 +43,17 @@ def main() -> int:
             src = torch.randn(S, M, H, device=dev).to(bf)
             attn_res_mix(src, w, (torch.randn(H, device=dev) / H**0.5).to(bf), 1e-5)
             attn_res_mix(src, w, (torch.randn(H, device=dev) / H**0.5).to(bf), 1e-5, out_w=w, out_eps=1e-5)
+    for B, H in ((1, 6), (3, 12)):
+        c = _case(B, H, N=B + 2)
+        c["slot"][0] = 0  # an empty slot: its caches must stay untouched (initcheck/memcheck see the skip path)
+        kda_decode(*(c[n] for n in _ORDER))
     torch.cuda.synchronize()
     snap = counters.snapshot()
     print(f"sanitize_driver: launches {snap['launches']}", flush=True)
     if snap["fallbacks"]:
         print(f"sanitize_driver: FALLBACKS {snap['fallbacks']}", flush=True)
         return 1
-    missing = {"skinny_gemm", "rmsnorm_residual", "attn_res_mix"} - set(snap["launches"])
+    missing = {"skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode"} - set(snap["launches"])
     if missing:
         print(f"sanitize_driver: never launched {sorted(missing)}", flush=True)
         return 1
