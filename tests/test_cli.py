@@ -17,7 +17,7 @@ GPU_CHECKS = {"kernels.numerics", "kernels.sanitizer", "equivalence.decode", "pe
 
 
 def cli(*args: str, timeout: float = 900, env: dict | None = None) -> subprocess.CompletedProcess:
-    e = {**os.environ, **(env or {})}
+    e = {**os.environ, "COLUMNS": "250", **(env or {})}  # rich wraps at the terminal width
     e.pop("K3_DEBUG", None)
     return subprocess.run([sys.executable, "-m", "verify.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=e)

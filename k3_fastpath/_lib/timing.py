@@ -39,6 +39,30 @@ def graph_time_us(fns: Sequence[Callable[[], Any]], iters: int = 30, warmup: int
             "p90_us": times[(9 * len(times)) // 10]}
 
 
+def eager_time_us(fns: Sequence[Callable[[], Any]], iters: int = 10, warmup: int = 2) -> dict[str, float]:
+    """Per-call median of eager launches between CUDA events: for references that cannot be captured in a
+    CUDA graph (host synchronisation, data-dependent shapes). Includes launch overhead, so a graph-timed
+    kernel against an eager reference flatters the kernel: the rows say which timer each column used."""
+    import torch
+
+    for _ in range(warmup):
+        for f in fns:
+            f()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        for f in fns:
+            f()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(fns))
+    times.sort()
+    return {"median_us": statistics.median(times), "p10_us": times[len(times) // 10],
+            "p90_us": times[(9 * len(times)) // 10]}
+
+
 def copies_for_cold_l2(nbytes: int, l2_bytes: int = 60 * 2**20, factor: float = 3.0) -> int:
     """How many distinct copies of an ``nbytes`` operand to cycle through so L2 cannot hold them."""
     return max(1, min(64, int(-(-factor * l2_bytes // max(nbytes, 1)))))

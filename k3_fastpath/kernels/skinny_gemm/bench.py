@@ -42,6 +42,14 @@ def candidates(M: int, N: int, K: int) -> list[SkinnyGemmConfig]:
     return out
 
 
+def fma_alternative(M: int, N: int, K: int) -> SkinnyGemmConfig | None:
+    """The FMA variant at 3 <= M <= 8, timed beside the heuristic's mma pick so the bench measures where
+    the mma variant overtakes it (config.FMA_MAX_M)."""
+    if not 3 <= M <= 8 or K % 8:
+        return None
+    return SkinnyGemmConfig("fma", m_max=M, rows_per_warp=2 if -(-N // 8) >= 132 else 1, warps_n=4, k_unroll=4)
+
+
 def bench_one(M: int, N: int, K: int, sweep: bool) -> dict:
     copies = copies_for_cold_l2(N * K * 2)
     ws = [(torch.randn(N, K, device="cuda") / K**0.5).bfloat16() for _ in range(copies)]
@@ -55,6 +63,9 @@ def bench_one(M: int, N: int, K: int, sweep: bool) -> dict:
     row = {"M": M, "N": N, "K": K, "heuristic": repr(heur), "heuristic_us": timed(heur)["median_us"],
            "cublas_us": graph_time_us([lambda w=w, o=o: torch.matmul(x, w.t(), out=o)
                                        for w, o in zip(ws, outs, strict=True)])["median_us"]}
+    alt = fma_alternative(M, N, K)
+    if alt is not None and alt != heur:
+        row["fma_alt"], row["fma_alt_us"] = repr(alt), timed(alt)["median_us"]
     if sweep:
         best = (row["heuristic_us"], heur)
         for cfg in candidates(M, N, K):
