@@ -43,7 +43,7 @@ class Output:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(highlight=False, soft_wrap=False)
+            self._console = Console(highlight=False, soft_wrap=True)  # long paths stay on one line
         return self._console
 
     @property
