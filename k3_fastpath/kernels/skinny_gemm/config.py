@@ -19,7 +19,11 @@ MMA_BUCKETS = (8, 16, 32, 64)  # compile-time M bounds of the mma variant (one n
 MAX_M = 64
 SMEM_LIMIT = 48 * 1024  # static shared memory per CTA without opt-in
 
-FMA_MAX_M = 2  # TO BE MEASURED: M at which the mma variant overtakes the FMA variant (M = 2..8)
+# M at which the mma variant overtakes the FMA variant. H200, cold L2, CUDA-graph medians over the 21 distinct
+# TP8/TP16 rank shapes (bundles/runs/2026-11-30-h200-kernels, bench.kernels rows "fma_alt_us"): at M=4 the FMA
+# variant beat the mma pick on 17 of 21 shapes (median mma/fma time 1.12; dense_gate_up 8448x7168: 37.4 vs
+# 49.3 us), at M=8 on 5 of 21 (median 0.81). So FMA up to M=4, mma above.
+FMA_MAX_M = 4
 NUM_SMS_H200 = 132
 
 
