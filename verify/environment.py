@@ -43,6 +43,19 @@ def _cpu() -> dict[str, Any]:
     return {"model": model, "logical_cores": os.cpu_count(), "machine": platform.machine()}
 
 
+def source_tree_sha256() -> str:
+    """sha256 over the package sources (k3_fastpath/, verify/, evals/: every .py and .yaml, by relative
+    path): ties a bundle to the exact code even where there is no git checkout (an image, a copied tree)."""
+    h = hashlib.sha256()
+    for top in ("k3_fastpath", "verify", "evals"):
+        base = REPO_ROOT / top
+        if not base.is_dir():
+            continue
+        for f in sorted(p for p in base.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts):
+            h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def _git() -> dict[str, Any]:
     def run(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20,
@@ -50,8 +63,10 @@ def _git() -> dict[str, Any]:
 
     try:
         commit = run("rev-parse", "HEAD").strip()
-    except Exception as e:  # not a checkout (installed wheel, image without .git)
-        return {"commit": None, "note": f"no git checkout at {REPO_ROOT} ({type(e).__name__})"}
+    except Exception as e:  # not a checkout (installed wheel, image, a copied tree): the caller may say
+        return {"commit": os.environ.get("K3_SOURCE_COMMIT"), "commit_from": "K3_SOURCE_COMMIT"
+                if os.environ.get("K3_SOURCE_COMMIT") else None,
+                "note": f"no git checkout at {REPO_ROOT} ({type(e).__name__})"}
     try:
         diff = run("diff", "HEAD", "--binary")
         untracked = run("ls-files", "--others", "--exclude-standard").split()
@@ -158,6 +173,7 @@ def capture() -> dict[str, Any]:
         },
         "compute_sanitizer": compute_sanitizer_path(),
         "git": _git(),
+        "source_tree_sha256": source_tree_sha256(),
         "image": _image(),
         "env_vars": {k: os.environ[k] for k in sorted(os.environ)
                      if k.startswith(("CUDA_VISIBLE", "CUTE_DSL_", "K3_", "NCCL_", "TORCH_CUDA"))},

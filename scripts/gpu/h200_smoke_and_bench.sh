@@ -4,6 +4,8 @@
 #   smoke  k3-verify run --tier smoke      (kernel compile + numerics with counters + sanitizer + probes)
 #   bench  k3-verify bench kernels         (kernels vs cuBLAS / PyTorch, cold L2, % of HBM floor)
 # Usage on the GPU host, from the repo root:  bash scripts/gpu/h200_smoke_and_bench.sh [smoke|bench|all]
+# The copied tree has no .git: pass K3_SOURCE_COMMIT=<sha> in the command (the bundle also records
+# source_tree_sha256, a hash of the package sources, either way).
 set -uo pipefail
 what=${1:-all}
 : "${OUT:?OUT must point at the folder whose files come back}"
