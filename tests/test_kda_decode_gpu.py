@@ -26,7 +26,7 @@ import random
 import pytest
 import torch
 
-from k3_fastpath._lib import arch, counters
+from k3_fastpath._lib import counters
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an sm_90 CUDA device")]
@@ -36,19 +36,6 @@ EPS = 1e-5
 LOWER_BOUND = -5.0
 
 
-@pytest.fixture(autouse=True)
-def _sm90():
-    reason = arch.sm90_unsupported_reason()
-    if reason:
-        pytest.skip(reason)
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    torch.manual_seed(s)
-    random.seed(s)
-    return s
 
 
 def _params(H: int, D: int) -> dict:

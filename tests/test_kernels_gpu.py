@@ -14,12 +14,10 @@ Grid: M in (1, 2, 3, 8, 16, 64): 1 and 2 are the FMA variant, 3 an odd size insi
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from k3_fastpath._lib import arch, compile_cache, counters
+from k3_fastpath._lib import compile_cache, counters
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an sm_90 CUDA device")]
@@ -28,18 +26,6 @@ M_GRID = (1, 2, 3, 8, 16, 64)
 EPS = 1e-5
 
 
-@pytest.fixture(autouse=True)
-def _sm90():
-    reason = arch.sm90_unsupported_reason()
-    if reason:
-        pytest.skip(reason)
-
-
-@pytest.fixture
-def seed():
-    s = random.randrange(2**31)
-    torch.manual_seed(s)
-    return s
 
 
 def _err(a: torch.Tensor, ref: torch.Tensor) -> float:

@@ -13,30 +13,40 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 
+def _timed(run: Callable[[], Any], calls: int, iters: int) -> dict[str, float]:
+    """Per-call statistics (us) of ``run`` (which makes ``calls`` calls) between CUDA events, ``iters`` times."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    times.sort()
+    return {"median_us": statistics.median(times), "p10_us": times[len(times) // 10],
+            "p90_us": times[(9 * len(times)) // 10]}
+
+
+def _call_all(fns: Sequence[Callable[[], Any]]) -> None:
+    for f in fns:
+        f()
+
+
 def graph_time_us(fns: Sequence[Callable[[], Any]], iters: int = 30, warmup: int = 2) -> dict[str, float]:
     import torch
 
     for _ in range(warmup):
-        for f in fns:
-            f()
+        _call_all(fns)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for f in fns:
-            f()
+        _call_all(fns)
     g.replay()
     torch.cuda.synchronize()
-    times = []
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(iters):
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    times.sort()
-    return {"median_us": statistics.median(times), "p10_us": times[len(times) // 10],
-            "p90_us": times[(9 * len(times)) // 10]}
+    return _timed(g.replay, len(fns), iters)
 
 
 def eager_time_us(fns: Sequence[Callable[[], Any]], iters: int = 10, warmup: int = 2) -> dict[str, float]:
@@ -46,21 +56,9 @@ def eager_time_us(fns: Sequence[Callable[[], Any]], iters: int = 10, warmup: int
     import torch
 
     for _ in range(warmup):
-        for f in fns:
-            f()
+        _call_all(fns)
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        for f in fns:
-            f()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(fns))
-    times.sort()
-    return {"median_us": statistics.median(times), "p10_us": times[len(times) // 10],
-            "p90_us": times[(9 * len(times)) // 10]}
+    return _timed(lambda: _call_all(fns), len(fns), iters)
 
 
 def copies_for_cold_l2(nbytes: int, l2_bytes: int = 60 * 2**20, factor: float = 3.0) -> int:
