@@ -18,7 +18,7 @@ def pytest_runtest_setup(item):
 
         reason = arch.sm90_unsupported_reason()
         if reason:
-            pytest.skip(reason)
+            pytest.skip(reason=reason)
 
 
 @pytest.fixture

@@ -46,7 +46,7 @@ def test_list_json_names_every_tier_and_check():
     assert {"reference.prefill_decode_consistency", "weights.roundtrip", "reference.determinism"} <= ids
     here = {c["check"]: c["here"] for c in doc["checks"]}
     if "CUDA" not in here["kernels.numerics"]:
-        pytest.skip("a CUDA device is present: the CPU expectations below do not apply")
+        pytest.skip(reason="a CUDA device is present: the CPU expectations below do not apply")
     assert here["kernels.numerics"] == "needs a CUDA device"
 
 
@@ -70,7 +70,7 @@ def test_smoke_on_cpu_is_incomplete_with_gpu_checks_skipped(smoke_bundle):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     if any(res["check"] in GPU_CHECKS and res["status"] != "skipped" for res in doc["results"]):
-        pytest.skip("GPU checks ran: this machine has a CUDA device")
+        pytest.skip(reason="GPU checks ran: this machine has a CUDA device")
     assert doc["verdict"] == "incomplete"
     by_id = {res["check"]: res for res in doc["results"]}
     for cid in GPU_CHECKS:

@@ -157,7 +157,7 @@ def test_cubins_recorded_compile_seconds():
     """Every compile of this module wrote its key.json (what ``compile_report`` and the CLI read)."""
     metas = [json.loads(p.read_text()) for p in compile_cache.cache_dir().glob("kda_decode/*/key.json")]
     if not metas:
-        pytest.skip("nothing compiled in this session (run the whole module)")
+        pytest.skip(reason="nothing compiled in this session (run the whole module)")
     print("\n[compile seconds] " + "; ".join(
         f"{m['key']['shapes']} rpt={m['key']['config']['rows_per_thread']}: {m['compile_seconds']}" for m in metas))
     assert all(m["compile_seconds"] > 0 for m in metas)

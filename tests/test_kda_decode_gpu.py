@@ -165,7 +165,7 @@ def test_kda_decode_large_pool(seed):
     free = torch.cuda.mem_get_info()[0]
     need = 2.2 * N * (H * D * D * 4 + 3 * 3 * H * D * 2)  # pools + the test's copy of them
     if free < need:
-        pytest.skip(f"needs {need / 2**30:.0f} GiB free GPU memory, {free / 2**30:.0f} GiB free")
+        pytest.skip(reason=f"needs {need / 2**30:.0f} GiB free GPU memory, {free / 2**30:.0f} GiB free")
     _run_and_check(8, H, D, N=N, seed=seed, force_last=True)
 
 

@@ -240,7 +240,7 @@ def test_no_kernel_compiled_in_this_session_uses_local_memory():
     (ptxas -O3 once spilled a loop counter at 40 registers to raise occupancy; .minnctapersm 1 fixed it.)"""
     cubins = sorted(compile_cache.cache_dir().glob("*/*/*.cubin"))
     if not cubins:
-        pytest.skip("no kernels compiled in this session (run the whole module)")
+        pytest.skip(reason="no kernels compiled in this session (run the whole module)")
     bad, regs = [], Counter()
     for cubin in cubins:
         info = _nv_info(cubin)

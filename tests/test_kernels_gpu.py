@@ -229,7 +229,7 @@ def test_disk_cache_roundtrip(tmp_path, monkeypatch, seed):
     y1 = skinny_gemm.op(x, w)
     status = compile_cache.disk_status().get("export", "")
     if status != "ok":
-        pytest.skip(f"export_to_c unavailable on this host: {status}")
+        pytest.skip(reason=f"export_to_c unavailable on this host: {status}")
     compile_cache.clear_memory()
     y2 = skinny_gemm.op(x, w)
     assert compile_cache.records()[-1].source == "disk"
