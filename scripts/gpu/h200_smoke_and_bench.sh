@@ -4,6 +4,11 @@
 #   smoke  k3-verify run --tier smoke      (kernel compile + numerics with counters + sanitizer + probes)
 #   bench  k3-verify bench kernels         (kernels vs cuBLAS / PyTorch, cold L2, % of HBM floor)
 # Usage on the GPU host, from the repo root:  bash scripts/gpu/h200_smoke_and_bench.sh [smoke|bench|all]
+# Staging with the device tool (a later call's carry drops the earlier carried folder, so park `a` in /tmp):
+#   call 1: carry [".gpuwheels/a"], command: mkdir -p /tmp/gwa && cp .gpuwheels/a/* /tmp/gwa/
+#   call 2: carry [".gpuwheels/b"], command: mkdir -p .gpuwheels/a && cp /tmp/gwa/* .gpuwheels/a/ &&
+#           source .gpuwheels/b/env.sh && bash scripts/gpu/h200_smoke_and_bench.sh smoke
+#   call 3 (same warm machine): as call 2 with `bench`.
 # The copied tree has no .git: pass K3_SOURCE_COMMIT=<sha> in the command (the bundle also records
 # source_tree_sha256, a hash of the package sources, either way).
 set -uo pipefail
