@@ -10,10 +10,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
-import re
 import struct
 import subprocess
 import time
@@ -21,6 +18,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from sass_tools import INSN, NVDISASM, isolated_cache
 
 from k3_fastpath._lib import arch, compile_cache
 from k3_fastpath.kernels import kda_decode as k
@@ -34,15 +32,7 @@ pytestmark = [pytest.mark.compile, needs_dsl]
 @pytest.fixture(scope="module", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Compile into a fresh cache dir so the cubins the SASS checks read are this run's."""
-    old = os.environ.get("K3_KERNEL_CACHE")
-    os.environ["K3_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("k3_kda_cache"))
-    compile_cache.clear_memory()
-    yield
-    compile_cache.clear_memory()
-    if old is None:
-        os.environ.pop("K3_KERNEL_CACHE", None)
-    else:
-        os.environ["K3_KERNEL_CACHE"] = old
+    yield from isolated_cache(tmp_path_factory, "k3_kda_cache")
 
 
 def _cases() -> list[tuple[str, dict]]:
@@ -76,17 +66,6 @@ def test_rank_head_counts():
 
 
 # --------------------------------------------------------------------------------------------- SASS
-def _nvdisasm() -> str | None:
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        p = Path(root) / "cu13" / "bin" / "nvdisasm"
-        if p.is_file():
-            return str(p)
-    return None
-
-
-NVDISASM = _nvdisasm()
-_INSN = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 
 
 def _cubin(v: dict) -> Path:
@@ -101,7 +80,7 @@ def _opcodes(cubin: Path) -> Counter:
     out = subprocess.run([NVDISASM, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops: Counter = Counter()
     for raw in out.splitlines():
-        m = _INSN.match(raw)
+        m = INSN.match(raw)
         if m:
             parts = m.group(1).split()
             ops[parts[1] if parts[0].startswith("@") else parts[0]] += 1

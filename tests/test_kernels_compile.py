@@ -19,7 +19,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -30,6 +29,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from sass_tools import INSN, NVDISASM, isolated_cache
 
 from k3_fastpath import kernels as registry
 from k3_fastpath._lib import arch, compile_cache
@@ -45,15 +45,7 @@ TIMINGS: list[tuple[str, str, str, float]] = []
 @pytest.fixture(scope="module", autouse=True)
 def _isolated_cache(tmp_path_factory):
     """Compile into a fresh cache dir so the cubins the SASS checks read are this run's."""
-    old = os.environ.get("K3_KERNEL_CACHE")
-    os.environ["K3_KERNEL_CACHE"] = str(tmp_path_factory.mktemp("k3_kernel_cache"))
-    compile_cache.clear_memory()
-    yield
-    compile_cache.clear_memory()
-    if old is None:
-        os.environ.pop("K3_KERNEL_CACHE", None)
-    else:
-        os.environ["K3_KERNEL_CACHE"] = old
+    yield from isolated_cache(tmp_path_factory, "k3_kernel_cache")
     if TIMINGS:
         by_kernel: dict[str, list[float]] = {}
         for kernel, _, _, s in TIMINGS:
@@ -94,18 +86,7 @@ def test_compiles_for_preset(kernel, preset):
 
 
 # --------------------------------------------------------------------------------------------- SASS
-def _nvdisasm() -> str | None:
-    spec = importlib.util.find_spec("nvidia")
-    for root in (spec.submodule_search_locations or []) if spec else []:
-        p = Path(root) / "cu13" / "bin" / "nvdisasm"
-        if p.is_file():
-            return str(p)
-    return None
-
-
-NVDISASM = _nvdisasm()
 needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-_INSN = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 
 
 def _sass(kernel: str, key_args: dict) -> list[str]:
@@ -122,7 +103,7 @@ def _sass(kernel: str, key_args: dict) -> list[str]:
     for raw in out.splitlines():
         if raw.startswith(".L"):
             lines.append(raw.rstrip(":"))
-        m = _INSN.match(raw)
+        m = INSN.match(raw)
         if m:
             lines.append(m.group(1))
     return lines
