@@ -65,3 +65,11 @@ def check_tensors(tensors: dict[str, Any], dtype: Any, align: int = 16) -> Suppo
     if why:
         return no(why)
     return OK
+
+
+def validate_row_launch(threads: int, vec_per_thread: int) -> None:
+    """The launch shape of a one-CTA-per-row kernel: whole warps, at most 1024 threads, >= 1 vector each."""
+    if threads % 32 or not 32 <= threads <= 1024:
+        raise ValueError(f"threads must be a multiple of 32 in 32..1024, got {threads}")
+    if vec_per_thread < 1:
+        raise ValueError("vec_per_thread must be >= 1")

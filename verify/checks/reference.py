@@ -65,15 +65,20 @@ def _whole_model_case(model, cfg, batch: int, lengths: list[int], steps: int, ge
     return {"max_rel_err": float(e.max()), "median_rel_err": float(e.median()), "positions": len(errs)}
 
 
+def _attention_layer(cls, cfg, layer: int, sd: dict, device: str):
+    """One layer's attention module (KDA or MLA) in float64 with its synthetic weights, strictly loaded."""
+    m = cls(cfg, layer, dtype=torch.float64)
+    prefix = f"model.layers.{layer}.self_attn."
+    m.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
+    return m.to(device=device, dtype=torch.float64)
+
+
 @torch.no_grad()
 def _kda_case(cfg, layer: int, sd: dict, batch: int, lengths: list[int], steps: int, gen: torch.Generator,
               device: str) -> dict[str, Any]:
     from k3_fastpath.reference.kda import KDACache, KimiDeltaAttention
 
-    m = KimiDeltaAttention(cfg, layer, dtype=torch.float64)
-    prefix = f"model.layers.{layer}.self_attn."
-    m.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
-    m = m.to(device=device, dtype=torch.float64)
+    m = _attention_layer(KimiDeltaAttention, cfg, layer, sd, device)
     total = [n + steps for n in lengths]
     x = torch.randn(batch, max(total), cfg.hidden_size, generator=gen, dtype=torch.float64).to(device)
     c_full = KDACache.empty(cfg, batch, device=device, conv_dtype=torch.float64, state_dtype=torch.float64)
@@ -95,10 +100,7 @@ def _mla_case(cfg, layer: int, sd: dict, batch: int, lengths: list[int], steps: 
               device: str) -> dict[str, Any]:
     from k3_fastpath.reference.mla import GatedMLA, MLACache
 
-    m = GatedMLA(cfg, layer, dtype=torch.float64)
-    prefix = f"model.layers.{layer}.self_attn."
-    m.load_state_dict({k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}, strict=True)
-    m = m.to(device=device, dtype=torch.float64)
+    m = _attention_layer(GatedMLA, cfg, layer, sd, device)
     total = [n + steps for n in lengths]
     tmax = max(total)
     x = torch.randn(batch, tmax, cfg.hidden_size, generator=gen, dtype=torch.float64).to(device)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..._lib.dispatch import validate_row_launch
+
 VEC = 8  # bf16 per 16-byte access
 MAX_SOURCES = 9  # at most 8 block snapshots + the running prefix (K3.md, AttnRes)
 
@@ -29,10 +31,7 @@ class AttnResConfig:
     reload_sources: bool = False  # True: the mix pass re-reads the sources instead of keeping them
 
     def __post_init__(self) -> None:
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise ValueError(f"threads must be a multiple of 32 in 32..1024, got {self.threads}")
-        if self.vec_per_thread < 1:
-            raise ValueError("vec_per_thread must be >= 1")
+        validate_row_launch(self.threads, self.vec_per_thread)
 
     @classmethod
     def from_heuristic(cls, S: int, H: int, arch: str = "sm_90a", has_norm: bool = True) -> AttnResConfig:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..._lib.dispatch import validate_row_launch
+
 VEC = 8  # bf16 elements per 16-byte vector access
 
 # Bench that measures the knobs below (H200, CUDA-graph medians over M = 1..64):
@@ -22,10 +24,7 @@ class RMSNormConfig:
     has_residual: bool = True
 
     def __post_init__(self) -> None:
-        if self.threads % 32 or not 32 <= self.threads <= 1024:
-            raise ValueError(f"threads must be a multiple of 32 in 32..1024, got {self.threads}")
-        if self.vec_per_thread < 1:
-            raise ValueError("vec_per_thread must be >= 1")
+        validate_row_launch(self.threads, self.vec_per_thread)
 
     @classmethod
     def from_heuristic(cls, H: int, arch: str = "sm_90a", has_residual: bool = True) -> RMSNormConfig:
