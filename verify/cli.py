@@ -65,7 +65,7 @@ def run(
 def bench(
     what: str = typer.Argument(..., help="kernels"),
     output: Path | None = typer.Option(None, "--output", "-o", help="bundle directory (default bundles/local/<timestamp>)"),
-    sweep: bool = typer.Option(False, "--sweep", help="also time every candidate config of the skinny GEMM"),
+    sweep: bool = typer.Option(False, "--sweep", help="also time one-factor-at-a-time variations of every heuristic constant (skinny GEMM, KDA)"),
     fmt: str = FormatOpt,
 ) -> None:
     """Benchmark the fast kernels against cuBLAS / PyTorch into a bundle (needs an H100/H200)."""

@@ -42,6 +42,38 @@ def candidates(M: int, N: int, K: int) -> list[SkinnyGemmConfig]:
     return out
 
 
+def ofat_candidates(M: int, N: int, K: int) -> list[SkinnyGemmConfig]:
+    """One factor at a time around the heuristic's pick: every field the heuristic sets by a constant
+    (rows per warp, warps per CTA, split-K, unroll, min CTAs per SM) varied alone, the others kept. About
+    a dozen configs per point instead of the full grid's ~130, so a sweep of every shape x M fits one GPU
+    call; each row says which constant the winner changed (``best_changes``)."""
+    from dataclasses import replace
+
+    h = SkinnyGemmConfig.from_heuristic(M, N, K)
+    values = {"rows_per_warp": (1, 2, 4) if h.variant == "fma" else (1, 2), "warps_n": (2, 4, 8),
+              "k_unroll": (2, 4, 8), "min_ctas_per_sm": (1, 2)}
+    if h.variant == "mma":
+        values["split_k"] = (1, 2, 4, 8, 16)
+    out = []
+    for field, vals in values.items():
+        for v in vals:
+            if getattr(h, field) == v:
+                continue
+            try:
+                cfg = replace(h, **{field: v})
+            except ValueError:
+                continue
+            if cfg.variant == "mma" and (K // 32) // cfg.split_k < 2:
+                continue
+            out.append(cfg)
+    return out
+
+
+def _changes(base: SkinnyGemmConfig, cfg: SkinnyGemmConfig) -> dict:
+    return {f: getattr(cfg, f) for f in ("variant", "m_max", "rows_per_warp", "warps_n", "warps_k", "split_k",
+                                         "k_unroll", "min_ctas_per_sm") if getattr(cfg, f) != getattr(base, f)}
+
+
 def fma_alternative(M: int, N: int, K: int) -> SkinnyGemmConfig | None:
     """The FMA variant at 3 <= M <= 8, timed beside the heuristic's mma pick so the bench measures where
     the mma variant overtakes it (config.FMA_MAX_M)."""
@@ -50,7 +82,9 @@ def fma_alternative(M: int, N: int, K: int) -> SkinnyGemmConfig | None:
     return SkinnyGemmConfig("fma", m_max=M, rows_per_warp=2 if -(-N // 8) >= 132 else 1, warps_n=4, k_unroll=4)
 
 
-def bench_one(M: int, N: int, K: int, sweep: bool) -> dict:
+def bench_one(M: int, N: int, K: int, sweep: bool | str) -> dict:
+    """One shape at one M. ``sweep``: False, "ofat" (one factor at a time, ``ofat_candidates``) or
+    True / "full" (the whole ``candidates`` grid)."""
     copies = copies_for_cold_l2(N * K * 2)
     ws = [(torch.randn(N, K, device="cuda") / K**0.5).bfloat16() for _ in range(copies)]
     x = torch.randn(M, K, device="cuda").bfloat16()
@@ -68,7 +102,9 @@ def bench_one(M: int, N: int, K: int, sweep: bool) -> dict:
         row["fma_alt"], row["fma_alt_us"] = repr(alt), timed(alt)["median_us"]
     if sweep:
         best = (row["heuristic_us"], heur)
-        for cfg in candidates(M, N, K):
+        grid = ofat_candidates(M, N, K) if sweep == "ofat" else candidates(M, N, K)
+        row["sweep"], row["sweep_configs"] = ("ofat" if sweep == "ofat" else "full"), len(grid)
+        for cfg in grid:
             try:
                 t = timed(cfg)["median_us"]
             except Exception as e:  # a config the kernel rejects for this shape
@@ -76,6 +112,8 @@ def bench_one(M: int, N: int, K: int, sweep: bool) -> dict:
                 continue
             best = min(best, (t, cfg), key=lambda b: b[0])
         row["best_us"], row["best"] = best[0], repr(best[1])
+        row["best_changes"] = _changes(heur, best[1])
+        row["heuristic_vs_best"] = row["heuristic_us"] / best[0]
     return row
 
 
@@ -84,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--preset", action="append", default=None)
     ap.add_argument("--m", default="1,2,3,4,8,16,32,64")
     ap.add_argument("--shape", action="append", default=None, help="only these shape names")
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep", nargs="?", const="ofat", default=False, choices=("ofat", "full"),
+                    help="also time alternatives: ofat (default: one factor at a time) or full (the whole grid)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     bw = read_bandwidth_gbs()
