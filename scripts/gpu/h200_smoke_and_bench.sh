@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # One H200 call of the device tool (see ../shared/gpuhost/stage-wheels): install the staged CuTe DSL
-# wheels and this tree, then write two bundles with k3-verify itself and pack them into $OUT:
-#   smoke  k3-verify run --tier smoke      (kernel compile + numerics with counters + sanitizer + probes)
-#   bench  k3-verify bench kernels         (kernels vs cuBLAS / PyTorch, cold L2, % of HBM floor)
-# Usage on the GPU host, from the repo root:  bash scripts/gpu/h200_smoke_and_bench.sh [smoke|bench|all]
-# Staging with the device tool (a later call's carry drops the earlier carried folder, so park `a` in /tmp):
+# wheels and this tree, then run the named steps, each writing a bundle with k3-verify itself (or a JSON
+# report for the driver scripts), and pack them into $OUT:
+#   smoke     k3-verify run --tier smoke          (kernel compile + numerics with counters + sanitizer + probes)
+#   bench     k3-verify bench kernels             (kernels vs cuBLAS / fla / PyTorch, cold L2, % of HBM floor)
+#   sweep     k3-verify run --tier scripts/gpu/gemm-sweep.yaml   (GEMM heuristic constants, one at a time)
+#   gputests  pytest -m gpu on the kernel tests named in $K3_GPU_TESTS (default: every tests/test_*gpu*.py)
+#   executor  python scripts/gpu/decode_executor_check.py        (decode executor vs reference, graphs)
+#   decode    k3-verify bench decode                            (decode step sweep, fast vs standard)
+# Usage on the GPU host, from the repo root:  bash scripts/gpu/h200_smoke_and_bench.sh STEP [STEP ...]
+# ("all" = smoke bench). Staging with the device tool (a later call's carry drops the earlier carried
+# folder, so park `a` in /tmp):
 #   call 1: carry [".gpuwheels/a"], command: mkdir -p /tmp/gwa && cp .gpuwheels/a/* /tmp/gwa/
 #   call 2: carry [".gpuwheels/b"], command: mkdir -p .gpuwheels/a && cp /tmp/gwa/* .gpuwheels/a/ &&
 #           source .gpuwheels/b/env.sh && bash scripts/gpu/h200_smoke_and_bench.sh smoke
-#   call 3 (same warm machine): as call 2 with `bench`.
+#   call 3 (same warm machine): as call 2 with the next steps.
 # The copied tree has no .git: pass K3_SOURCE_COMMIT=<sha> in the command (the bundle also records
 # source_tree_sha256, a hash of the package sources, either way).
 set -uo pipefail
-what=${1:-all}
+[ $# -eq 0 ] && set -- all
 : "${OUT:?OUT must point at the folder whose files come back}"
 export PYTHONUNBUFFERED=1 K3_KERNEL_CACHE=/tmp/k3cache NCCL_NVLS_ENABLE=0
 source .gpuwheels/b/env.sh || exit 1
@@ -21,12 +27,25 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p /tmp/bundles
 rc=0
-if [ "$what" = smoke ] || [ "$what" = all ]; then
-  timeout -s TERM ${K3_STEP_TIMEOUT:-520} python3 -m verify.cli run --tier smoke --output "/tmp/bundles/$stamp-h200-smoke" 2>&1 | tee "$OUT/smoke.log" || rc=1
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  timeout -s TERM ${K3_STEP_TIMEOUT:-520} python3 -m verify.cli bench kernels --output "/tmp/bundles/$stamp-h200-bench-kernels" 2>&1 | tee "$OUT/bench.log" || rc=1
-fi
+T=${K3_STEP_TIMEOUT:-520}
+for what in "$@"; do
+  case "$what" in
+    all) steps="smoke bench" ;;
+    *) steps="$what" ;;
+  esac
+  for s in $steps; do
+    echo "=== step $s ($(date -u +%T))"
+    case "$s" in
+      smoke) timeout -s TERM "$T" python3 -m verify.cli run --tier smoke --output "/tmp/bundles/$stamp-h200-smoke" 2>&1 | tee "$OUT/smoke.log" || rc=1 ;;
+      bench) timeout -s TERM "$T" python3 -m verify.cli bench kernels --output "/tmp/bundles/$stamp-h200-bench-kernels" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+      sweep) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/gemm-sweep.yaml --output "/tmp/bundles/$stamp-h200-gemm-sweep" 2>&1 | tee "$OUT/sweep.log" || rc=1 ;;
+      gputests) timeout -s TERM "$T" python3 -m pytest -q -m gpu -p no:cacheprovider ${K3_GPU_TESTS:-tests/} 2>&1 | tail -60 | tee "$OUT/gputests.log" || rc=1 ;;
+      executor) timeout -s TERM "$T" python3 scripts/gpu/decode_executor_check.py 2>&1 | tail -80 | tee "$OUT/executor.log" || rc=1 ;;
+      decode) timeout -s TERM "$T" python3 -m verify.cli bench decode --output "/tmp/bundles/$stamp-h200-bench-decode" 2>&1 | tee "$OUT/decode.log" || rc=1 ;;
+      *) echo "unknown step $s"; rc=2 ;;
+    esac
+  done
+done
 tar -C /tmp/bundles -czf "$OUT/bundles-$stamp.tar.gz" .
 ls -la /tmp/bundles
 exit $rc

@@ -32,7 +32,8 @@ TARGET_KDA_VS_FLA = 1.5
 TARGET_KDA_LAYER_X_FLOOR = 1.25
 
 
-def _gemm_rows(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool, bw_gbs: float) -> list[dict]:
+def _gemm_rows(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool, bw_gbs: float,
+               sweep_shapes: list[str]) -> list[dict]:
     from k3_fastpath.kernels.skinny_gemm.api import preset_shapes
     from k3_fastpath.kernels.skinny_gemm.bench import bench_one
 
@@ -44,7 +45,7 @@ def _gemm_rows(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool
             seen.add((N, K))
             for M in ms:
                 try:
-                    row = bench_one(M, N, K, "ofat" if sweep else False)
+                    row = bench_one(M, N, K, "ofat" if sweep and name in sweep_shapes else False)
                 except Exception as e:
                     row = {"M": M, "N": N, "K": K, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
                 floor = N * K * 2 / (bw_gbs * 1e3)
@@ -137,17 +138,31 @@ def _kda_layer_rows(ctx: CheckContext, batches: list[int]) -> list[dict]:
     return rows
 
 
-def kernels(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool) -> Any:
+# The sweep times ~12 variations per point: on these shapes (the large and small ends of the TP8 table,
+# K = 7168 / 1536 / 512) it fits one GPU call; every other shape keeps its heuristic row.
+SWEEP_SHAPES = ["kda_in_proj", "kda_o_proj", "mla_q_b", "mla_kv_b", "latent_down"]
+
+
+PARTS = ("gemm", "norms", "kda", "kda_layer")
+
+
+def kernels(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool,
+            sweep_shapes: list[str] | None = None, parts: list[str] | None = None) -> Any:
+    parts = list(parts or PARTS)
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ValueError(f"bench.kernels parts {unknown} unknown; choose from {list(PARTS)}")
     from k3_fastpath._lib import counters
     from k3_fastpath._lib.timing import read_bandwidth_gbs
 
     before = counters.snapshot()
     bw = read_bandwidth_gbs()
     ctx.record({"probe": "read_bandwidth", "gb_per_s": bw})
-    gemm = _gemm_rows(ctx, list(presets), list(ms), sweep, bw)
-    norms = _norm_rows(ctx, [m for m in ms if m in (1, 8, 64)] or list(ms)[:1])
-    kda = _kda_rows(ctx, list(ms), sweep)
-    layer = _kda_layer_rows(ctx, [m for m in ms if m <= 8])
+    gemm = (_gemm_rows(ctx, list(presets), list(ms), sweep, bw, list(sweep_shapes or SWEEP_SHAPES))
+            if "gemm" in parts else [])
+    norms = _norm_rows(ctx, [m for m in ms if m in (1, 8, 64)] or list(ms)[:1]) if "norms" in parts else []
+    kda = _kda_rows(ctx, list(ms), sweep) if "kda" in parts else []
+    layer = _kda_layer_rows(ctx, [m for m in ms if m <= 8]) if "kda_layer" in parts else []
     problems = [f"skinny_gemm {r['shape']} {r['N']}x{r['K']} M={r['M']}: {r['error']}" for r in gemm if "error" in r]
     problems += [f"kda_decode H={r['H']} B={r['B']}: {r['error']}" for r in kda if "error" in r]
     for r in kda:
@@ -177,7 +192,7 @@ def kernels(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool) -
     big = [r for r in ok if r["M"] <= 8 and r["weight_bytes"] >= BIG_WEIGHT_BYTES]
     small = [r for r in ok if r["weight_bytes"] < SMALL_WEIGHT_BYTES]
     metrics = {
-        "read_bandwidth_gbs": bw, "gemm_rows": len(gemm), "norm_rows": len(norms),
+        "parts": parts, "read_bandwidth_gbs": bw, "gemm_rows": len(gemm), "norm_rows": len(norms),
         "gemm_big_min_pct_of_bw": min((r["pct_of_bw"] for r in big), default=None),
         "gemm_min_vs_cublas_m_le_8": min((r["vs_cublas"] for r in ok if r["M"] <= 8), default=None),
         "gemm_median_vs_cublas": sorted(r["vs_cublas"] for r in ok)[len(ok) // 2] if ok else None,

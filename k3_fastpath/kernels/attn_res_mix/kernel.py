@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
@@ -45,7 +46,7 @@ class AttnResMixKernel:
     @cute.jit
     def __call__(self, mV: cute.Tensor, mWn: cute.Tensor, mWp: cute.Tensor, mMix: cute.Tensor,
                  mWo: Optional[cute.Tensor], mOut: Optional[cute.Tensor], eps: Float32, out_eps: Float32,
-                 stream):
+                 stream: cuda.CUstream):
         self.kernel(mV, mWn, mWp, mMix, mWo, mOut, eps, out_eps).launch(
             grid=[mV.shape[1], 1, 1], block=[self.T, 1, 1], stream=stream)
 

@@ -36,6 +36,7 @@ FP32; slot [B] int32 in [0, N); every tensor contiguous, 16-byte aligned. Non-ze
 
 from __future__ import annotations
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int64
@@ -71,7 +72,7 @@ class KDADecodeKernel:
                  mBeta: cute.Tensor, mWq: cute.Tensor, mWk: cute.Tensor, mWv: cute.Tensor, mAlog: cute.Tensor,
                  mDt: cute.Tensor, mNw: cute.Tensor, mSlot: cute.Tensor, mCq: cute.Tensor, mCk: cute.Tensor,
                  mCv: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, eps: Float32, lower_bound: Float32,
-                 stream):
+                 stream: cuda.CUstream):
         self.kernel(mQ, mK, mV, mG, mA, mBeta, mWq, mWk, mWv, mAlog, mDt, mNw, mSlot, mCq, mCk, mCv, mS, mO,
                     eps, lower_bound).launch(grid=[mQ.shape[0], self.H, 1], block=[self.T, 1, 1],
                                              stream=stream, min_blocks_per_mp=1)

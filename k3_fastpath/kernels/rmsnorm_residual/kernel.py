@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
@@ -51,7 +52,7 @@ class RMSNormResidualKernel:
         mO: cute.Tensor,  # (M, H) bf16 normed out
         mRO: Optional[cute.Tensor],  # (M, H) bf16 new residual out, or None
         eps: Float32,
-        stream,
+        stream: cuda.CUstream,
     ):
         self.kernel(mX, mR, mW, mO, mRO, eps).launch(
             grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint32
@@ -82,7 +83,7 @@ class SkinnyGemmKernel:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mR: Optional[cute.Tensor],
-                 mWs: Optional[cute.Tensor], mCnt: Optional[cute.Tensor], stream):
+                 mWs: Optional[cute.Tensor], mCnt: Optional[cute.Tensor], stream: cuda.CUstream):
         # min_blocks_per_mp (PTX .minnctapersm) stops ptxas -O3 from capping registers for occupancy:
         # without it, it spilled the K-loop counter at 40 registers (fma, 768x7168, m_max=2).
         if cutlass.const_expr(self.mma):
