@@ -15,13 +15,15 @@ Lookup order on a call:
    status), the PTX and cubin (always; they are what ``nvdisasm`` and the SASS checks read), and an
    exported ``kernel.o``/``kernel.h`` via ``JitCompiledFunction.export_to_c``.
 
-What the disk cache can and cannot do in 4.8.1, honestly: ``export_to_c`` JIT-links the host launcher
-against the CUDA runtime. On a machine without the CUDA driver/runtime libraries (CPU CI) it fails
-("Symbols not found: _cudaLaunchKernelEx ..."); the cache then keeps only ``key.json`` + PTX + cubin,
-which are inspection artefacts, not reloadable functions, and every new process recompiles (the DSL's
-own MLIR file cache, ``CUTE_DSL_CACHE_DIR``, still shortens that). Whether the export + reload round
-trip works on the GPU host is checked by ``tests/test_kernels_gpu.py::test_disk_cache_roundtrip``; a
-failed export is recorded once per process (``disk_status()``) and never retried.
+What the disk cache needs, and where it works: ``export_to_c`` writes a C header for the compiled
+function's arguments, so every argument of a kernel's ``@cute.jit`` entry must be typed; an untyped
+``stream`` made cutlass-dsl 4.8.1 refuse the export ("Unsupported argument for c function argument
+generation: stream = FakeStream"): every kernel annotates it ``stream: cuda.CUstream``, and the export
+then succeeds on the CPU as well. Loading (``load_module``) JIT-links the host launcher against the CUDA
+runtime: on a machine without it (CPU CI) the load fails ("Symbols not found: _cudaLaunchKernelEx ...")
+and the function is recompiled (the failure is recorded in ``disk_status()["load"]``). The export +
+reload round trip on the GPU host is checked by ``tests/test_kernels_gpu.py::test_disk_cache_roundtrip``;
+a failed export is recorded once per process (``disk_status()``) and never retried.
 
 Directory: ``$K3_KERNEL_CACHE`` or ``~/.cache/k3_fastpath``. ``K3_KERNEL_CACHE_DISK=0`` disables disk I/O.
 """
