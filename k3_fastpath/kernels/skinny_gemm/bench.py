@@ -104,12 +104,14 @@ def bench_one(M: int, N: int, K: int, sweep: bool | str) -> dict:
         best = (row["heuristic_us"], heur)
         grid = ofat_candidates(M, N, K) if sweep == "ofat" else candidates(M, N, K)
         row["sweep"], row["sweep_configs"] = ("ofat" if sweep == "ofat" else "full"), len(grid)
+        row["sweep_us"] = {}
         for cfg in grid:
             try:
                 t = timed(cfg)["median_us"]
             except Exception as e:  # a config the kernel rejects for this shape
                 print(f"  skip {cfg}: {e}")
                 continue
+            row["sweep_us"][repr(cfg)] = t
             best = min(best, (t, cfg), key=lambda b: b[0])
         row["best_us"], row["best"] = best[0], repr(best[1])
         row["best_changes"] = _changes(heur, best[1])
