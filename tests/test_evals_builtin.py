@@ -1,0 +1,190 @@
+"""The eval checks for real, on a CPU: lm-eval runs GSM8K / AIME25 / MRCR tasks from ``evals/`` against the
+builtin engine serving k3-tiny (random weights: the answers are garbage, which is the point: the gates must
+say so), into a real bundle that ``bundle verify`` accepts, re-scores, and rejects once a sample's score
+is edited. A deliberately broken "fast path" (answers cut to nothing) must fail the paired gates."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval", reason="needs_eval_extra: scripts/bootstrap --eval")
+pytest.importorskip("transformers", reason="needs_eval_extra: scripts/bootstrap --eval")
+
+from evals.data.make_synthetic import make_all  # noqa: E402
+from verify.bundle import schema  # noqa: E402
+from verify.bundle import verify as verify_module  # noqa: E402
+from verify.bundle.schema import SumEntry, format_sums, sha256_file, walk_bundle  # noqa: E402
+from verify.bundle.verify import verify_bundle  # noqa: E402
+from verify.bundle.writer import BundleWriter  # noqa: E402
+from verify.checks import evals as eval_checks  # noqa: E402
+from verify.checks.registry import REGISTRY  # noqa: E402
+from verify.context import CheckContext  # noqa: E402
+from verify.engines.base import Completion  # noqa: E402
+from verify.engines.builtin import BuiltinEngine  # noqa: E402
+from verify.evals import rescore  # noqa: E402
+from verify.tiers import load_tier  # noqa: E402
+
+PERMISSIVE = """
+defaults:
+  alpha: 0.05
+  min_relative_accuracy: 0.99
+  max_relative_length_change: 0.10
+  truncation: {max_rate: 1.0, max_increase: 0.02}
+  extraction_failure: {max_rate: 1.0, max_increase: 0.02}
+  bootstrap: {iters: 1000, confidence: 0.95}
+"""
+
+
+@pytest.fixture(scope="module")
+def engine():
+    torch.set_num_threads(1)  # k3-tiny's ops are tiny: thread hand-off costs more than it saves
+    e = BuiltinEngine(preset="k3-tiny", path="reference", device="cpu", seed=0, max_model_len=1024)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("evaldata")
+    make_all(d, seed=3, gsm8k=3, aime=2, mrcr=2, mrcr_chars=160, needles=(2,))
+    return d
+
+
+class _Engines:
+    def __init__(self, under_test, baseline) -> None:
+        self.roles = {"engine_under_test": under_test, "baseline": baseline}
+
+    def get(self, role):
+        return self.roles[role]
+
+
+class _Out:
+    def note(self, text: str) -> None:
+        pass
+
+
+class _Mute:
+    """A broken fast path: the same model, but every answer comes back empty (as if EOS came first)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.name = inner, "builtin:muted"
+        self.max_model_len, self.vocab_size = inner.max_model_len, inner.vocab_size
+
+    def _mute(self, c: Completion) -> Completion:
+        return Completion(text="", token_ids=[], finish_reason="stop", prompt_tokens=c.prompt_tokens)
+
+    def generate(self, prompts, params, constraint=None):
+        return [self._mute(c) for c in self.inner.generate(prompts, params, constraint)]
+
+    def chat(self, messages, params, constraint=None):
+        return self._mute(self.inner.chat(messages, params, constraint))
+
+
+def _reseal(root: Path) -> None:
+    files, _ = walk_bundle(root)
+    entries = [SumEntry(f, sha256_file(root / f)[0]) for f in files if f != schema.SUMS]
+    (root / schema.SUMS).write_bytes(format_sums(entries, sealed=False))
+
+
+def _run_bundle(root: Path, plan: list[tuple[str, str, dict]], engines: _Engines, tmp: Path):
+    """Run ``plan`` [(check id, function, params)] into a real bundle; returns the results by id."""
+    writer = BundleWriter(root, tool_version="0.1.0", argv=["pytest"], tier="evals-test",
+                          planned_checks=[p[0] for p in plan], engines=["builtin:reference"],
+                          config={"preset": "k3-tiny"}, seeds={"global": 0}, env={})
+    results = {}
+    for cid, fn, params in plan:
+        ctx = CheckContext(check_id=cid, preset="k3-tiny", device="cpu", seed=0, writer=writer, out=_Out(),
+                           tmp_dir=tmp, budget_s=600, engines=engines)
+        r = getattr(eval_checks, fn)(ctx, **params)
+        writer.add_result(r)
+        results[cid] = r
+    writer.finalize(state="finished")
+    return results
+
+
+@pytest.mark.slow  # ~25 s on an idle 2-core CPU: 16 k3-tiny generations through lm-eval
+def test_evals_on_builtin_engine_bundle_verifies_and_tamper_fails(engine, data_dir, tmp_path) -> None:
+    loose = tmp_path / "loose.yaml"
+    loose.write_text(PERMISSIVE)
+    common = {"data_dir": str(data_dir), "max_tokens": 4}
+    plan = [("evals.gsm8k", "gsm8k", {**common, "limit": 2}),
+            ("evals.aime25", "aime25", {**common, "limit": 1, "repeats": 2, "thresholds": str(loose)}),
+            ("evals.mrcr", "mrcr", {**common, "limit": 1, "needles": [2], "thresholds": str(loose)})]
+    root = tmp_path / "bundle"
+    res = _run_bundle(root, plan, _Engines(engine, engine), tmp_path)
+
+    # k3-tiny with random weights runs into max_tokens every time: the default thresholds fail the eval
+    g = res["evals.gsm8k"]
+    assert g.status == "failed", g
+    assert "truncation (hit max_tokens) rate 100.0% on the baseline side" in g.reason
+    # with truncation allowed, identical engines pass every paired gate
+    for cid in ("evals.aime25", "evals.mrcr"):
+        assert res[cid].status == "passed", (cid, res[cid].reason, res[cid].metrics.get("problems"))
+    m = res["evals.aime25"].metrics["tasks"]["k3_aime25"]
+    assert m["items"] == 1 and m["baseline"]["responses"] == 2 and m["under_test"]["truncation_rate"] == 1.0
+    assert res["evals.mrcr"].metrics["data"][0]["kind"] == "mrcr2"
+
+    records = [json.loads(x) for x in (root / "records" / "evals.aime25.jsonl").read_text().splitlines()]
+    samples = [r for r in records if r["type"] == "sample"]
+    assert {s["side"] for s in samples} == {"baseline", "under_test"}
+    for s in samples:  # what lm-eval logged plus what the adapter saw, per repeat
+        assert len(s["doc_hash"]) == len(s["prompt_hash"]) == 64
+        assert s["repeats"] == 2 and s["output_tokens"] == [4, 4] and s["truncated"] == [True, True]
+        assert s["finish_reasons"] == ["length", "length"] and len(set(s["seeds"])) == 2  # each repeat its own seed
+    data = [r for r in records if r["type"] == "data"]
+    assert data[0]["files"][0]["sha256"] == json.loads((data_dir / "MANIFEST.json").read_text())["files"]["aime25/test.jsonl"]["sha256"]
+
+    report = verify_bundle(root)  # the evals.* rescorer is registered by importing verify.evals.rescore
+    assert ("evals.", rescore.rescore_eval) in verify_module._RESCORERS
+    assert report.ok, report.problems
+    assert report.verdict == "fail"
+
+    # a forger edits one sample's score (and re-seals the hashes): the rescorer re-scores the response
+    p = root / "records" / "evals.mrcr.jsonl"
+    lines = p.read_text().splitlines()
+    i = next(k for k, line in enumerate(lines) if json.loads(line)["type"] == "sample")
+    s = json.loads(lines[i])
+    s["scores"] = [1.0]
+    lines[i] = json.dumps(s, separators=(",", ":"))
+    p.write_text("\n".join(lines) + "\n")
+    _reseal(root)
+    bad = verify_bundle(root)
+    assert bad.exit_code == 1
+    assert any("evals.mrcr: rescore:" in x and "re-score" in x for x in bad.problems), bad.problems
+
+
+def test_broken_fast_path_fails_the_paired_gates(engine, data_dir, tmp_path) -> None:
+    loose = tmp_path / "loose.yaml"
+    loose.write_text(PERMISSIVE)
+    res = _run_bundle(tmp_path / "b", [("evals.gsm8k", "gsm8k", {"data_dir": str(data_dir), "max_tokens": 4, "limit": 2,
+                                                                  "thresholds": str(loose)})],
+                      _Engines(_Mute(engine), engine), tmp_path)
+    r = res["evals.gsm8k"]
+    assert r.status == "failed"
+    problems = r.metrics["problems"]
+    assert any("mean output 0.0 tokens vs baseline 4.0" in p for p in problems), problems
+    assert r.metrics["tasks"]["k3_gsm8k"]["under_test"]["extraction_failure_rate"] == 1.0  # nothing to extract
+    assert verify_bundle(tmp_path / "b").ok  # a failing run is still a valid, re-derivable bundle
+
+
+def test_missing_data_is_an_error_not_a_skip(engine, tmp_path) -> None:
+    res = _run_bundle(tmp_path / "c", [("evals.gsm8k", "gsm8k", {"data_dir": str(tmp_path / "nowhere")})],
+                      _Engines(engine, engine), tmp_path)
+    r = res["evals.gsm8k"]
+    assert r.status == "error" and "does not exist" in r.reason
+
+
+def test_tiers_and_registry_match_the_check_functions() -> None:
+    """Every tier's params for evals.* bind to the check function; the checks run on a CPU (no requires)."""
+    for cid in ("evals.gsm8k", "evals.aime25", "evals.mrcr"):
+        decl = REGISTRY[cid]
+        assert decl.implemented and decl.requires == ()
+        fn = getattr(eval_checks, decl.function)
+        for tier in ("standard", "full"):
+            spec = {c.id: c for c in load_tier(tier).checks}[cid]
+            inspect.signature(fn).bind(None, **{**decl.params, **spec.params})

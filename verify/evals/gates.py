@@ -1,0 +1,237 @@
+"""Gates for fast-path-vs-baseline evals: per-sample records in, metrics and problems out.
+
+``compare(task, baseline_samples, fast_samples, thresholds, seed)`` is the one function that turns the
+records of one lm-eval task (both sides) into the numbers a check reports and the reasons it fails. The
+check calls it while running; the bundle rescorer calls it again on the re-scored records, so the
+verdict a maintainer sees is re-derived, not trusted.
+
+A sample record (written by ``verify.evals.runner``) holds per repeat: ``scores``, ``extraction_failed``,
+``truncated`` (hit max_tokens), ``output_tokens``; and the item's ``doc_id``, ``doc_hash``, ``prompt_hash``.
+An item's score is the mean over its repeats (AIME) or its single score.
+
+Gates, thresholds from ``evals/thresholds.yaml`` (each explained there):
+1. same items: both sides answered the same docs with the same prompts (hash for hash);
+2. accuracy: fail only if the fast path is worse, the paired test says significant at ``alpha``
+   (exact McNemar when every item score is 0/1, else the paired bootstrap CI excludes 0), and the fast
+   path's accuracy is below ``min_relative_accuracy`` x baseline;
+3. output length: mean output tokens within ``max_relative_length_change`` of the baseline's;
+4. truncation and 5. extraction failures: each side's rate at most ``max_rate``, and the fast path's at
+   most ``max_increase`` above the baseline's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from verify.evals.stats import is_binary, mcnemar_exact, paired_bootstrap, paired_counts
+
+
+def default_thresholds_path() -> Path:
+    import evals
+
+    return Path(list(evals.__path__)[0]) / "thresholds.yaml"
+
+
+class ThresholdsError(ValueError):
+    """thresholds.yaml is missing, malformed, or lacks a key (one line, names the file and key)."""
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    alpha: float
+    min_relative_accuracy: float
+    max_relative_length_change: float
+    truncation_max_rate: float
+    truncation_max_increase: float
+    extraction_max_rate: float
+    extraction_max_increase: float
+    bootstrap_iters: int
+    bootstrap_confidence: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
+        missing = [k for k in cls.__dataclass_fields__ if k not in d]
+        if missing:
+            raise ThresholdsError(f"thresholds lack {', '.join(missing)}")
+        t = cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        t._validate()
+        return t
+
+    def _validate(self) -> None:
+        for k in ("alpha", "bootstrap_confidence"):
+            if not 0 < getattr(self, k) < 1:
+                raise ThresholdsError(f"thresholds: {k} must be in (0, 1), got {getattr(self, k)!r}")
+        for k in ("min_relative_accuracy", "max_relative_length_change", "truncation_max_rate",
+                  "truncation_max_increase", "extraction_max_rate", "extraction_max_increase"):
+            v = getattr(self, k)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+                raise ThresholdsError(f"thresholds: {k} must be a number >= 0, got {v!r}")
+        if not isinstance(self.bootstrap_iters, int) or self.bootstrap_iters < 100:
+            raise ThresholdsError(f"thresholds: bootstrap.iters must be an integer >= 100, got {self.bootstrap_iters!r}")
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_thresholds(dataset: str, path: str | Path | None = None) -> Thresholds:
+    """The thresholds for ``dataset`` (gsm8k, aime25, mrcr): ``defaults`` with ``tasks.<dataset>`` merged in."""
+    import yaml
+
+    p = Path(path) if path else default_thresholds_path()
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ThresholdsError(f"cannot read eval thresholds {p}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ThresholdsError(f"{p}: not valid YAML ({' '.join(str(e).split())[:120]})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("defaults"), dict):
+        raise ThresholdsError(f"{p}: needs a 'defaults' mapping")
+    merged = _merge(doc["defaults"], (doc.get("tasks") or {}).get(dataset) or {})
+    try:
+        flat = {"alpha": merged["alpha"], "min_relative_accuracy": merged["min_relative_accuracy"],
+                "max_relative_length_change": merged["max_relative_length_change"],
+                "truncation_max_rate": merged["truncation"]["max_rate"],
+                "truncation_max_increase": merged["truncation"]["max_increase"],
+                "extraction_max_rate": merged["extraction_failure"]["max_rate"],
+                "extraction_max_increase": merged["extraction_failure"]["max_increase"],
+                "bootstrap_iters": merged["bootstrap"]["iters"],
+                "bootstrap_confidence": merged["bootstrap"]["confidence"]}
+    except (KeyError, TypeError) as e:
+        raise ThresholdsError(f"{p}: missing key {e} (in defaults or tasks.{dataset})") from None
+    try:
+        return Thresholds.from_dict(flat)
+    except ThresholdsError as e:
+        raise ThresholdsError(f"{p}: {e}") from None
+
+
+# ---------------------------------------------------------------- summaries
+@dataclass(frozen=True)
+class SideSummary:
+    items: int
+    responses: int
+    accuracy: float  # mean of per-item scores
+    mean_output_tokens: float | None  # None when a response's length is unknown
+    truncation_rate: float
+    extraction_failure_rate: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def item_score(sample: Mapping[str, Any]) -> float:
+    scores = sample["scores"]
+    if not scores:
+        raise ValueError(f"doc {sample.get('doc_id')}: no scored responses")
+    return float(sum(scores)) / len(scores)
+
+
+def summarize(samples: Sequence[Mapping[str, Any]]) -> SideSummary:
+    if not samples:
+        raise ValueError("no samples")
+    responses = [(s, i) for s in samples for i in range(len(s["scores"]))]
+    lengths = [s["output_tokens"][i] for s, i in responses]
+    return SideSummary(
+        items=len(samples), responses=len(responses),
+        accuracy=sum(item_score(s) for s in samples) / len(samples),
+        mean_output_tokens=None if any(n is None for n in lengths) else sum(lengths) / len(lengths),
+        truncation_rate=sum(bool(s["truncated"][i]) for s, i in responses) / len(responses),
+        extraction_failure_rate=sum(bool(s["extraction_failed"][i]) for s, i in responses) / len(responses),
+    )
+
+
+# ---------------------------------------------------------------- the comparison
+def _pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def compare(task: str, base: Sequence[Mapping[str, Any]], fast: Sequence[Mapping[str, Any]], th: Thresholds,
+            seed: int) -> tuple[dict[str, Any], list[str]]:
+    """(metrics, problems) for one task; problems empty means every gate passed."""
+    problems: list[str] = []
+    by_doc_b = {s["doc_id"]: s for s in base}
+    by_doc_f = {s["doc_id"]: s for s in fast}
+    if len(by_doc_b) != len(base) or len(by_doc_f) != len(fast):
+        problems.append(f"{task}: a doc_id appears twice on one side")
+    if by_doc_b.keys() != by_doc_f.keys():
+        only_b = sorted(by_doc_b.keys() - by_doc_f.keys())[:5]
+        only_f = sorted(by_doc_f.keys() - by_doc_b.keys())[:5]
+        problems.append(f"{task}: the sides answered different items (baseline only {only_b}, fast only {only_f})")
+    ids = sorted(by_doc_b.keys() & by_doc_f.keys())
+    if not ids:
+        return {"items": 0}, problems + [f"{task}: no items answered by both sides"]
+    mismatched = [i for i in ids if (by_doc_b[i]["doc_hash"], by_doc_b[i]["prompt_hash"])
+                  != (by_doc_f[i]["doc_hash"], by_doc_f[i]["prompt_hash"])]
+    if mismatched:
+        problems.append(f"{task}: {len(mismatched)} items differ in doc or prompt between the sides "
+                        f"(first doc_id {mismatched[0]}): not a paired comparison")
+    b_items, f_items = [by_doc_b[i] for i in ids], [by_doc_f[i] for i in ids]
+    sb, sf = summarize(b_items), summarize(f_items)
+    b_scores, f_scores = [item_score(s) for s in b_items], [item_score(s) for s in f_items]
+    ci = paired_bootstrap(b_scores, f_scores, iters=th.bootstrap_iters, seed=seed, confidence=th.bootstrap_confidence)
+    metrics: dict[str, Any] = {"items": len(ids), "baseline": sb.as_dict(), "under_test": sf.as_dict(),
+                               "accuracy_diff": sf.accuracy - sb.accuracy, "bootstrap": ci.as_dict()}
+    binary = is_binary(b_scores) and is_binary(f_scores)
+    if binary:
+        counts = paired_counts(b_scores, f_scores)
+        p = mcnemar_exact(counts.base_only, counts.fast_only)
+        metrics.update(test="mcnemar_exact", p_value=p, discordant=counts.as_dict())
+        significant = p < th.alpha
+    else:
+        metrics.update(test="paired_bootstrap", p_value=None)
+        significant = ci.hi < 0 or ci.lo > 0
+    metrics["significant"] = significant
+    rel = sf.accuracy / sb.accuracy if sb.accuracy > 0 else None
+    metrics["relative_accuracy"] = rel
+    if sf.accuracy < sb.accuracy and significant and (rel is None or rel < th.min_relative_accuracy):
+        how = (f"McNemar p={p:.3g} < {th.alpha}" if binary else
+               f"{100 * ci.confidence:.0f}% paired bootstrap CI [{100 * ci.lo:+.1f}, {100 * ci.hi:+.1f}] pt excludes 0")
+        problems.append(f"{task}: accuracy {sf.accuracy:.3f} vs baseline {sb.accuracy:.3f} "
+                        f"({100 * (sf.accuracy - sb.accuracy):+.1f} pt), {how}, below {th.min_relative_accuracy}x baseline")
+    # output length
+    if sb.mean_output_tokens is None or sf.mean_output_tokens is None:
+        metrics["length_ratio"] = None
+        problems.append(f"{task}: output lengths unknown for some responses: the length gate cannot be judged")
+    else:
+        ratio = (sf.mean_output_tokens / sb.mean_output_tokens if sb.mean_output_tokens > 0
+                 else (1.0 if sf.mean_output_tokens == 0 else None))
+        metrics["length_ratio"] = ratio
+        if ratio is None or abs(ratio - 1) > th.max_relative_length_change:
+            problems.append(f"{task}: mean output {sf.mean_output_tokens:.1f} tokens vs baseline "
+                            f"{sb.mean_output_tokens:.1f}: outside +-{100 * th.max_relative_length_change:.0f}%")
+    # truncation and extraction failures
+    for what, attr, max_rate, max_inc in (
+            ("truncation (hit max_tokens)", "truncation_rate", th.truncation_max_rate, th.truncation_max_increase),
+            ("answer-extraction failure", "extraction_failure_rate", th.extraction_max_rate, th.extraction_max_increase)):
+        rb, rf = getattr(sb, attr), getattr(sf, attr)
+        for side, r in (("baseline", rb), ("under test", rf)):
+            if r > max_rate:
+                problems.append(f"{task}: {what} rate {_pct(r)} on the {side} side, over {_pct(max_rate)}")
+        if rf - rb > max_inc:
+            problems.append(f"{task}: {what} rate {_pct(rf)} vs baseline {_pct(rb)}: up more than {_pct(max_inc)}")
+    metrics["gates_passed"] = not problems
+    return metrics, problems
+
+
+def headline(per_task: dict[str, Any]) -> dict[str, Any]:
+    """``<task>:<number>`` scalars for people (accuracies, difference, p-value, items); the rescorer checks them."""
+    out: dict[str, Any] = {}
+    for task, m in per_task.items():
+        if not m.get("items"):
+            continue
+        out[f"{task}:items"] = m["items"]
+        out[f"{task}:baseline_accuracy"] = m["baseline"]["accuracy"]
+        out[f"{task}:under_test_accuracy"] = m["under_test"]["accuracy"]
+        out[f"{task}:accuracy_diff"] = m["accuracy_diff"]
+        out[f"{task}:p_value"] = m["p_value"]  # None for the bootstrap-only (fractional) scores
+        out[f"{task}:ci_diff"] = [m["bootstrap"]["lo"], m["bootstrap"]["hi"]]  # paired bootstrap bounds
+    return out
