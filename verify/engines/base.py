@@ -35,6 +35,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int = 0  # top-n log-probabilities per generated position (0 = none)
     stop: tuple[str, ...] = ()
+    ignore_eos: bool = False  # keep generating past EOS up to max_tokens (vLLM's ignore_eos)
 
     @property
     def greedy(self) -> bool:

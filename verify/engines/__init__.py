@@ -1,0 +1,164 @@
+"""Engines: what serves the model a feature check or an eval talks to (``base.Engine``).
+
+``build_engine(spec, **opts)`` turns a spec string into an engine:
+
+| spec | engine |
+|---|---|
+| ``builtin:reference`` | k3_fastpath's generator on the PyTorch reference (the standard path), in process |
+| ``builtin:fast`` | the same generator on the fast-path executor (an sm_90 GPU with the CuTe DSL) |
+| ``openai:<base_url>`` | an OpenAI-compatible server that is already running (``openai.OpenAIEngine``) |
+| ``vllm`` / ``vllm+latency_specialized`` | ``vllm serve`` launched by the suite, without / with the switch |
+|  | (``vllm_server.launch_vllm``; needs ``model_dir``) |
+
+``opts`` are the run's settings (``preset``, ``device``, ``seed``, ``max_model_len``, ``model``,
+``tokenizer_dir``, ...); each engine takes the ones its constructor names and ignores the rest, so the
+runner can hand every engine the same options.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from verify.engines.base import (
+    Completion,
+    Constraint,
+    ContextLimitError,
+    Engine,
+    EngineError,
+    SamplingParams,
+)
+
+__all__ = ["Completion", "Constraint", "ContextLimitError", "Engine", "EngineError", "SamplingParams",
+           "SPEC_HELP", "build_engine", "default_engine_spec", "describe_spec", "parse_spec"]
+
+SPEC_HELP = "builtin:reference | builtin:fast | openai:<base_url> | vllm | vllm+latency_specialized"
+BASELINE_DEFAULT = "builtin:reference"
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``spec`` -> (kind, argument): ("builtin", "fast"), ("openai", url), ("vllm", "" | "latency_specialized").
+    Raises ``EngineError`` with the accepted forms for anything else."""
+    s = (spec or "").strip()
+    if s in ("builtin:reference", "builtin:fast"):
+        return "builtin", s.split(":", 1)[1]
+    if s.startswith("openai:"):
+        url = s[len("openai:"):]
+        if not url.startswith(("http://", "https://")):
+            raise EngineError(f"engine {spec!r}: openai: needs a base URL, e.g. openai:http://127.0.0.1:8000/v1")
+        return "openai", url
+    if s == "vllm":
+        return "vllm", ""
+    if s == "vllm+latency_specialized":
+        return "vllm", "latency_specialized"
+    raise EngineError(f"unknown engine {spec!r}; use {SPEC_HELP}")
+
+
+def default_engine_spec(device: str) -> str:
+    """The engine under test when none is named: the fast path on an sm_90 GPU, else the reference."""
+    from verify.engines.builtin import fast_path_unavailable_reason
+
+    if str(device).startswith("cuda") and fast_path_unavailable_reason(device) is None:
+        return "builtin:fast"
+    return "builtin:reference"
+
+
+def _accepted(fn: Any, opts: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``opts`` that ``fn`` takes (all of them if it takes ``**kwargs``); None values dropped."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return {k: v for k, v in opts.items() if v is not None}
+    return {k: v for k, v in opts.items() if k in params and v is not None}
+
+
+def build_engine(spec: str, **opts: Any) -> Engine:
+    """Build (and for ``vllm`` launch) the engine ``spec`` names; ``EngineError`` says why it cannot."""
+    kind, arg = parse_spec(spec)
+    if kind == "builtin":
+        from verify.engines.builtin import BuiltinEngine
+
+        return BuiltinEngine(path=arg, **_accepted(BuiltinEngine.__init__, {k: v for k, v in opts.items()
+                                                                           if k != "path"}))
+    if kind == "openai":
+        from verify.engines.openai import OpenAIEngine
+
+        return OpenAIEngine(base_url=arg, **_accepted(OpenAIEngine.__init__,
+                                                      {k: v for k, v in opts.items() if k != "base_url"}))
+    from verify.engines.vllm_server import launch_vllm as launch
+
+    rest = {k: v for k, v in opts.items() if k != "latency_specialized"}
+    return launch(latency_specialized=(arg == "latency_specialized"), **_accepted(launch, rest))
+
+
+def describe_spec(spec: str, role: str, **opts: Any) -> dict[str, Any]:
+    """What the manifest says about an engine before it is built (engines are built on first use)."""
+    kind, arg = parse_spec(spec)
+    d: dict[str, Any] = {"role": role, "spec": spec, "kind": kind}
+    if kind == "builtin":
+        d["path"] = arg
+    elif kind == "openai":
+        d["base_url"] = arg
+    else:
+        d["decode_backend"] = "latency_specialized" if arg else "standard"
+    d["options"] = {k: v for k, v in sorted(opts.items()) if isinstance(v, (str, int, float, bool))}
+    return d
+
+
+class EnginePool:
+    """The engines of one run, by role (``engine_under_test``, ``baseline``): each built on first use, once,
+    and closed by ``close()`` at the end of the run. Two roles with the same spec share one engine (on a
+    CPU both are ``builtin:reference``). A failed build is remembered and re-raised, never retried (a
+    vLLM launch that failed once is not launched again for every check)."""
+
+    ROLES = ("engine_under_test", "baseline")
+
+    def __init__(self, specs: dict[str, str], opts: dict[str, Any] | None = None, log: Any = None) -> None:
+        for role, spec in specs.items():
+            if role not in self.ROLES:
+                raise ValueError(f"unknown engine role {role!r}; roles: {', '.join(self.ROLES)}")
+            parse_spec(spec)
+        self.specs = dict(specs)
+        self.opts = dict(opts or {})
+        self.log = log or (lambda text: None)
+        self._by_spec: dict[str, Engine] = {}
+        self._failed: dict[str, EngineError] = {}
+        self.built: dict[str, dict[str, Any]] = {}  # role -> describe() at build time
+
+    def manifest_entries(self) -> list[dict[str, Any]]:
+        return [describe_spec(spec, role, **self.opts) for role, spec in self.specs.items()]
+
+    def get(self, role: str) -> Engine:
+        if role not in self.specs:
+            raise EngineError(f"this run has no {role} engine")
+        spec = self.specs[role]
+        if spec in self._failed:
+            raise self._failed[spec]
+        if spec not in self._by_spec:
+            self.log(f"building engine {spec} ({role})")
+            try:
+                self._by_spec[spec] = build_engine(spec, **self.opts)
+            except EngineError as e:
+                self._failed[spec] = e
+                raise
+            except Exception as e:
+                err = EngineError(f"engine {spec}: {type(e).__name__}: {e}")
+                self._failed[spec] = err
+                raise err from e
+        engine = self._by_spec[spec]
+        if role not in self.built:
+            self.built[role] = engine.describe()
+            self.log(f"engine {role}: {self.built[role]}")
+        return engine
+
+    def close(self) -> None:
+        """Close every engine built (each once), keeping the first error to raise after all are closed."""
+        first: Exception | None = None
+        for spec, engine in list(self._by_spec.items()):
+            try:
+                engine.close()
+            except Exception as e:  # keep closing the others
+                self.log(f"closing engine {spec} failed: {type(e).__name__}: {e}")
+                first = first or e
+        self._by_spec.clear()
+        if first is not None:
+            raise first
