@@ -20,7 +20,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-KERNELS = ("rmsnorm_residual", "skinny_gemm", "attn_res_mix", "kda_decode")
+KERNELS = ("rmsnorm_residual", "skinny_gemm", "attn_res_mix", "kda_decode", "moe_router", "mla_decode",
+           "moe_experts")
 REQUIRED_EXPORTS = ("NAME", "is_supported", "compile_kernel", "compile_variants", "precompile", "op", "reference")
 
 

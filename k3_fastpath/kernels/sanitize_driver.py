@@ -21,6 +21,11 @@ def main() -> int:
     from k3_fastpath.kernels.attn_res_mix.api import attn_res_mix
     from k3_fastpath.kernels.kda_decode.api import kda_decode
     from k3_fastpath.kernels.kda_decode.bench import _ORDER, _case
+    from k3_fastpath.kernels.mla_decode.api import mla_decode, mla_decode_partial, mla_merge
+    from k3_fastpath.kernels.mla_decode.bench import make_case
+    from k3_fastpath.kernels.moe_experts.api import moe_experts
+    from k3_fastpath.kernels.moe_experts.bench import make_experts
+    from k3_fastpath.kernels.moe_router.api import moe_router, moe_router_select
     from k3_fastpath.kernels.rmsnorm_residual.api import rmsnorm_residual
     from k3_fastpath.kernels.skinny_gemm.api import skinny_gemm
 
@@ -47,13 +52,32 @@ def main() -> int:
         c = _case(B, H, N=B + 2)
         c["slot"][0] = 0  # an empty slot: its caches must stay untouched (initcheck/memcheck see the skip path)
         kda_decode(*(c[n] for n in _ORDER))
+    for M, E, H, k in ((1, 896, 7168, 16), (3, 16, 128, 4)):  # K3 router, k3-tiny's
+        moe_router(torch.randn(M, H, device=dev).to(bf), (torch.randn(E, H, device=dev) / H**0.5).to(bf),
+                   0.1 * torch.randn(E, device=dev), k)
+        moe_router_select(torch.zeros(M, E, device=dev), torch.zeros(E, device=dev), k)  # all keys tied
+    for H, dims, fp8 in ((6, (512, 64, 128), False), (12, (512, 64, 128), True), (4, (32, 16, 32), False)):
+        c = make_case(3, H, [130, 1, 0], dims, fp8)  # ragged, context 1, an empty sequence (zero partials)
+        mla_decode(**c, num_splits=2)  # two splits: the LSE combine and an empty split
+        kw = {n: c[n] for n in ("q_lat", "q_pe", "cache", "block_table", "ctx_len", "cache_scale", "softmax_scale")}
+        o, lse = mla_decode_partial(**kw)
+        mla_merge(torch.stack([o, o]), torch.stack([lse, lse]), c["w_uv"], c["gate"])
+    for fmt in ("mxfp4", "bf16"):  # k3-tiny's experts: 16 x (128 x 64), top-4; 9 tokens share expert 3
+        ex = make_experts(fmt, 16, 128, 64)
+        ids = torch.stack([torch.randperm(16, device=dev)[:4] for _ in range(9)]).int()
+        ids[:, 0] = 3
+        w = torch.rand(9, 4, device=dev)
+        z = torch.randn(9, 64, device=dev).to(bf)
+        moe_experts(z, ids, w, ex)
+        moe_experts(z[:2], ids[:2], w[:2], ex, norm_weight=torch.ones(64, device=dev).to(bf))
     torch.cuda.synchronize()
     snap = counters.snapshot()
     print(f"sanitize_driver: launches {snap['launches']}", flush=True)
     if snap["fallbacks"]:
         print(f"sanitize_driver: FALLBACKS {snap['fallbacks']}", flush=True)
         return 1
-    missing = {"skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode"} - set(snap["launches"])
+    missing = {"skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode",
+               "mla_decode_merge", "moe_experts"} - set(snap["launches"])
     if missing:
         print(f"sanitize_driver: never launched {sorted(missing)}", flush=True)
         return 1

@@ -19,6 +19,7 @@ L2 as in decode. The check fails if a target is missed, and says by how much.
 
 from __future__ import annotations
 
+import importlib
 from functools import partial
 from typing import Any
 
@@ -143,7 +144,12 @@ def _kda_layer_rows(ctx: CheckContext, batches: list[int]) -> list[dict]:
 SWEEP_SHAPES = ["kda_in_proj", "kda_o_proj", "mla_q_b", "mla_kv_b", "latent_down"]
 
 
-PARTS = ("gemm", "norms", "kda", "kda_layer")
+# Kernels whose bench module brings its own rows: part name -> module with
+# ``bench_check(ctx, ms, sweep, bw_gbs) -> {"problems": [...], "metrics": {...}}`` (it records its rows).
+KERNEL_BENCHES = {"moe_router": "k3_fastpath.kernels.moe_router.bench",
+                  "mla_decode": "k3_fastpath.kernels.mla_decode.bench",
+                  "moe_experts": "k3_fastpath.kernels.moe_experts.bench"}
+PARTS = ("gemm", "norms", "kda", "kda_layer", *KERNEL_BENCHES)
 
 
 def kernels(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool,
@@ -163,8 +169,12 @@ def kernels(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool,
     norms = _norm_rows(ctx, [m for m in ms if m in (1, 8, 64)] or list(ms)[:1]) if "norms" in parts else []
     kda = _kda_rows(ctx, list(ms), sweep) if "kda" in parts else []
     layer = _kda_layer_rows(ctx, [m for m in ms if m <= 8]) if "kda_layer" in parts else []
+    registered = {}
+    for part in (p for p in parts if p in KERNEL_BENCHES):
+        registered[part] = importlib.import_module(KERNEL_BENCHES[part]).bench_check(ctx, list(ms), sweep, bw)
     problems = [f"skinny_gemm {r['shape']} {r['N']}x{r['K']} M={r['M']}: {r['error']}" for r in gemm if "error" in r]
     problems += [f"kda_decode H={r['H']} B={r['B']}: {r['error']}" for r in kda if "error" in r]
+    problems += [msg for res in registered.values() for msg in res["problems"]]
     for r in kda:
         if r.get("vs_fla") is not None and r["B"] <= 8 and r["vs_fla"] < TARGET_KDA_VS_FLA:
             problems.append(f"kda_decode H={r['H']} B={r['B']}: {r['vs_fla']:.2f}x fla < {TARGET_KDA_VS_FLA}x")
@@ -206,4 +216,6 @@ def kernels(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool,
         "kda_layer_x_floor": {f"H{r['H']}_B{r['B']}": r["x_floor"] for r in layer if "x_floor" in r},
         "kda_layer_vs_cublas_fla": {f"H{r['H']}_B{r['B']}": r.get("vs_cublas_fla") for r in layer if "x_floor" in r},
     }
+    for res in registered.values():
+        metrics.update(res["metrics"])
     return ctx.verdict(problems, metrics)

@@ -48,7 +48,8 @@ def compile_all(ctx: CheckContext, presets: list[str]) -> Any:
                                   "kernels": sorted({r["kernel"] for r in rows})})
 
 
-GPU_KERNEL_TESTS = ("tests/test_kernels_gpu.py", "tests/test_kda_decode_gpu.py")
+GPU_KERNEL_TESTS = ("tests/test_kernels_gpu.py", "tests/test_kda_decode_gpu.py", "tests/test_moe_router_gpu.py",
+                    "tests/test_mla_decode_gpu.py", "tests/test_moe_experts_gpu.py")
 
 
 def _pytest_gpu(ctx: CheckContext, test_files: tuple[str, ...], extra: list[str]) -> list[dict[str, Any]]:

@@ -1,0 +1,360 @@
+"""Torch-facing absorbed MLA decode (one new token per sequence) over a paged latent cache.
+
+    y = mla_decode(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate, softmax_scale=192**-0.5,
+                   cache_scale=None, max_ctx=None)
+        q_lat [B, H, R] bf16     q_nope absorbed through W_UK and rounded (``absorb_q``)
+        q_pe  [B, H, P] bf16     the unrotated rope part of the query (NoPE)
+        cache [pages, page_size, R + P] bf16 or float8_e4m3fn (then ``cache_scale``: fp32 [1] on device)
+        block_table [B, max_pages] int32, ctx_len [B] int32 (positions 0 .. ctx_len[b]-1 are attended)
+        w_uv  [H, V, R] bf16     per-head value up-projection (``split_kv_b``), gate [B, H*V] bf16 or None
+        -> y [B, H*V] bf16, the input of o_proj: bf16(bf16(W_UV bf16(o_lat)) * sigmoid(gate))
+
+    o_lat, lse = mla_decode_partial(q_lat, q_pe, cache, block_table, ctx_len, softmax_scale=...)
+    y = mla_merge(o_parts, lse_parts, w_uv, gate)      # context parallelism: [G, B, H, R] / [G, B, H]
+
+Two launches: the split-KV attention (grid splits x B x head groups; the split count comes from
+``config.choose_splits`` for the batch's longest context) and the combine (LSE merge + W_UV + gate).
+``max_ctx`` (a host int >= every ctx_len) sizes the split grid; without it the op reads ctx_len.max()
+(a device sync: pass it under CUDA-graph capture). The caller guarantees ctx_len[b] <= max_pages *
+page_size and that the table's pages of b hold b's positions. A slot-indexed pool [N, L, D] is a paged
+cache with page_size L (L % 64 == 0) or any divisor of L that is a multiple of 64: ``slot_block_table``.
+Outside the envelope (see ``is_supported``) the call is served by ``reference.py`` and counted as a
+fallback with the reason.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from ..._lib import compile_cache, counters
+from ..._lib.dispatch import OK, Support, check_tensors, no
+from .config import MAX_SPLITS, TILE, MLADecodeConfig, choose_splits
+from .reference import mla_attention_ref, mla_decode_ref, mla_merge_ref
+
+NAME = "mla_decode"
+FP8 = torch.float8_e4m3fn
+LOG2E = 1.4426950408889634
+
+
+def _cache_dtype_name(dtype: torch.dtype) -> str:
+    return "fp8" if dtype == FP8 else "bf16"
+
+
+def compile_mla_attention(dtype: str, H: int, R: int, P: int, page_size: int, config: MLADecodeConfig) -> Any:
+    if dtype not in ("bf16", "fp8") or config.fp8 != (dtype == "fp8"):
+        raise ValueError(f"{NAME}: cache dtype {dtype!r} with config.fp8={config.fp8}")
+    key = compile_cache.CompileKey.make(NAME, dtype, (H, R, P, page_size), config)
+
+    def build(options: str) -> Any:
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..._lib.tensor import fake_stream, fake_tensor
+        from .kernel import MLAAttentionKernel
+
+        bf, f32, i32 = cutlass.BFloat16, cutlass.Float32, cutlass.Int32
+        row_bytes = (R + P) * (1 if config.fp8 else 2)
+        args = (fake_tensor(bf, (None, H, R)), fake_tensor(bf, (None, H, P)),
+                fake_tensor(cutlass.Uint8, (None, page_size, row_bytes)), fake_tensor(i32, (None, None), align=4),
+                fake_tensor(i32, (None,), align=4), fake_tensor(f32, (1,), align=4),
+                fake_tensor(f32, (None, None, H, R)), fake_tensor(f32, (None, None, H), align=4))
+        return cute.compile(MLAAttentionKernel(H, R, P, page_size, config), *args, f32(1.0), i32(TILE),
+                            fake_stream(), options=options)
+
+    return compile_cache.get_or_compile(key, build)
+
+
+def compile_mla_combine(H: int, R: int, V: int, final: bool, config: MLADecodeConfig) -> Any:
+    """The merge for H heads of rank R; ``final``: + W_UV [H, V, R] and the gate (config.gate)."""
+    key = compile_cache.CompileKey.make(f"{NAME}_combine", "fp32", (H, R, V, "final" if final else "partial"),
+                                        (config.gate and final, config.combine_rows, MAX_SPLITS))
+
+    def build(options: str) -> Any:
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..._lib.tensor import fake_stream, fake_tensor
+        from .kernel import MLACombineKernel
+
+        bf, f32 = cutlass.BFloat16, cutlass.Float32
+        gate = config.gate and final
+        args = (fake_tensor(f32, (None, None, H, R)), fake_tensor(f32, (None, None, H), align=4),
+                fake_tensor(bf, (H, V, R)) if final else None,
+                fake_tensor(bf, (None, H * V)) if gate else None,
+                fake_tensor(bf, (None, H * V)) if final else None,
+                None if final else fake_tensor(f32, (None, H, R)),
+                None if final else fake_tensor(f32, (None, H), align=4))
+        kern = MLACombineKernel(H, R, V, final, gate, config.combine_rows, MAX_SPLITS)
+        return cute.compile(kern, *args, fake_stream(), options=options)
+
+    return compile_cache.get_or_compile(key, build)
+
+
+def compile_mla_decode(dtype: str, H: int, R: int, P: int, V: int, page_size: int, config: MLADecodeConfig) -> Any:
+    """Compile (or fetch) both kernels of one decode configuration (B, pages, splits stay symbolic);
+    returns the attention kernel's function (the combine lands in the same cache)."""
+    fn = compile_mla_attention(dtype, H, R, P, page_size, config)
+    compile_mla_combine(H, R, V, True, config)
+    return fn
+
+
+PAGE_SIZE = 64  # the page size the serving cache uses (FlashMLA's); other multiples of 64 compile on demand
+
+
+def compile_variants(preset_name: str) -> list[dict[str, Any]]:
+    """MLA heads per GPU of ``preset_name`` x cache dtype (BF16 and FP8), page size 64, the preset's gate."""
+    from ...config import preset
+
+    p = preset(preset_name)
+    cfg = p.config
+    H = p.shapes.mla_heads
+    R, P, V = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+    out = []
+    for dtype in ("bf16", "fp8"):
+        c = MLADecodeConfig.from_heuristic(H, R + P, dtype == "fp8", cfg.mla_use_output_gate)
+        out.append({"dtype": dtype, "H": H, "R": R, "P": P, "V": V, "page_size": PAGE_SIZE, "config": c})
+    return out
+
+
+def precompile(preset_name: str) -> int:
+    variants = compile_variants(preset_name)
+    for v in variants:
+        compile_mla_decode(**v)
+    return len(variants)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def split_kv_b(kv_b_weight: torch.Tensor, heads: int, nope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_b_proj.weight [heads*(nope+v), R]`` -> contiguous (W_UK [heads, nope, R], W_UV [heads, v, R])."""
+    w = kv_b_weight.view(heads, nope + v_dim, -1)
+    return w[:, :nope].contiguous(), w[:, nope:].contiguous()
+
+
+def absorb_q(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_lat [B, H, R] = q_nope [B, H, nope] W_UK [H, nope, R], accumulated in FP32 (FP64 for FP64 input)
+    and rounded to q_nope's dtype, as the reference's absorbed path computes it."""
+    cdt = torch.float64 if q_nope.dtype == torch.float64 else torch.float32
+    return torch.einsum("bhd,hdr->bhr", q_nope.to(cdt), w_uk.to(cdt)).to(q_nope.dtype)
+
+
+def slot_block_table(slot: torch.Tensor, max_len: int, page_size: int = PAGE_SIZE) -> torch.Tensor:
+    """Block table of a slot-indexed pool [N, max_len, D] viewed as [N * max_len / page_size, page_size, D]."""
+    if max_len % page_size:
+        raise ValueError(f"max_len {max_len} is not a multiple of page_size {page_size}")
+    per = max_len // page_size
+    return (slot.long()[:, None] * per + torch.arange(per, device=slot.device)[None, :]).to(torch.int32)
+
+
+_ones: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    if device not in _ones:
+        _ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return _ones[device]
+
+
+@lru_cache(maxsize=4096)
+def _splits(B: int, groups: int, max_ctx: int) -> tuple[int, int]:
+    return choose_splits(B, groups, max_ctx)
+
+
+# ------------------------------------------------------------------------------------------ support
+def _combine_r_ok(R: int) -> bool:
+    """The combine's thread layout: R/4 FP32 vectors per row divide 128 (R in 16, 32, ..., 512)."""
+    return R % 16 == 0 and 128 % (R // 4) == 0
+
+
+def _check_attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale) -> Support:
+    if q_lat.dim() != 3 or q_pe.dim() != 3 or cache.dim() != 3:
+        return no("q_lat/q_pe must be [B, H, .], cache [pages, page_size, D]")
+    B, H, R = q_lat.shape
+    P = q_pe.shape[2]
+    if q_pe.shape[:2] != (B, H):
+        return no("q_pe shape")
+    if B == 0 or B > 65535:
+        return no(f"B={B} outside 1..65535")
+    if MAX_SPLITS * B * H * R >= 2**31:  # the split partials are indexed in 32 bits
+        return no(f"B={B} x H={H}: the split workspace would pass 2^31 elements")
+    if cache.shape[2] != R + P:
+        return no(f"cache width {cache.shape[2]} != R + P = {R + P}")
+    if cache.shape[1] % TILE:
+        return no(f"page_size {cache.shape[1]} not a multiple of {TILE}")
+    if (R + P) % 16 or not _combine_r_ok(R):
+        return no(f"R={R}, P={P}: needs (R + P) % 16 == 0 and R/4 dividing 128")
+    if block_table.dim() != 2 or block_table.shape[0] != B or ctx_len.shape != (B,):
+        return no("block_table [B, max_pages] / ctx_len [B]")
+    if cache.dtype not in (torch.bfloat16, FP8):
+        return no(f"cache dtype {str(cache.dtype).replace('torch.', '')} (needs bfloat16 or float8_e4m3fn)")
+    if cache.dtype == FP8 and (cache_scale is None or cache_scale.numel() != 1):
+        return no("fp8 cache needs cache_scale (one fp32 value)")
+    try:
+        MLADecodeConfig.from_heuristic(H, R + P, cache.dtype == FP8)
+    except ValueError as e:
+        return no(str(e))
+    s = check_tensors({"q_lat": q_lat, "q_pe": q_pe}, torch.bfloat16)
+    if s:
+        s = check_tensors({"cache": cache.view(torch.uint8)}, torch.uint8)
+    if s:
+        s = check_tensors({"block_table": block_table, "ctx_len": ctx_len}, torch.int32, align=4)
+    if s and cache_scale is not None:
+        s = check_tensors({"cache_scale": cache_scale}, torch.float32, align=4)
+    if s and not all(t.device == q_lat.device for t in (cache, block_table, ctx_len)):
+        return no("tensors on different devices")
+    return s if not s else OK
+
+
+def _check_up(B: int, H: int, R: int, w_uv, gate, out) -> Support:
+    if w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R:
+        return no(f"w_uv shape {list(w_uv.shape)} (needs [{H}, V, {R}])")
+    V = w_uv.shape[1]
+    if not 1 <= V <= 128:
+        return no(f"V={V} outside 1..128")
+    if gate is not None and gate.shape != (B, H * V):
+        return no("gate shape")
+    if out is not None and out.shape != (B, H * V):
+        return no("out shape")
+    s = check_tensors({"w_uv": w_uv, "gate": gate}, torch.bfloat16)
+    if s and out is not None:
+        s = check_tensors({"out": out}, torch.bfloat16)
+    return s if not s else OK
+
+
+def is_supported(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate=None, cache_scale=None, out=None) -> Support:
+    s = _check_attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale)
+    if s:
+        B, H, R = q_lat.shape
+        s = _check_up(B, H, R, w_uv, gate, out)
+    return s if not s else OK
+
+
+# ------------------------------------------------------------------------------------------ launches
+def _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx, config,
+               num_splits=None):
+    """Launch the split-KV kernel; returns (o_part [S, B, H, R], lse [S, B, H], config)."""
+    from ..._lib.tensor import current_stream, to_cute
+
+    B, H, R = q_lat.shape
+    P = q_pe.shape[2]
+    fp8 = cache.dtype == FP8
+    cfg = config or MLADecodeConfig.from_heuristic(H, R + P, fp8)
+    if cfg.fp8 != fp8:
+        raise ValueError(f"config {cfg} does not fit a {'fp8' if fp8 else 'bf16'} cache")
+    if max_ctx is None:
+        max_ctx = int(ctx_len.max())  # device sync: callers that capture graphs pass max_ctx
+    groups = -(-H // cfg.heads_per_cta)
+    splits, per = _splits(B, groups, max(1, int(max_ctx)))
+    if num_splits is not None:  # a bench / test override of the heuristic
+        tiles = -(-max(1, int(max_ctx)) // TILE)
+        per = -(-tiles // max(1, min(int(num_splits), MAX_SPLITS, tiles)))
+        splits = -(-tiles // per)
+    fn = compile_mla_attention(_cache_dtype_name(cache.dtype), H, R, P, cache.shape[1], cfg)
+    o_part = torch.empty((splits, B, H, R), dtype=torch.float32, device=q_lat.device)
+    lse = torch.empty((splits, B, H), dtype=torch.float32, device=q_lat.device)
+    scale_t = cache_scale.reshape(1) if cache_scale is not None else _unit_scale(q_lat.device)
+    fn(to_cute(q_lat), to_cute(q_pe), to_cute(cache.view(torch.uint8)), to_cute(block_table, align=4, dynamic_dims=(0, 1)),
+       to_cute(ctx_len, align=4), to_cute(scale_t, align=4, dynamic_dims=()),
+       to_cute(o_part, dynamic_dims=(0, 1)), to_cute(lse, align=4, dynamic_dims=(0, 1)),
+       float(softmax_scale * LOG2E), per * TILE, current_stream(q_lat.device))
+    return o_part, lse, cfg
+
+
+def _combine_final(o_part, lse, w_uv, gate, out, cfg):
+    from ..._lib.tensor import current_stream, to_cute
+
+    S, B, H, R = o_part.shape
+    V = w_uv.shape[1]
+    c = MLADecodeConfig(cfg.heads_per_cta, cfg.stages, cfg.fp8, gate is not None, cfg.combine_rows)
+    fn = compile_mla_combine(H, R, V, True, c)
+    if out is None:
+        out = torch.empty((B, H * V), dtype=torch.bfloat16, device=o_part.device)
+    fn(to_cute(o_part, dynamic_dims=(0, 1)), to_cute(lse, align=4, dynamic_dims=(0, 1)),
+       to_cute(w_uv, dynamic_dims=()), to_cute(gate) if gate is not None else None, to_cute(out), None, None,
+       current_stream(o_part.device))
+    return out
+
+
+def _combine_partial(o_part, lse, cfg):
+    from ..._lib.tensor import current_stream, to_cute
+
+    S, B, H, R = o_part.shape
+    fn = compile_mla_combine(H, R, 1, False, cfg)
+    o_lat = torch.empty((B, H, R), dtype=torch.float32, device=o_part.device)
+    lse_out = torch.empty((B, H), dtype=torch.float32, device=o_part.device)
+    fn(to_cute(o_part, dynamic_dims=(0, 1)), to_cute(lse, align=4, dynamic_dims=(0, 1)), None, None, None,
+       to_cute(o_lat), to_cute(lse_out, align=4), current_stream(o_part.device))
+    return o_lat, lse_out
+
+
+def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+               ctx_len: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None, *,
+               softmax_scale: float, cache_scale: torch.Tensor | None = None, max_ctx: int | None = None,
+               out: torch.Tensor | None = None, config: MLADecodeConfig | None = None,
+               num_splits: int | None = None) -> torch.Tensor:
+    """One decode step of the absorbed attention for B sequences -> y [B, H*V] bf16 (see module doc).
+    ``config`` / ``num_splits`` override the heuristics (benches, tests)."""
+    support = is_supported(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate, cache_scale, out)
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        return mla_decode_ref(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate, softmax_scale=softmax_scale,
+                              cache_scale=cache_scale, out=out)
+    o_part, lse, cfg = _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx,
+                                  config, num_splits)
+    y = _combine_final(o_part, lse, w_uv, gate, out, cfg)
+    counters.count_launch(NAME)
+    return y
+
+
+def mla_decode_partial(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                       ctx_len: torch.Tensor, *, softmax_scale: float, cache_scale: torch.Tensor | None = None,
+                       max_ctx: int | None = None, config: MLADecodeConfig | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of context-parallel decode: (o_lat [B, H, R] fp32 normalised, lse [B, H] fp32);
+    a sequence with no position here gets o_lat = 0, lse = -inf. Merge the ranks with ``mla_merge``."""
+    support = _check_attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale)
+    if support and not _combine_r_ok(q_lat.shape[2]):
+        support = no("R")
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        o, lse = mla_attention_ref(q_lat, q_pe, cache, block_table, ctx_len, softmax_scale=softmax_scale,
+                                   cache_scale=cache_scale)
+        return o.float(), lse.float()
+    o_part, lse, cfg = _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx,
+                                  config)
+    res = _combine_partial(o_part, lse, cfg)
+    counters.count_launch(NAME)
+    return res
+
+
+def mla_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None,
+              *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Merge G context-parallel partials (``o_parts [G, B, H, R]`` fp32, ``lse_parts [G, B, H]`` fp32) by
+    their LSE, then W_UV and the gate -> y [B, H*V] bf16. Counted as a launch of ``mla_decode_merge``."""
+    op = f"{NAME}_merge"
+    s = Support(True)
+    if o_parts.dim() != 4 or lse_parts.shape != o_parts.shape[:3]:
+        s = no("o_parts [G, B, H, R] / lse_parts [G, B, H]")
+    elif not 1 <= o_parts.shape[0] <= MAX_SPLITS or not 1 <= o_parts.shape[1] <= 65535:
+        s = no(f"G={o_parts.shape[0]} outside 1..{MAX_SPLITS} or B outside 1..65535")
+    elif not _combine_r_ok(o_parts.shape[3]):
+        s = no(f"R={o_parts.shape[3]}: R/4 must divide 128")
+    else:
+        s = check_tensors({"o_parts": o_parts}, torch.float32)
+        if s:
+            s = check_tensors({"lse_parts": lse_parts}, torch.float32, align=4)
+        if s:
+            s = _check_up(o_parts.shape[1], o_parts.shape[2], o_parts.shape[3], w_uv, gate, out)
+    if not s:
+        counters.count_fallback(op, s.reason)
+        y = mla_merge_ref(o_parts, lse_parts, w_uv, gate)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+    cfg = MLADecodeConfig(8, 2, False, gate is not None)
+    y = _combine_final(o_parts, lse_parts, w_uv, gate, out, cfg)
+    counters.count_launch(op)
+    return y

@@ -1,0 +1,182 @@
+"""Torch-facing router: FP32 logits, sigmoid, + correction bias, top-k (lowest index wins exact ties),
+renormalised weights, for decode batches M = 1..64. Two launches: the skinny GEMM with FP32 output
+(``skinny_gemm``, its ``router`` epilogue is precompiled) and the selection kernel of this folder.
+
+    ids, w = moe_router(x, gate_weight, bias, top_k, renormalize=True, scale=1.0)
+        # x [M, H] bf16, gate_weight [E, H] bf16, bias [E] fp32 -> ids [M, k] int32, w [M, k] fp32
+    ids, w = moe_router_select(logits, bias, top_k, renormalize=True, scale=1.0)   # logits [M, E] fp32
+
+Same semantics as ``reference.moe.route`` (ids there are int64; here int32, the index dtype the expert
+kernels take). Picks are in descending key order. Outside the envelope (see ``is_supported``) the call is
+served by ``reference.py`` and counted as a fallback of ``moe_router`` with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._lib import compile_cache, counters
+from ..._lib.dispatch import OK, Support, check_tensors, no
+from .config import MoERouterConfig
+from .reference import moe_router_ref, moe_router_select_ref
+
+NAME = "moe_router"
+MAX_M = 64
+
+
+def compile_moe_router(dtype: str, E: int, top_k: int, config: MoERouterConfig) -> Any:
+    """Compile (or fetch) the selection kernel for E experts, top ``top_k``; M stays symbolic."""
+    if dtype != "fp32":
+        raise ValueError(f"{NAME}: router logits are FP32, got {dtype}")
+    if (config.num_experts, config.top_k) != (E, top_k):
+        raise ValueError(f"config {config} does not match E={E}, top_k={top_k}")
+    key = compile_cache.CompileKey.make(NAME, dtype, (E, top_k), config)
+
+    def build(options: str) -> Any:
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..._lib.tensor import fake_stream, fake_tensor
+        from .kernel import MoERouterKernel
+
+        f32 = cutlass.Float32
+        align = 16 if top_k % 4 == 0 else 4
+        args = (fake_tensor(f32, (None, E)), fake_tensor(f32, (E,)),
+                fake_tensor(cutlass.Int32, (None, top_k), align=align), fake_tensor(f32, (None, top_k), align=align))
+        return cute.compile(MoERouterKernel(config), *args, cutlass.Float32(1.0), fake_stream(), options=options)
+
+    return compile_cache.get_or_compile(key, build)
+
+
+def compile_variants(preset_name: str) -> list[dict[str, Any]]:
+    """The router of ``preset_name``: (num_experts, num_experts_per_token, moe_renormalize)."""
+    from ...config import preset
+
+    cfg = preset(preset_name).config
+    if cfg.num_experts == 0:
+        return []
+    E, k = cfg.num_experts, cfg.num_experts_per_token
+    return [{"dtype": "fp32", "E": E, "top_k": k,
+             "config": MoERouterConfig.from_heuristic(E, k, cfg.moe_renormalize)}]
+
+
+def precompile(preset_name: str) -> int:
+    variants = compile_variants(preset_name)
+    for v in variants:
+        compile_moe_router(**v)
+    return len(variants)
+
+
+def _align_of(top_k: int) -> int:
+    return 16 if top_k % 4 == 0 else 4
+
+
+def _check_select(M: int, E: int, bias: torch.Tensor, top_k: int, out_ids, out_weights) -> Support:
+    """Shape, dtype and alignment checks of the selection kernel's operands other than the logits."""
+    if M == 0:
+        return no("M=0")
+    if bias.shape != (E,):
+        return no(f"bias shape {list(bias.shape)} (needs [{E}])")
+    try:
+        MoERouterConfig(E, top_k)
+    except ValueError as e:
+        return no(str(e))
+    for name, t, dt in (("out_ids", out_ids, torch.int32), ("out_weights", out_weights, torch.float32)):
+        if t is not None and (t.shape != (M, top_k) or t.dtype != dt):
+            return no(f"{name} shape/dtype")
+    if out_ids is not None or out_weights is not None:
+        s = check_tensors({"out_ids": out_ids, "out_weights": out_weights},
+                          {"out_ids": torch.int32, "out_weights": torch.float32}, align=_align_of(top_k))
+        if not s:
+            return s
+    return OK
+
+
+def is_supported_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, out_ids=None,
+                        out_weights=None) -> Support:
+    if logits.dim() != 2:
+        return no("logits must be [M, E]")
+    s = _check_select(logits.shape[0], logits.shape[1], bias, top_k, out_ids, out_weights)
+    if s:
+        s = check_tensors({"logits": logits, "bias": bias}, torch.float32)
+    return s if not s else OK
+
+
+def is_supported(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, out_ids=None,
+                 out_weights=None) -> Support:
+    """The whole op: the logits GEMM's envelope (bf16, M <= 64) and the selection kernel's."""
+    from ..skinny_gemm.api import is_supported as gemm_supported
+
+    if x.dim() != 2 or gate_weight.dim() != 2:
+        return no("x and gate_weight must be 2-d")
+    if not 1 <= x.shape[0] <= MAX_M:
+        return no(f"M={x.shape[0]} outside 1..{MAX_M}")
+    s = _check_select(x.shape[0], gate_weight.shape[0], bias, top_k, out_ids, out_weights)
+    if not s:
+        return s
+    s = gemm_supported(x, gate_weight, out_dtype=torch.float32)
+    if not s:
+        return no(f"logits: {s.reason}")
+    s = check_tensors({"x": x, "bias": bias}, {"x": torch.bfloat16, "bias": torch.float32})
+    return s if not s else OK
+
+
+def _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config):
+    from ..._lib.tensor import current_stream, to_cute
+
+    M, E = logits.shape
+    cfg = config or MoERouterConfig.from_heuristic(E, top_k, renormalize)
+    if (cfg.num_experts, cfg.top_k, cfg.renormalize) != (E, top_k, renormalize):
+        raise ValueError(f"config {cfg} does not fit E={E}, top_k={top_k}, renormalize={renormalize}")
+    fn = compile_moe_router("fp32", E, top_k, cfg)
+    if out_ids is None:
+        out_ids = torch.empty((M, top_k), dtype=torch.int32, device=logits.device)
+    if out_weights is None:
+        out_weights = torch.empty((M, top_k), dtype=torch.float32, device=logits.device)
+    a = _align_of(top_k)
+    fn(to_cute(logits), to_cute(bias, dynamic_dims=()), to_cute(out_ids, align=a), to_cute(out_weights, align=a),
+       float(scale), current_stream(logits.device))
+    counters.count_launch(NAME)
+    return out_ids, out_weights
+
+
+def moe_router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool = True,
+                      scale: float = 1.0, *, out_ids: torch.Tensor | None = None,
+                      out_weights: torch.Tensor | None = None, config: MoERouterConfig | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selection from FP32 ``logits [M, E]``: (ids [M, k] int32, weights [M, k] fp32)."""
+    support = is_supported_select(logits, bias, top_k, out_ids, out_weights)
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        ids, w = moe_router_select_ref(logits, bias, top_k, renormalize, scale)
+        return _into(ids, w, out_ids, out_weights)
+    return _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config)
+
+
+def _into(ids, w, out_ids, out_weights):
+    if out_ids is not None:
+        out_ids.copy_(ids)
+        ids = out_ids
+    if out_weights is not None:
+        out_weights.copy_(w)
+        w = out_weights
+    return ids, w.float()
+
+
+def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
+               renormalize: bool = True, scale: float = 1.0, *, out_ids: torch.Tensor | None = None,
+               out_weights: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+               config: MoERouterConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route ``x [M, H]``: (ids [M, k] int32, weights [M, k] fp32). ``logits`` (an [M, E] fp32 buffer)
+    receives the logits when given; ``config`` overrides the selection heuristic (benches)."""
+    support = is_supported(x, gate_weight, bias, top_k, out_ids, out_weights)
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        ids, w = moe_router_ref(x, gate_weight, bias, top_k, renormalize, scale)
+        return _into(ids, w, out_ids, out_weights)
+    from ..skinny_gemm.api import skinny_gemm
+
+    lg = skinny_gemm(x, gate_weight, out=logits, out_dtype=torch.float32)
+    return _launch(lg, bias, top_k, renormalize, scale, out_ids, out_weights, config)
