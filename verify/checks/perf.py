@@ -85,3 +85,220 @@ def bandwidth_probe(ctx: CheckContext, bytes: int) -> Any:
         problems.append(f"read-bandwidth repeats spread by {spread:.1%} (> {MAX_SPREAD:.0%}): the GPU is shared "
                         f"or throttling; perf ratios from this run would be noise")
     return ctx.verdict(problems, metrics)
+
+
+# ------------------------------------------------------------------------------------------ decode sweep
+# Issue #5 targets (H200), judged by decode_sweep so the bundle states each as met or missed.
+TARGET_FAST_X_FLOOR = 1.15  # fast-path decode step <= 1.15x its HBM floor at every batch 1..64
+TARGET_SPEEDUP = {1: 2.4, 8: 1.8, 64: 1.4}  # fast vs standard, same process, same cache
+SWEEP_PRESET = "k3-mini"
+
+
+def _sweep_targets(points: list[dict], allreduce: list[dict]) -> tuple[dict[str, Any], list[str]]:
+    """Metrics (each target with its numbers and met / missed) and the problems that fail the check."""
+    problems: list[str] = []
+    targets: dict[str, Any] = {}
+    fast = [p for p in points if p["backend"] == "fast" and p.get("variant") == "decode"]
+    graphs = [p for p in fast if p.get("timer") == "cuda_graph_replay"]
+    worst = max(graphs, key=lambda p: p["x_floor"], default=None)
+    if worst is not None:
+        met = worst["x_floor"] <= TARGET_FAST_X_FLOOR
+        targets["fast_step_x_floor"] = {
+            "target": f"<= {TARGET_FAST_X_FLOOR}x the HBM floor at every batch 1..64", "status": "met" if met else "missed",
+            "worst": round(worst["x_floor"], 3), "at": {k: worst[k] for k in ("batch", "context", "tp", "routing")},
+            "by_point": {f"tp{p['tp']} b{p['batch']} ctx{p['context']} {p['routing']}": round(p["x_floor"], 3)
+                         for p in graphs}}
+        if not met:
+            problems.append(f"fast step {worst['x_floor']:.2f}x its floor at batch {worst['batch']} context "
+                            f"{worst['context']} ({worst['routing']}) > {TARGET_FAST_X_FLOOR}x")
+    for p in fast:
+        if p.get("timer") != "cuda_graph_replay":
+            problems.append(f"batch {p['batch']} context {p['context']}: the fast executor did not run a captured "
+                            f"fast step ({p.get('fallback')})")
+    by_key = {}
+    for p in points:
+        if p.get("variant") == "decode":
+            by_key.setdefault((p["tp"], p["batch"], p["context"], p["routing"]), {})[p["backend"]] = p
+    for b, want in TARGET_SPEEDUP.items():
+        got = {k: v["standard"]["step_us_median"] / v["fast"]["step_us_median"] for k, v in by_key.items()
+               if k[1] == b and len(v) == 2}
+        if not got:
+            targets[f"speedup_batch_{b}"] = {"target": f">= {want}x", "status": "not measured"}
+            continue
+        low_key = min(got, key=got.get)
+        met = got[low_key] >= want
+        targets[f"speedup_batch_{b}"] = {"target": f">= {want}x fast vs standard", "status": "met" if met else "missed",
+                                         "min": round(got[low_key], 3), "at_context": low_key[2],
+                                         "by_point": {f"ctx{k[2]} {k[3]}": round(v, 3) for k, v in got.items()}}
+        if not met:
+            problems.append(f"fast vs standard at batch {b}: {got[low_key]:.2f}x < {want}x (context {low_key[2]})")
+    if allreduce:
+        slow = [r for r in allreduce if r["speedup"] <= 1.0]
+        targets["tp2_fused_allreduce_vs_unfused"] = {
+            "target": "fused all-reduce + residual + norm faster than NCCL all-reduce + separate ops",
+            "status": "missed" if slow else "met",
+            "speedup_by_batch": {str(r["batch"]): round(r["speedup"], 3) for r in allreduce},
+            "fused_us_by_batch": {str(r["batch"]): round(r["fused_us"], 2) for r in allreduce},
+            "unfused_us_by_batch": {str(r["batch"]): round(r["unfused_us"], 2) for r in allreduce}}
+        problems += [f"TP2 fused all-reduce+norm at batch {r['batch']}: {r['fused_us']:.1f} us, not faster than "
+                     f"unfused {r['unfused_us']:.1f} us" for r in slow]
+    std = [p for p in points if p["backend"] == "standard" and p.get("pct_of_floor_by_layer_type")]
+    if std:
+        targets["standard_pct_of_floor_by_layer_type"] = {
+            f"b{p['batch']} ctx{p['context']} {p['routing']}": {k: round(v, 3) for k, v in
+                                                                p["pct_of_floor_by_layer_type"].items()} for p in std}
+    return targets, problems
+
+
+def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp: list[int],
+                 routing: list[str] = ("uniform", "real"), mixed: bool = True, preset: str = SWEEP_PRESET,
+                 iters: int = 20, standard_iters: int = 5, warmup: int = 3, kv_cache: str = "bf16",
+                 mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096
+                 ) -> Any:
+    """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
+    measured in this run (verify/checks/perf_sweep.py says how each number is taken)."""
+    import torch
+
+    from k3_fastpath._lib.timing import read_bandwidth_gbs
+    from k3_fastpath.config import get_config
+    from k3_fastpath.runtime.device_synthetic import device_model
+    from k3_fastpath.runtime.executor import DecodeExecutor
+    from verify.checks import perf_sweep as S
+
+    routing = list(routing)
+    bad = [r for r in routing if r not in ("uniform", "real")]
+    if bad or not batches or not contexts or not tp:
+        return ctx.failed(f"bad sweep parameters: routing {bad or routing}, batches {batches}, contexts {contexts}, "
+                          f"tp {tp}")
+    kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(kv_cache)
+    if kv_dtype is None:
+        return ctx.failed(f"kv_cache must be bf16 or fp8, got {kv_cache!r}")
+    cfg = get_config(preset)
+    bw = read_bandwidth_gbs() * 1e9
+    ctx.record({"probe": "read_bandwidth", "read_bytes_per_s": bw, "preset": preset})
+    points: list[dict] = []
+    notes: list[str] = []
+    allreduce: list[dict] = []
+
+    def emit(rows: list[dict], stream: str | None = None) -> None:
+        for r in rows:
+            if stream:
+                ctx.writer.record(f"{ctx.check_id}.{stream}", r)
+            else:
+                ctx.record(r)
+                points.append(r)
+
+    def over_budget(what: str) -> bool:
+        if ctx.elapsed() > 0.9 * ctx.budget_s:
+            notes.append(f"{what}: skipped, the check is past 90% of its {ctx.budget_s:.0f}s budget")
+            return True
+        return False
+
+    if 1 in tp:
+        model = device_model(cfg, ctx.seed, "cuda")
+        for context in sorted(contexts):
+            if over_budget(f"tp=1 context={context}"):
+                continue
+            max_len = context + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
+            fast = DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches), max_len=max_len,
+                                  kv_dtype=kv_dtype)
+            std = DecodeExecutor(model, backend="standard", max_batch=max(batches), max_len=max_len, kv_dtype=kv_dtype)
+            for batch in sorted(batches):
+                for r in routing:
+                    if over_budget(f"tp=1 batch={batch} context={context} {r}"):
+                        continue
+                    try:
+                        emit(S.run_point(model, fast, std, batch, context, r, bw=bw, iters=iters,
+                                         standard_iters=standard_iters, warmup=warmup, seed=ctx.seed))
+                    except torch.cuda.OutOfMemoryError as e:
+                        notes.append(f"tp=1 batch={batch} context={context} {r}: out of memory "
+                                     f"({str(e).splitlines()[0][:120]})")
+                        torch.cuda.empty_cache()
+                if mixed and batch in mixed_batches and context <= mixed_max_context and not over_budget("mixed"):
+                    try:
+                        emit(S.run_mixed(model, fast, std, batch, context, mixed_prefill_tokens, bw=bw,
+                                         iters=max(3, standard_iters), seed=ctx.seed), stream="mixed")
+                    except torch.cuda.OutOfMemoryError as e:
+                        notes.append(f"mixed batch={batch} context={context}: out of memory ({str(e)[:120]})")
+                        torch.cuda.empty_cache()
+            if mixed and context > mixed_max_context:
+                notes.append(f"mixed variant at context {context}: skipped (> mixed_max_context {mixed_max_context}: "
+                             f"the standard prefill up-projects the whole latent cache, batch x context x 24576 "
+                             f"BF16 values per MLA layer)")
+            fast.close()
+            std.close()
+            del fast, std
+            torch.cuda.empty_cache()
+        del model
+        torch.cuda.empty_cache()
+    for size in (t for t in tp if t > 1):
+        visible = torch.cuda.device_count()
+        if visible < size:
+            notes.append(f"tp={size}: skipped, {visible} GPU(s) visible")
+            continue
+        if over_budget(f"tp={size}"):
+            continue
+        from k3_fastpath.runtime.tp_launch import launch
+
+        params = {"preset": preset, "batches": sorted(batches), "contexts": sorted(contexts), "routing": routing,
+                  "iters": iters, "standard_iters": standard_iters, "seed": ctx.seed, "bw": bw}
+        merged = S.merge_ranks(launch(S.tp_worker, size, (params,), backend="nccl",
+                                      timeout_s=max(60.0, ctx.budget_s - ctx.elapsed())))
+        emit(merged["rows"])
+        emit(merged["allreduce"], stream="allreduce")
+        allreduce += merged["allreduce"]
+        notes += merged["notes"]
+    for n in notes:
+        ctx.note(n)
+    targets, problems = _sweep_targets(points, allreduce)
+    metrics = {"preset": preset, "read_bandwidth_tb_per_s": bw / 1e12, "points": len(points), "targets": targets,
+               "notes": notes,
+               "cold_l2": "weights are not rotated: each step streams its whole weight set (>> the 60 MB L2) once, "
+                          "so every weight is cold when read; per point in records[cold_l2]"}
+    if not points:
+        problems.insert(0, "no sweep point was measured" + (f": {notes[0]}" if notes else ""))
+    return ctx.verdict(problems, metrics)
+
+
+def rescore_decode_sweep(records: Any, result: Any) -> list[str]:
+    """``bundle verify``: re-derive each sweep point's statistics and every target's status from the raw
+    records (step samples, floors, the all-reduce rows) and compare them with what the result states."""
+    import math
+
+    if result.id != "perf.decode_sweep" or result.status == "skipped":
+        return []
+    problems: list[str] = []
+    points = [r for r in records.get("perf.decode_sweep", []) if all(k in r for k in ("batch", "context", "backend"))]
+    for i, p in enumerate(points, start=1):
+        xs = sorted(p.get("step_us_samples") or [])
+        med = p.get("step_us_median")
+        if xs and isinstance(med, (int, float)) and not math.isclose(statistics.median(xs), med, rel_tol=1e-3,
+                                                                      abs_tol=1e-3):
+            problems.append(f"point {i}: step_us_median {med} but its samples give {statistics.median(xs)}")
+        if p.get("floor_us") and "pct_of_floor" in p and isinstance(med, (int, float)) and \
+                not math.isclose(p["pct_of_floor"], p["floor_us"] / med, rel_tol=1e-6):
+            problems.append(f"point {i}: pct_of_floor {p['pct_of_floor']} != floor_us / step_us_median")
+    claimed = result.metrics.get("targets")
+    if not isinstance(claimed, dict):  # a result that states no targets (an older writer): nothing to compare
+        return problems
+    needed = ("variant", "tp", "routing", "step_us_median", "x_floor")
+    if not all(all(k in p for k in needed) for p in points):
+        return problems + ["the result states targets but its points lack the keys they are derived from"]
+    allreduce = list(records.get("perf.decode_sweep.allreduce", []))
+    targets, _ = _sweep_targets(points, allreduce)
+    for name, t in targets.items():
+        if not isinstance(t, dict) or "status" not in t:
+            continue
+        got = (claimed.get(name) or {}).get("status")
+        if got != t["status"]:
+            problems.append(f"target {name}: the result says {got!r}, the records give {t['status']!r}")
+    return problems
+
+
+def _register() -> None:
+    from verify.bundle.verify import register_rescorer
+
+    register_rescorer("perf.decode_sweep", rescore_decode_sweep)
+
+
+_register()

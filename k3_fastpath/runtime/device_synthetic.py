@@ -1,0 +1,109 @@
+"""Seeded synthetic weights drawn on the GPU, for perf runs and GPU TP checks of k3-mini-sized models.
+
+``synthetic.synthetic_state_dict`` draws every tensor on the CPU and quantizes each MXFP4 expert twice (once
+per half of its packed/scale pair): for k3-mini's ~23 B values that is many minutes of a GPU host's
+device time. Here each tensor of at least ``BIG`` elements is drawn on ``device`` from a CUDA generator
+seeded by (seed, tensor name), with the same distribution rule as ``synthetic.py`` (N(0, 1) embedding,
+N(0, 1/fan_in) linear layers, 2/sqrt(fan_in) for the router, the ``conditioning="stable"`` factors; routed
+experts drawn in BF16 and quantized to MXFP4 once per expert matrix). Smaller tensors (norms, A_log,
+conv weights, biases, the AttnRes projections) ARE ``synthetic.synthetic_tensor``'s, moved to the device.
+Deterministic for a (seed, device type); not bitwise the CPU checkpoint.
+
+``tp > 1`` keeps only rank ``rank``'s share (``tp.shard_state_dict``'s cut), drawing one full tensor at a
+time, so a rank never holds more than its share plus one tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+import torch
+
+from .. import mxfp4, synthetic
+from ..config import K3Config
+from ..manifest import HEAD_VEC, tensor_specs
+
+BIG = 1 << 22  # elements: at and above this a tensor is drawn on the device
+
+
+def _device_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    h = hashlib.sha256(f"{seed}:{name}:device".encode()).digest()
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(h[:8], "little") & ((1 << 63) - 1))
+    return g
+
+
+def _linear_std(name: str, fan_in: int, conditioning: str) -> float:
+    """``synthetic.synthetic_tensor``'s std for a linear weight (kept in step with it: see that module)."""
+    std = 1.0 / math.sqrt(fan_in)
+    if name.endswith("_res_proj.weight") or name.endswith("block_sparse_moe.gate.weight"):
+        std = 2.0 / math.sqrt(fan_in)
+    if conditioning == "stable":
+        factors = getattr(synthetic, "_STABLE_STD", {})
+        std *= next((f for suffix, f in factors.items() if name.endswith(suffix)), 1.0)
+    return std
+
+
+def device_state_dict(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, rank: int = 0,
+                      conditioning: str = "default") -> dict[str, torch.Tensor]:
+    """``{manifest name: tensor}`` on ``device`` (rank ``rank``'s share when ``tp > 1``, shaped for
+    ``tp.rank_config``)."""
+    from ..weights import slice_tensor
+    from .tp import rank_config
+
+    device = torch.device(device)
+    out: dict[str, torch.Tensor] = {}
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    lac = rank_config(cfg, tp).linear_attn_config
+    for spec in tensor_specs(cfg):
+        if spec.numel < BIG and spec.kind not in ("packed", "scale"):
+            t = synthetic.synthetic_tensor(cfg, spec, seed, conditioning).to(device) if conditioning != "default" \
+                else synthetic.synthetic_tensor(cfg, spec, seed).to(device)
+        elif spec.kind in ("packed", "scale"):
+            base = spec.name.rsplit(".", 1)[0]
+            if base not in pairs:
+                n = spec.shape[0]
+                k = spec.shape[1] * (2 if spec.kind == "packed" else mxfp4.GROUP)
+                g = _device_generator(seed, base + ".weight", device)
+                w = (torch.randn(n, k, generator=g, device=device) / math.sqrt(k)).to(torch.bfloat16)
+                pairs = {base: mxfp4.quantize(w)}  # the other half of the pair comes next in manifest order
+            t = pairs[base][0 if spec.kind == "packed" else 1]
+        else:
+            g = _device_generator(seed, spec.name, device)
+            std = 1.0 if spec.kind == "embedding" else _linear_std(spec.name, spec.shape[-1], conditioning)
+            t = (torch.randn(spec.shape, generator=g, device=device) * std).to(synthetic.torch_dtype(spec.dtype))
+        if tp > 1:
+            t = slice_tensor(spec, t, tp, rank, cfg=cfg)
+            if spec.tp == HEAD_VEC:
+                padded = torch.zeros(max(lac.head_dim, lac.num_heads), dtype=t.dtype, device=t.device)
+                padded[: t.shape[0]] = t
+                t = padded
+            elif t.untyped_storage().nbytes() > t.numel() * t.element_size():
+                t = t.clone()  # a view would keep the whole tensor alive
+        out[spec.name] = t
+    return out
+
+
+def device_model(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, rank: int = 0, conditioning: str = "default",
+                 dtype: torch.dtype = torch.bfloat16):
+    """A reference ``K3ForCausalLM`` (of ``tp.rank_config(cfg, tp)``) on ``device`` with these weights."""
+    from ..reference.model import K3ForCausalLM
+    from .tp import rank_config
+
+    rcfg = rank_config(cfg, tp)
+    sd = device_state_dict(cfg, seed, device, tp=tp, rank=rank, conditioning=conditioning)
+    want = {s.name: synthetic.torch_dtype(s.dtype) for s in tensor_specs(rcfg)}
+    for name, t in sd.items():
+        if want.get(name) != t.dtype:
+            raise TypeError(f"tensor {name}: dtype {t.dtype}, the manifest says {want.get(name)}")
+    if dtype != torch.bfloat16:
+        sd = {k: (v.to(dtype) if v.dtype == torch.bfloat16 else v) for k, v in sd.items()}
+    with torch.device("meta"):  # no CPU allocation or default init of ~24 GB of parameters
+        model = K3ForCausalLM(rcfg, dtype=dtype)
+    model.load_state_dict(sd, strict=True, assign=True)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"device_model: {len(left)} tensors were not assigned, e.g. {left[0]}")
+    return model

@@ -1,0 +1,217 @@
+"""The fast decode step of one TP rank: the executor's kernels on the rank's shards, partial sums reduced by a
+``Communicator``, one CUDA graph per batch bucket.
+
+``fast_step.run_step`` fuses each sublayer's residual add into its output projection; under tensor
+parallelism those projections produce partial sums, so ``run_tp_step`` keeps the executor's per-op
+implementations (``ops``: skinny GEMM, KDA decode, MLA attention, router, experts; the same ``ModelPlan`` of
+the rank model's own weights, the same slot-pool caches) and changes only where sums meet:
+
+* the KDA / MLA blocks write their o_proj partial into a buffer (``residual=None``) and
+  ``comm.reduce_add_mix_norm`` does all-reduce + residual add + the MLP's AttnRes mix + its RMSNorm;
+* the MLP: dense down projection and shared-expert down projection are partials; the routed experts of the
+  rank (each expert's intermediate slice) give a partial FP32 latent sum, all-reduced before the latent
+  RMSNorm; the routed output joins the shared sum inside the next fused op (``addend``), which also mixes
+  and norms the next layer's input (or the final norm);
+* the vocab-parallel embedding and lm_head: a rank embeds the tokens of its vocabulary range (its partial
+  is reduced by the first fused op) and its logits slice is all-gathered.
+
+With ``tp_allreduce.SymmMemComm`` each of those is one symmetric-memory one-shot all-reduce plus one Triton
+kernel; everything is capturable (no host synchronisation, static shapes). ``TPFastDecoder`` wraps it with
+the executor's pieces (``CachePool``, ``StepIO``, ``BucketGraphs``) for ``decode``. On a CPU (gloo) the
+kernels run their references (counted fallbacks), which is how tests/test_tp_cpu.py checks the structure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..reference.common import rms_norm, situ_glu
+from .tp import Communicator, rank_config
+
+
+def _attention_fns() -> tuple[Any, Any]:
+    """The executor's KDA and MLA blocks (``fast_step._kda`` / ``_mla``): one place defines their op calls."""
+    from . import fast_step
+
+    return fast_step._kda, fast_step._mla
+
+
+def _tp_mlp(ops: Any, m: dict[str, Any], x: torch.Tensor, eps: float, cfg: Any, comm: Communicator
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(partial, addend) of one MLP on this rank: partial = the row-parallel down projection's output,
+    addend = the (replicated) routed output of a LatentMoE."""
+    beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+    if "bank" not in m:
+        h = situ_glu(ops("linear", x, m["gate"]), ops("linear", x, m["up"]), beta, lb).to(x.dtype)
+        return ops("linear", h, m["down"]), None
+    ids, weights = ops("moe_router", x, m["router"], m["bias"], m["top_k"], m["renormalize"], m["scale"])
+    z = ops("linear", x, m["latent_down"])
+    acc = comm.all_reduce(ops("moe_experts", z, ids, weights, m["bank"]))  # the ranks' expert slices summed
+    zr = (rms_norm(acc, m["latent_norm"], eps) if m["latent_norm"] is not None else acc).to(x.dtype)
+    routed = ops("linear", zr, m["latent_up"])
+    h = situ_glu(ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), beta, lb).to(x.dtype)
+    return ops("linear", h, m["shared_down"]), routed
+
+
+def run_tp_step(plan: Any, ops: Any, io: Any, pool: Any, comm: Communicator, vocab_per_rank: int) -> None:
+    """One decode step of this rank for the bucket of ``io`` (reads tokens / slot / pos / active, updates the
+    rank's caches, writes the full-vocabulary ``io.logits``). Every rank must run it at the same time."""
+    kda, mla = _attention_fns()
+    bk = io.tokens.shape[0]
+    embed = plan.embed
+    h_dim = embed.shape[1]
+    eps = plan.eps
+    local = io.tokens - comm.rank * vocab_per_rank
+    mine = (local >= 0) & (local < vocab_per_rank) & io.active
+    emb = torch.index_select(embed, 0, local.clamp(0, vocab_per_rank - 1)) * mine.to(embed.dtype)[:, None]
+    blocks = torch.empty(plan.num_sources - 1, bk, h_dim, dtype=embed.dtype, device=embed.device)
+    nb = 0
+    layers = plan.layers
+
+    def pre_attention(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if n < len(layers):
+            return layers[n].attn_res_proj, layers[n].attn_res_norm, layers[n].input_norm
+        return plan.out_res_proj, plan.out_res_norm, plan.final_norm
+
+    prefix, x = comm.reduce_add_mix_norm(emb, None, blocks[:0], *pre_attention(0), eps)
+    for n, L in enumerate(layers):
+        stream: torch.Tensor | None = prefix
+        if L.closes_block:
+            blocks[nb].copy_(prefix)
+            nb += 1
+            stream = None
+        partial = torch.empty(bk, h_dim, dtype=embed.dtype, device=embed.device)
+        (kda if L.kind == "kda" else mla)(ops, L.attn, x, io, pool.layers[L.idx], eps, None, partial)
+        prefix, h = comm.reduce_add_mix_norm(partial, stream, blocks[:nb], L.mlp_res_proj, L.mlp_res_norm,
+                                             L.post_norm, eps)
+        f, addend = _tp_mlp(ops, L.mlp, h, eps, plan.cfg, comm)
+        prefix, x = comm.reduce_add_mix_norm(f, prefix, blocks[:nb], *pre_attention(n + 1), eps, addend=addend)
+    logits = comm.all_gather_last(ops("linear", x, plan.lm_head, out_dtype=torch.float32))
+    io.logits.copy_(logits)
+    io.logits.masked_fill_(~io.active[:, None], 0.0)
+
+
+class TPFastDecoder:
+    """``DecodeExecutor.decode`` for one TP rank (see the module docstring). All ranks call ``decode`` with the
+    same batch at the same time; ``graphs`` holds one captured step per bucket once ``decode`` saw it."""
+
+    def __init__(self, cfg: Any, model: Any, comm: Communicator, *, max_batch: int = 64, max_len: int,
+                 buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
+                 kv_dtype: torch.dtype | None = None, stacked_experts: bool | str = "auto") -> None:
+        from .cache_pool import CachePool
+        from .executor import _buckets
+        from .fast_ops import op_table
+        from .fast_step import ExpertBank, ModelPlan
+        from .graphs import BucketGraphs
+
+        if model.cfg != rank_config(cfg, comm.world):
+            raise ValueError(f"model config {model.cfg.name!r} is not rank_config({cfg.name!r}, {comm.world})")
+        self.cfg, self.model, self.comm = cfg, model, comm
+        self.device = model.device
+        self.max_len = max_len
+        self.buckets = _buckets(buckets, max_batch)
+        if stacked_experts == "auto":
+            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 1 << 30
+            stacked_experts = ExpertBank.stacked_bytes(model.cfg, model.dtype) < free // 2
+        self.plan = ModelPlan.build(model, stacked_experts=bool(stacked_experts))
+        self.ops = op_table()
+        self.kv_dtype = kv_dtype or model.dtype
+        self.pool = CachePool(model.cfg, max_batch + 1, max_len, model.dtype, self.device, kv_dtype=self.kv_dtype)
+        self.graphs = BucketGraphs(self.device) if use_graphs and self.device.type == "cuda" else None
+        self._io: dict[int, Any] = {}
+        self.vocab_per_rank = cfg.vocab_size // comm.world
+        self.last_calls: Any = None
+
+    def new_cache(self, batch: int, max_len: int | None = None) -> Any:
+        return self.pool.allocate(batch, self.max_len if max_len is None else max_len)
+
+    def _io_for(self, bucket: int) -> Any:
+        from .fast_step import StepIO
+
+        if bucket not in self._io:
+            d = self.device
+            self._io[bucket] = StepIO(tokens=torch.zeros(bucket, dtype=torch.long, device=d),
+                                      slot=torch.zeros(bucket, dtype=torch.int32, device=d),
+                                      pos=torch.zeros(bucket, dtype=torch.long, device=d),
+                                      active=torch.zeros(bucket, dtype=torch.bool, device=d),
+                                      logits=torch.zeros(bucket, self.cfg.vocab_size, dtype=torch.float32, device=d))
+        return self._io[bucket]
+
+    def _run(self, bucket: int) -> Any:
+        from .fast_step import OpCalls
+
+        calls = OpCalls(self.ops)
+        run_tp_step(self.plan, calls, self._io_for(bucket), self.pool, self.comm, self.vocab_per_rank)
+        self.last_calls = calls
+        return calls
+
+    @torch.no_grad()
+    def _ensure_bucket(self, bucket: int) -> None:
+        if self.graphs is None or bucket in self.graphs:
+            return
+        io = self._io_for(bucket)
+        for t in (io.tokens, io.slot, io.pos, io.active):
+            t.zero_()
+        self._run(bucket)  # warm-up: compiles every kernel and the Triton epilogue before capture
+        torch.cuda.synchronize(self.device)
+        self.comm.barrier()
+        holder: dict[str, Any] = {}
+
+        def step() -> None:
+            holder["calls"] = self._run(bucket)
+
+        self.graphs.capture(bucket, step, lambda: {"standard_ops": holder["calls"].standard_ops()})
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: Any, active: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per active sequence of ``cache`` (from ``new_cache``) -> full-vocabulary logits [B, V]."""
+        from .graphs import bucket_for
+
+        b = int(tokens.shape[0])
+        bucket = bucket_for(b, self.buckets)
+        if bucket is None or not self.pool.owns(cache):
+            raise ValueError(f"batch {b} outside the buckets {self.buckets}, or a cache not from new_cache()")
+        self._ensure_bucket(bucket)
+        io = self._io_for(bucket)
+        io.tokens[:b].copy_(tokens.reshape(b), non_blocking=True)
+        if active is None:
+            io.active[:b].fill_(True)
+        else:
+            io.active[:b].copy_(active.reshape(b), non_blocking=True)
+        torch.mul(cache.slots, io.active[:b], out=io.slot[:b])
+        torch.mul(cache.lengths, io.active[:b], out=io.pos[:b])
+        for t in (io.tokens, io.slot, io.pos, io.active):
+            t[b:].zero_()
+        if self.graphs is not None:
+            self.graphs.replay(bucket)
+        else:
+            self._run(bucket)
+        cache.lengths.add_(io.active[:b])
+        cache.length_bound += 1
+        return io.logits[:b].clone()
+
+
+def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch: int, steps: int
+                            ) -> dict[str, Any]:
+    """One rank of ``TPFastDecoder`` on CPU (gloo, kernels served by their references) over the stable
+    synthetic weights: ``steps`` decode steps from an empty cache on seeded tokens (the last sequence inactive
+    on the last step). Returns the tokens, the active masks and the logits. (For ``tp_launch.launch``.)"""
+    from ..config import preset
+    from ..synthetic import synthetic_state_dict
+    from .tp import TorchComm, rank_model
+
+    cfg = preset(preset_name).config
+    comm = TorchComm()
+    model = rank_model(cfg, synthetic_state_dict(cfg, seed, conditioning="stable"), world, rank)
+    dec = TPFastDecoder(cfg, model, comm, max_batch=batch, max_len=steps + 2, use_graphs=False)
+    cache = dec.new_cache(batch)
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(3, cfg.vocab_size, (steps, batch), generator=g)
+    active = torch.ones(steps, batch, dtype=torch.bool)
+    active[-1, -1] = False
+    logits = torch.stack([dec.decode(tokens[k], cache, active[k]) for k in range(steps)])
+    return {"rank": rank, "tokens": tokens, "active": active, "logits": logits,
+            "standard_ops": dec.last_calls.standard_ops()}

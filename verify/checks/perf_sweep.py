@@ -1,0 +1,385 @@
+"""The measurements behind ``perf.decode_sweep`` (verify/checks/perf.py holds the check and its targets).
+
+Per TP1 point (batch x context x routing), in ONE process, on ONE cache:
+
+1. a ``DecodeExecutor`` pair over the same model: ``latency_specialized`` (fast) and ``standard``, built per
+   context with ``max_len = context + slack`` (the standard MLA op of the fast step reads the whole pool
+   length, so the pool is sized to the point);
+2. the cache (from the fast executor's slot pool; the standard backend runs the reference model on the same
+   views) is filled to ``context`` positions cheaply and never with zeros: MLA latents ~ N(0, 1), KDA state
+   ~ N(0, 0.05^2), conv state ~ N(0, 0.5^2) (``equivalence.synthesize_context``);
+3. the step's tokens: ``uniform`` = seeded random ids, ``real`` = tokenized text (``routing.prompt_token_ids``);
+   one standard step with router hooks records the experts each MoE layer touches (``touched_measured``);
+   the floor uses the uniform expectation for ``uniform`` and the measured counts for ``real``;
+4. fast: one ``decode`` captures the bucket's CUDA graph, then ``iters`` timed graph replays (CUDA events
+   around each; decode only, no prefill). Standard: ``standard_iters`` eager steps (the reference has host
+   synchronisation and cannot be captured), plus one step with CUDA events at every attention / MLP module
+   (per-layer-type time);
+5. cold L2 without weight copies: a step streams its whole weight set (GBs for k3-mini) through the 60 MB
+   L2 once per replay, so every weight is evicted before its next read; a point whose weight bytes are under
+   3x the L2 says so in ``cold_l2``.
+
+TP > 1 points run in one spawned process per GPU (``tp_worker``): ``backend: fast`` is the TP fast step
+(``runtime/tp_fast.py``: the executor's kernels on the rank's shards, the fused symmetric-memory all-reduce +
+Triton epilogue, CUDA-graph replays); ``backend: standard`` is the TP model of reference modules
+(``runtime/tp.py``) with the unfused NCCL communicator, eager; the same model with the fused communicator
+is recorded beside it as ``tp_step_fused_us``. The isolated op (all-reduce + residual + AttnRes + RMSNorm,
+fused vs unfused, CUDA-graph medians) goes to the ``.allreduce`` stream. Every rank times its own steps;
+the slowest rank's numbers are kept.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+FILL_SEED = 11
+CONTEXT_SLACK = 64  # positions past the context for warm-up / timed standard steps
+
+
+# ------------------------------------------------------------------------------------------ timing
+def event_times_us(fn: Callable[[], Any], iters: int, warmup: int = 1) -> list[float]:
+    """Per-call times of ``fn`` in microseconds between CUDA events, after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3)
+    return out
+
+
+def stats(samples: Sequence[float]) -> dict[str, Any]:
+    xs = sorted(samples)
+    return {"step_us_median": statistics.median(xs), "step_us_p10": xs[len(xs) // 10],
+            "step_us_p90": xs[(9 * len(xs)) // 10], "samples_n": len(xs), "step_us_samples": [round(x, 3) for x in xs]}
+
+
+def throughput(step_us: float, batch: int, tp: int) -> dict[str, float]:
+    per_user = 1e6 / step_us
+    return {"tokens_per_s_user": per_user, "tokens_per_s_gpu": per_user * batch / tp}
+
+
+@contextmanager
+def layer_type_events(model: Any):
+    """CUDA events around every attention and MLP module of a reference model: yields a list that holds
+    ``(layer type, start, end)`` once the step has run (types kda / mla / moe / dense_mlp)."""
+    spans: list[tuple[str, Any, Any]] = []
+    open_: list[tuple[str, Any]] = []
+    handles = []
+    for layer in model.model.layers:
+        moe = getattr(layer, "block_sparse_moe", None)
+        for mod, kind in ((layer.self_attn, "kda" if layer.is_kda else "mla"),
+                          (moe if moe is not None else layer.mlp, "moe" if moe is not None else "dense_mlp")):
+            def pre(m, args, kind=kind):
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                open_.append((kind, e))
+
+            def post(m, args, out):
+                kind, s = open_.pop()
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                spans.append((kind, s, e))
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    try:
+        yield spans
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def per_layer_type_us(model: Any, step: Callable[[], Any]) -> dict[str, float]:
+    """One instrumented step: microseconds per layer type, ``other`` = the rest (embedding, AttnRes, norms,
+    lm_head, launch gaps)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with layer_type_events(model) as spans:
+        start.record()
+        step()
+        end.record()
+        end.synchronize()
+    out: dict[str, float] = {}
+    for kind, s, e in spans:
+        out[kind] = out.get(kind, 0.0) + s.elapsed_time(e) * 1e3
+    out["other"] = max(0.0, start.elapsed_time(end) * 1e3 - sum(out.values()))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ one point
+def tokens_for(cfg: Any, routing: str, batch: int, seed: int) -> tuple[torch.Tensor, str]:
+    from k3_fastpath.runtime.routing import prompt_token_ids
+
+    if routing == "uniform":
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(3, cfg.vocab_size, (batch,), generator=g), f"seeded random token ids (seed {seed})"
+    if routing == "real":
+        ids, source = prompt_token_ids(cfg, batch, 8, seed=seed)
+        return ids[:, -1].contiguous(), source
+    raise ValueError(f"routing must be 'uniform' or 'real', got {routing!r}")
+
+
+def floor_for(cfg: Any, tp: int, batch: int, context: int, kv_bytes: int, routing: str,
+              touched_measured: list[int] | None, bw: float) -> dict[str, Any]:
+    from k3_fastpath.runtime import floor as F
+
+    touched = None if routing == "uniform" or touched_measured is None else touched_measured
+    sb = F.step_bytes(cfg, tp=tp, batch=batch, context=context, kv_bytes=kv_bytes, touched=touched)
+    return {"floor_us": sb.floor_us(bw), "floor_bytes": sb.total, "weight_bytes": sb.weight_bytes,
+            "floor_us_by_layer_type": sb.floor_us_by_layer_type(bw), "touched_experts_floor": list(sb.touched),
+            "cold_l2": (f"by volume: a step reads {sb.weight_bytes / 1e9:.2f} GB of weights, "
+                        f"{sb.weight_bytes / F.L2_BYTES:.0f}x the 60 MB L2, so each weight is evicted before its "
+                        f"next read" if sb.weight_bytes >= 3 * F.L2_BYTES else
+                        f"NOT cold: {sb.weight_bytes / 1e6:.1f} MB of weights may stay in the 60 MB L2")}
+
+
+def fill_cache(cache: Any, context: int, seed: int) -> None:
+    from verify.checks.equivalence import synthesize_context
+
+    synthesize_context(cache, context, seed)
+    if hasattr(cache, "length_bound"):
+        cache.length_bound = context
+
+
+def kv_bytes_of(cache: Any) -> int:
+    from k3_fastpath.reference.mla import MLACache
+
+    for layer in cache.layers:
+        if isinstance(layer, MLACache):
+            return layer.latent.element_size()
+    return 2
+
+
+def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
+              standard_iters: int, warmup: int, seed: int) -> list[dict[str, Any]]:
+    """Both backends at one (batch, context, routing) on one cache; returns the two point records."""
+    from k3_fastpath.runtime.graphs import bucket_for
+    from k3_fastpath.runtime.routing import touched_in_step
+
+    cfg = model.cfg
+    dev = model.device
+    cache = fast.new_cache(batch, context + CONTEXT_SLACK)
+    try:
+        fill_cache(cache, context, FILL_SEED + seed)
+        tokens, source = tokens_for(cfg, routing, batch, seed)
+        tokens = tokens.to(dev)
+        touched = touched_in_step(model, lambda: std.decode(tokens, cache))
+        fl = floor_for(cfg, 1, batch, context, kv_bytes_of(cache), routing, touched, bw)
+        common = {"variant": "decode", "batch": batch, "context": context, "tp": 1, "routing": routing,
+                  "token_source": source, "touched_measured": touched, **fl}
+        out = torch.empty(batch, cfg.vocab_size, dtype=torch.float32, device=dev)
+        start = len(fast.trace)
+        fast.decode(tokens, cache, out=out)  # captures the bucket's graph
+        rec = fast.trace.since(start)[-1] if len(fast.trace) > start else None
+        bucket = bucket_for(batch, fast.buckets)
+        rows = []
+        if fast.graphs is not None and bucket in fast.graphs and rec is not None and rec.fallback is None:
+            samples = event_times_us(lambda: fast.graphs.replay(bucket), iters, warmup)
+            f_extra = {"timer": "cuda_graph_replay", "bucket": bucket, "kernels": dict(rec.kernels),
+                       "standard_ops": list(rec.standard_ops), "kernel_fallbacks": dict(rec.kernel_fallbacks)}
+        else:
+            samples = event_times_us(lambda: fast.decode(tokens, cache, out=out), max(3, standard_iters), 1)
+            f_extra = {"timer": "eager", "fallback": rec.fallback if rec is not None else "no trace record",
+                       "not_fast": "the fast executor did not run this step as a captured fast step"}
+        st = stats(samples)
+        rows.append({**common, "backend": "fast", **st, **f_extra, **throughput(st["step_us_median"], batch, 1),
+                     "pct_of_floor": fl["floor_us"] / st["step_us_median"],
+                     "x_floor": st["step_us_median"] / fl["floor_us"]})
+        s_samples = event_times_us(lambda: std.decode(tokens, cache), standard_iters, 1)
+        layer_us = per_layer_type_us(model, lambda: std.decode(tokens, cache))
+        ss = stats(s_samples)
+        floor_t = fl["floor_us_by_layer_type"]
+        rows.append({**common, "backend": "standard", **ss, "timer": "eager", **throughput(ss["step_us_median"],
+                     batch, 1), "pct_of_floor": fl["floor_us"] / ss["step_us_median"],
+                     "x_floor": ss["step_us_median"] / fl["floor_us"], "per_layer_type_us": layer_us,
+                     "pct_of_floor_by_layer_type": {k: floor_t[k] / v for k, v in layer_us.items()
+                                                    if k in floor_t and v > 0}})
+        rows[0]["per_layer_type_us"] = None
+        rows[0]["per_layer_type_reason"] = ("not measurable inside a CUDA graph replay: the fast step exposes no "
+                                            "per-layer hook (fast_step.run_step)")
+        return rows
+    finally:
+        if hasattr(cache, "release"):
+            cache.release()
+
+
+def run_mixed(model: Any, fast: Any, std: Any, batch: int, context: int, prefill_tokens: int, *, bw: float,
+              iters: int, seed: int) -> list[dict[str, Any]]:
+    """A mixed step: ``batch`` sequences decode one token at ``context`` while one more prefills
+    ``prefill_tokens`` tokens, in one right-padded step (the standard path on both backends; the fast
+    executor records the fallback reason)."""
+    cfg = model.cfg
+    dev = model.device
+    cache = std.new_cache(batch + 1, context + prefill_tokens + CONTEXT_SLACK)
+    fill_cache(cache, context, FILL_SEED + seed)
+    cache.lengths[batch] = 0
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (batch + 1, prefill_tokens), generator=g).to(dev)
+    lengths = torch.ones(batch + 1, dtype=torch.long, device=dev)
+    lengths[batch] = prefill_tokens
+    base = cache.lengths.clone()
+    rows = []
+    for name, ex in (("fast", fast), ("standard", std)):
+        def step(ex=ex):
+            cache.lengths = base.clone()
+            ex.prefill(ids, lengths, cache)
+        start = len(ex.trace)
+        s = stats(event_times_us(step, iters, 1))
+        fb = {r.fallback for r in ex.trace.since(start)} - {None}
+        rows.append({"variant": "mixed", "batch": batch, "context": context, "tp": 1, "routing": "uniform",
+                     "backend": name, "prefill_tokens": prefill_tokens, "decode_sequences": batch, **s,
+                     "timer": "eager", "fallback": sorted(fb)[0] if fb else None,
+                     **throughput(s["step_us_median"], batch + prefill_tokens, 1)})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ TP ranks
+def allreduce_rows(comms: dict[str, Any], batches: Sequence[int], hidden: int, sources: int, iters: int,
+                   seed: int) -> list[dict[str, Any]]:
+    """Fused vs unfused all-reduce + residual add + AttnRes mix + RMSNorm, CUDA-graph medians of 20 calls."""
+    from k3_fastpath._lib.timing import graph_time_us
+
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for b in batches:
+        def rnd(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g, device="cuda").to(torch.bfloat16)
+
+        partial, prefix, blocks = rnd(b, hidden), rnd(b, hidden), rnd(sources - 1, b, hidden)
+        pw, nw, ow = rnd(1, hidden) * 0.05, 1 + 0.1 * rnd(hidden), 1 + 0.1 * rnd(hidden)
+        row: dict[str, Any] = {"op": "allreduce_residual_attnres_rmsnorm", "batch": b, "hidden": hidden,
+                               "sources": sources}
+        outs = {}
+        args = (prefix, blocks, pw, nw, ow, 1e-5)
+        for name, comm in comms.items():
+            def call(comm=comm, partial=partial, args=args):  # a copy per call: NCCL reduces in place
+                return comm.reduce_add_mix_norm(partial.clone(), *args)
+            outs[name] = call()
+            comm.barrier()
+            row[f"{name}_us"] = graph_time_us([call] * 20, iters=iters)["median_us"]
+        a, c = outs["fused"], outs["unfused"]
+        row["max_abs_diff_prefix"] = float((a[0].float() - c[0].float()).abs().max())
+        row["max_abs_diff_normed"] = float((a[1].float() - c[1].float()).abs().max())
+        row["speedup"] = row["unfused_us"] / row["fused_us"]
+        rows.append(row)
+    return rows
+
+
+def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the TP sweep (spawned by ``tp_launch.launch`` with NCCL): see the module docstring."""
+    from k3_fastpath.config import get_config
+    from k3_fastpath.runtime.device_synthetic import device_model
+    from k3_fastpath.runtime.tp import TorchComm, TPModel
+    from k3_fastpath.runtime.tp_allreduce import SymmMemComm
+    from k3_fastpath.runtime.tp_fast import TPFastDecoder
+
+    cfg = get_config(params["preset"])
+    dev = torch.device("cuda", torch.cuda.current_device())
+    comms = {"unfused": TorchComm(), "fused": SymmMemComm()}
+    ar = allreduce_rows(comms, params["batches"], cfg.hidden_size, cfg.num_attn_res_blocks + 1, params["iters"],
+                        params["seed"])
+    model = device_model(cfg, params["seed"], dev, tp=world, rank=rank)
+    tps = {k: TPModel(cfg, model, c) for k, c in comms.items()}
+    rows, notes = [], []
+    for context in params["contexts"]:
+        fast = TPFastDecoder(cfg, model, comms["fused"], max_batch=max(params["batches"]),
+                             max_len=context + CONTEXT_SLACK)
+        for batch in params["batches"]:
+            for routing in params["routing"]:
+                try:
+                    rows += tp_point(cfg, model, tps, world, batch, context, routing, params, fast=fast)
+                except torch.cuda.OutOfMemoryError as e:
+                    notes.append(f"tp={world} batch={batch} context={context} {routing}: out of memory "
+                                 f"({str(e).splitlines()[0][:120]})")
+                    torch.cuda.empty_cache()
+        del fast
+        torch.cuda.empty_cache()
+    return {"rank": rank, "rows": rows, "allreduce": ar, "notes": notes}
+
+
+def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, context: int, routing: str,
+             params: dict[str, Any], fast: Any = None) -> list[dict[str, Any]]:
+    """One TP point on this rank: the fast TP step (CUDA-graph replays, fused all-reduce) when ``fast`` is
+    given, and the TP model's eager step with the unfused (NCCL, standard) and the fused comm."""
+    from k3_fastpath.runtime.graphs import bucket_for
+
+    dev = model.device
+    cache = fast.new_cache(batch) if fast is not None else model.new_cache(batch, context + CONTEXT_SLACK)
+    try:
+        fill_cache(cache, context, FILL_SEED + params["seed"])
+        tokens = tokens_for(cfg, routing, batch, params["seed"])[0].to(dev)
+        base = cache.lengths.clone()
+        fl = floor_for(cfg, world, batch, context, kv_bytes_of(cache), "uniform", None, params["bw"])
+        common = {"variant": "decode", "batch": batch, "context": context, "tp": world, "routing": routing, **fl}
+        rows = []
+        if fast is not None:
+            fast.decode(tokens, cache)  # captures the bucket's graph on every rank
+            bucket = bucket_for(batch, fast.buckets)
+            fast.comm.barrier()
+            st = stats(event_times_us(lambda: fast.graphs.replay(bucket), params["iters"], 2))
+            rows.append({**common, "backend": "fast", **st, "timer": "cuda_graph_replay", "bucket": bucket,
+                         "allreduce": fast.comm.name, "standard_ops": fast.last_calls.standard_ops(),
+                         **throughput(st["step_us_median"], batch, world),
+                         "pct_of_floor": fl["floor_us"] / st["step_us_median"],
+                         "x_floor": st["step_us_median"] / fl["floor_us"]})
+        times = {}
+        for name, tpm in tps.items():
+            def step(tpm=tpm):
+                cache.lengths = base.clone()  # every timed step decodes at the same position
+                tpm.decode(tokens, cache)
+            tpm.comm.barrier()
+            times[name] = stats(event_times_us(step, params["standard_iters"], 1))
+        st = times["unfused"]
+        rows.append({**common, "backend": "standard", **st, "timer": "eager", "allreduce": "nccl (unfused epilogue)",
+                     **throughput(st["step_us_median"], batch, world),
+                     "pct_of_floor": fl["floor_us"] / st["step_us_median"],
+                     "x_floor": st["step_us_median"] / fl["floor_us"],
+                     "tp_step_fused_us": times["fused"]["step_us_median"], "tp_step_unfused_us": st["step_us_median"]})
+        return rows
+    finally:
+        if hasattr(cache, "release"):
+            cache.release()
+
+
+def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The step ends when the slowest rank ends: per point the rank with the largest median. A point that
+    some rank did not measure is dropped with a note."""
+    def key(r: dict[str, Any]) -> tuple:
+        return (r["batch"], r["context"], r["routing"], r["backend"])
+
+    merged = {"rows": [], "allreduce": [], "notes": [n for res in results for n in res["notes"]]}
+    per_rank = [{key(r): r for r in res["rows"]} for res in results]
+    for k, row in per_rank[0].items():
+        others = [pr.get(k) for pr in per_rank[1:]]
+        if any(o is None for o in others):
+            merged["notes"].append(f"tp point batch={k[0]} context={k[1]} {k[2]} {k[3]}: not measured on every rank")
+            continue
+        row = dict(row)
+        for o in others:
+            if o["step_us_median"] > row["step_us_median"]:
+                row.update({f: o[f] for f in ("step_us_median", "step_us_p10", "step_us_p90", "step_us_samples",
+                                              "samples_n", "tokens_per_s_user", "tokens_per_s_gpu", "pct_of_floor",
+                                              "x_floor", "tp_step_unfused_us") if f in o})
+            if "tp_step_fused_us" in row:
+                row["tp_step_fused_us"] = max(row["tp_step_fused_us"], o["tp_step_fused_us"])
+        merged["rows"].append(row)
+    for rows in zip(*(res["allreduce"] for res in results), strict=True):
+        r = dict(rows[0])
+        for f in ("fused_us", "unfused_us"):
+            r[f] = max(x[f] for x in rows)
+        r["speedup"] = r["unfused_us"] / r["fused_us"]
+        merged["allreduce"].append(r)
+    return merged
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
