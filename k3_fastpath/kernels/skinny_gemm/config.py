@@ -1,12 +1,10 @@
 """Launch knobs of the weight-streaming skinny GEMM and the heuristic that picks them.
 
-Every threshold below is a placeholder until measured on an H200. The bench that measures them
-(CUDA-graph medians, cold L2, every rank_shapes() GEMM of TP8/TP16, M = 1..64, each candidate config
-against cuBLAS) is:
-
-    python -m k3_fastpath.kernels.skinny_gemm.bench --preset k3-tp8-rank --preset k3-tp16-rank --sweep
-
-Replace each "TO BE MEASURED" with the measurement that justifies it (STYLE.md rule 2).
+Each threshold cites the H200 measurement behind it (STYLE.md rule 2): FMA_MAX_M the session-1 bench
+(fma_alt_us rows), the rest the one-factor-at-a-time sweep (``k3-verify run --tier scripts/gpu/gemm-sweep.yaml``:
+CUDA-graph medians, cold L2, each constant varied alone around the heuristic's pick). Where the sweep found a
+config faster by more than 5% for a specific (N, K, M), ``tuned.py`` keeps it in ``tuned_h200.json`` and the
+heuristic returns it; the rules below serve every other shape.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ SMEM_LIMIT = 48 * 1024  # static shared memory per CTA without opt-in
 # 49.3 us), at M=8 on 5 of 21 (median 0.81). So FMA up to M=4, mma above.
 FMA_MAX_M = 4
 NUM_SMS_H200 = 132
+PDL_PREFETCH_BYTES = 16 << 20  # per GEMM, before griddepcontrol.wait (L2 is 60 MB). TO BE MEASURED
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,14 @@ class SkinnyGemmConfig:
     out_fp32: bool = False
     residual: bool = False
     # PTX .minnctapersm: 1 lets ptxas use the registers it needs (more loads in flight) instead of
-    # spilling to raise occupancy. > 1 reads a device attribute at compile time (needs a GPU). TO BE MEASURED
+    # spilling to raise occupancy. > 1 reads a device attribute at compile time (needs a GPU). Sweep: 2 won
+    # nowhere by more than 1% (kda_o_proj M = 8: 11.0 -> 10.9 us): 1 kept.
     min_ctas_per_sm: int = 1
+    # Programmatic dependent launch (the decode executor opts in; off = the kernel as it was): launched
+    # with the PDL attribute, each CTA first pulls its share of up to PDL_PREFETCH_BYTES of W toward L2,
+    # then waits (griddepcontrol.wait) for its predecessor before it reads x / residual, then lets its
+    # successor launch. Weights are never written by a step, so reading them early cannot race.
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.variant == "fma":
@@ -114,23 +119,41 @@ class SkinnyGemmConfig:
     @classmethod
     def from_heuristic(cls, M: int, N: int, K: int, arch: str = "sm_90a", *, out_fp32: bool = False,
                        residual: bool = False, num_sms: int = NUM_SMS_H200) -> SkinnyGemmConfig:
-        """Pick a config for one (M, N, K). Every constant here is TO BE MEASURED (see module doc)."""
+        """Pick a config for one (M, N, K): the measured winner from ``tuned.py``'s H200 table where the
+        sweep covered this (N, K, M bucket), else the rules below. Each rule's constant cites the sweep
+        bundle bundles/runs/2026-11-30-h200-session2/20261130T171914Z-h200-gemm-sweep (one factor at a time around this
+        heuristic on kda_in_proj, kda_o_proj, mla_q_b, mla_kv_b, latent_down at M = 1..64)."""
         if not 1 <= M <= MAX_M:
             raise ValueError(f"M = {M} outside 1..{MAX_M}")
+        from .tuned import lookup
+
+        bucket = M if M <= FMA_MAX_M else next((b for b in MMA_BUCKETS if b >= M), M)
+        tuned = lookup(N, K, bucket)
+        if tuned is not None and tuned["variant"] == ("fma" if M <= FMA_MAX_M else "mma") and not K % (
+                VEC if tuned["variant"] == "fma" else MMA_K):
+            return cls(**tuned, out_fp32=out_fp32, residual=residual)
         if M <= FMA_MAX_M or K % MMA_K:
             if M > 8 or K % VEC:
                 raise ValueError(f"no variant for M={M}, K={K} (fma needs M <= 8, K % 8 == 0)")
-            # 2 rows per warp x 4 warps; 1 row per warp when that leaves SMs idle. TO BE MEASURED
+            # 2 rows per warp x 4 warps; 1 row per warp when that leaves SMs idle. Sweep: 1 row per warp won
+            # by ~5% only on mla_q_b 2304x1536 (M = 1..3; in the table), lost or tied elsewhere: kept.
             rows = 2 if -(-N // 8) >= num_sms else 1
             return cls("fma", m_max=M, rows_per_warp=rows, warps_n=4, warps_k=1, k_unroll=4,
                        out_fp32=out_fp32, residual=residual)
         m_max = next(b for b in MMA_BUCKETS if b >= M)
-        mt = 1 if m_max <= 16 else 2  # 16-row tiles per warp: x reuse vs registers. TO BE MEASURED
-        warps_n = 4  # 64 or 128 rows per CTA: 4 warps share x through L1. TO BE MEASURED
+        # One 16-row tile per warp at every M. Sweep: the former 2 tiles at M > 16 lost at M = 32 on 3 of 4
+        # shapes (mla_q_b 18.3 -> 11.1 us, mla_kv_b 9.1 -> 7.0, kda_in_proj 45.2 -> 43.1 with 1 tile) and at
+        # M = 64 on kda_in_proj (73.0 -> 69.7) and mla_kv_b (14.9 -> 13.6): more CTAs beat x reuse.
+        mt = 1
+        # 4 warps (64 rows) per CTA share x through L1. Sweep: 8 warps won by < 5% (mla_q_b and
+        # latent_down at M = 16), 2 warps never: kept.
+        warps_n = 4
         blocks = -(-N // (16 * mt * warps_n))
         chunks = K // MMA_K
         split = 1
-        # Split K across CTAs until the grid covers the SMs, keeping >= 4 chunks per split. TO BE MEASURED
+        # Split K across CTAs until the grid covers the SMs, keeping >= 4 chunks per split. Sweep: a
+        # different split won on kda_o_proj at M = 32/64 (2: 6-8%) and mla_q_b at M = 64 (4: 37%); those
+        # points are in the table; no single rule change won on every shape: kept.
         while blocks * split < num_sms and split < 16 and chunks // (2 * split) >= 4:
             split *= 2
         return cls("mma", m_max=m_max, rows_per_warp=mt, warps_n=warps_n, warps_k=1, split_k=split,

@@ -26,6 +26,11 @@ Variant "mma" (m_max in 8/16/32/64):
    counter to 0 for the next launch;
 4. epilogue: accumulator (row g + 8 * (e // 2), batch 2q + e % 2) -> + residual -> bf16 or fp32 store.
 
+With ``config.pdl`` (programmatic dependent launch, opted into by the decode executor) both variants start
+with a prologue: warp 0 issues ``cp.async.bulk.prefetch.L2`` for the CTA's share of W (at most
+PDL_PREFETCH_BYTES per GEMM), every thread then waits on ``griddepcontrol.wait`` before any load of x or
+the residual, and triggers ``griddepcontrol.launch_dependents`` so the next kernel can start its own prologue.
+
 Constraints: K % 8 == 0 (fma) or K % 32 == 0 (mma); rows of x and W 16-byte aligned; any N (rows past
 N are clamped loads, never stored); M <= m_max. The workspace and counters of a split-K config must not
 be shared by two launches running at the same time (one stream per shape, or separate buffers).
@@ -39,10 +44,10 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32, Int32, Uint32
+from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from .config import MMA_K, VEC, SkinnyGemmConfig
+from .config import MMA_K, PDL_PREFETCH_BYTES, VEC, SkinnyGemmConfig
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
         "{{$r0}, {$r1}, {$r2}, {$r3}}, {{$r4}, {$r5}}, {{$r6}, {$r7}, {$r8}, {$r9}};")
@@ -80,6 +85,11 @@ class SkinnyGemmKernel:
             raise ValueError(f"N = {N} must be a multiple of {VEC} (16-byte output stores)")
         self.out_ld = self.rows_per_cta + 4  # padded s_out row: conflict-free staging writes
         self.store_steps = -(-config.m_max * self.rows_per_cta // VEC // config.threads)
+        # PDL prologue (config.pdl): CTA c = blk * S + split owns bytes [c * pf_region, (c + 1) * pf_region)
+        # of W and prefetches the first 32 * pf_chunk of them (lane i of warp 0: chunk i), within the budget
+        ctas = self.num_blocks * (self.S if self.mma else 1)
+        self.pf_region = (N * K * 2 // ctas) // 16 * 16
+        self.pf_chunk = (min(self.pf_region, PDL_PREFETCH_BYTES // ctas) // 32) // 16 * 16
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mR: Optional[cute.Tensor],
@@ -89,11 +99,23 @@ class SkinnyGemmKernel:
         if cutlass.const_expr(self.mma):
             self.kernel_mma(mX, mW, mY, mR, mWs, mCnt).launch(
                 grid=[self.num_blocks, self.S, 1], block=[self.cfg.threads, 1, 1], stream=stream,
-                min_blocks_per_mp=self.cfg.min_ctas_per_sm)
+                min_blocks_per_mp=self.cfg.min_ctas_per_sm, use_pdl=self.cfg.pdl)
         else:
             self.kernel_fma(mX, mW, mY, mR).launch(
                 grid=[self.num_blocks, 1, 1], block=[self.cfg.threads, 1, 1], stream=stream,
-                min_blocks_per_mp=self.cfg.min_ctas_per_sm)
+                min_blocks_per_mp=self.cfg.min_ctas_per_sm, use_pdl=self.cfg.pdl)
+
+    @cute.jit
+    def _pdl_prologue(self, mW: cute.Tensor, tidx, cta):
+        """Weights toward L2 first (they are never written by a step), then wait for the predecessor grid
+        (its outputs are this kernel's x / residual), then let the successor launch."""
+        if cutlass.const_expr(self.pf_chunk > 0):
+            if tidx < 32:
+                addr = mW.iterator.toint() + Int64(cta) * self.pf_region + Int64(tidx) * self.pf_chunk
+                cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                     read_only_args=[addr, Int32(self.pf_chunk)])
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
 
     # ------------------------------------------------------------------------------------- shared
     @cute.jit
@@ -132,6 +154,8 @@ class SkinnyGemmKernel:
     def kernel_fma(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mR: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         blk, _, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.cfg.pdl):
+            self._pdl_prologue(mW, tidx, blk)
         warp = tidx // 32
         lane = tidx % 32
         wn = warp % self.WN
@@ -210,6 +234,8 @@ class SkinnyGemmKernel:
                    mWs: Optional[cute.Tensor], mCnt: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         blk, split, _ = cute.arch.block_idx()
+        if cutlass.const_expr(self.cfg.pdl):
+            self._pdl_prologue(mW, tidx, blk * self.S + split)
         warp = tidx // 32
         lane = tidx % 32
         wn = warp % self.WN

@@ -1,0 +1,142 @@
+"""Slot-indexed cache pools of the fast decode executor, and the ``K3Cache`` views handed to callers.
+
+CUDA graphs bake tensor addresses in, so every sequence's decode state must live in memory the executor
+allocated before capture. ``CachePool`` holds, per layer, one pool of ``slots`` sequences: KDA conv state
+``[N, W-1, C]`` (model dtype) and recurrent state ``[N, h, D, D]`` (FP32), MLA latents ``[N, max_len, rank +
+rope]`` (model dtype or FP8 with a per-tensor scale fixed at creation). Slot 0 is the empty slot: the
+``kda_decode`` kernel leaves it untouched and gives its rows output 0; the step sends padded and inactive
+rows there (their MLA latent writes land in slot 0's scratch row, never in a sequence's).
+
+``allocate(batch, max_len)`` returns a ``PooledCache``: a ``K3Cache`` whose per-layer caches are views of
+the contiguous slot range ``[first, first + batch)``, so the reference model's ``prefill`` / ``decode`` run
+on it unchanged (the standard path writes through the views into the pools). The range goes back to the
+pool when the cache is garbage-collected or released explicitly.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..reference.kda import KDACache
+from ..reference.mla import FP8, MLACache
+from ..reference.model import K3Cache
+
+
+@dataclass
+class PooledCache(K3Cache):
+    """A ``K3Cache`` living in an executor's pool. ``slots`` [B] int32 (device): the pool slot of each
+    sequence; ``length_bound``: a host-side upper bound of ``max(lengths)`` (so a step can check its
+    context without reading the GPU)."""
+
+    first_slot: int = 1
+    slots: torch.Tensor | None = None
+    length_bound: int = 0
+    pool_id: int = 0
+    _finalizer: Any = field(default=None, repr=False, compare=False)
+
+    def release(self) -> None:
+        """Give the slots back now (the cache must not be used afterwards)."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+class CachePool:
+    """Every layer's decode state for ``slots`` sequences (slot 0 included, never allocated)."""
+
+    def __init__(self, cfg: Any, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_dtype: torch.dtype | None = None, kv_scale: float | None = None) -> None:
+        if slots < 2:
+            raise ValueError(f"a cache pool needs at least 2 slots (slot 0 is the empty one), got {slots}")
+        self.cfg = cfg
+        self.slots = slots
+        self.max_len = max_len
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.layers: list[KDACache | MLACache] = []
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_kda_layer(i):
+                self.layers.append(KDACache.empty(cfg, slots, device=self.device, conv_dtype=dtype,
+                                                  state_dtype=state_dtype))
+            else:
+                self.layers.append(MLACache.empty(cfg, slots, max_len, self.kv_dtype, self.device, scale=kv_scale))
+        self._free: list[tuple[int, int]] = [(1, slots)]  # half-open free ranges, sorted
+        self.id = id(self)
+
+    # ------------------------------------------------------------------ slots
+    @property
+    def free_slots(self) -> int:
+        return sum(b - a for a, b in self._free)
+
+    def _take(self, n: int) -> int:
+        for i, (a, b) in enumerate(self._free):
+            if b - a >= n:
+                self._free[i:i + 1] = [(a + n, b)] if b - a > n else []
+                return a
+        raise RuntimeError(f"cache pool has no {n} contiguous free slots ({self.free_slots} free of "
+                           f"{self.slots - 1}); release caches or build the executor with a larger max_batch")
+
+    def _give(self, first: int, n: int) -> None:
+        ranges = sorted(self._free + [(first, first + n)])
+        merged: list[tuple[int, int]] = []
+        for a, b in ranges:
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        self._free = merged
+
+    def allocate(self, batch: int, max_len: int | None = None) -> PooledCache:
+        """Empty caches for ``batch`` sequences of up to ``max_len`` (<= the pool's) tokens."""
+        max_len = self.max_len if max_len is None else int(max_len)
+        if not 1 <= max_len <= self.max_len:
+            raise ValueError(f"max_len {max_len} outside 1..{self.max_len} (the executor's max_len)")
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        first = self._take(batch)
+        sl = slice(first, first + batch)
+        layers: list[KDACache | MLACache] = []
+        for pool in self.layers:
+            if isinstance(pool, KDACache):
+                view = KDACache(*(t[sl] for t in pool.tensors()))
+                for t in view.tensors():
+                    t.zero_()
+            else:
+                view = MLACache(latent=pool.latent[sl, :max_len], scale=pool.scale)
+                view.latent.zero_()
+            layers.append(view)
+        slots = torch.arange(first, first + batch, dtype=torch.int32, device=self.device)
+        cache = PooledCache(layers=layers, lengths=torch.zeros(batch, dtype=torch.long, device=self.device),
+                            max_len=max_len, first_slot=first, slots=slots, length_bound=0, pool_id=self.id)
+        cache._finalizer = weakref.finalize(cache, self._give, first, batch)
+        return cache
+
+    def owns(self, cache: Any) -> bool:
+        return isinstance(cache, PooledCache) and cache.pool_id == self.id and cache._finalizer is not None \
+            and cache._finalizer.alive
+
+
+def copy_cache(dst: K3Cache, src: K3Cache) -> K3Cache:
+    """Overwrite ``dst`` (any ``K3Cache``, pooled or not) with ``src``'s state: lengths, KDA conv/recurrent
+    state, MLA latents (positions ``[0, min(max_len))``; FP8 scales must agree). Same batch and config."""
+    if dst.batch != src.batch or len(dst.layers) != len(src.layers):
+        raise ValueError(f"cache shapes differ: batch {dst.batch} vs {src.batch}, {len(dst.layers)} vs "
+                         f"{len(src.layers)} layers")
+    for d, s in zip(dst.layers, src.layers, strict=True):
+        if isinstance(d, KDACache):
+            d.copy_(s)
+            continue
+        n = min(d.max_len, s.max_len)
+        if d.latent.dtype == s.latent.dtype and (d.latent.dtype != FP8 or torch.equal(d.scale.cpu(), s.scale.cpu())):
+            d.latent[:, :n].copy_(s.latent[:, :n])
+        else:  # re-encode through the model dtype (an FP8 <-> BF16 copy rounds, like a cache write)
+            d.latent[:, :n].copy_(d.encode(s.read(n, torch.float32)))
+    dst.lengths = src.lengths.to(dst.lengths.device).clone()
+    if isinstance(dst, PooledCache):
+        dst.length_bound = int(src.lengths.max()) if src.batch else 0
+    return dst

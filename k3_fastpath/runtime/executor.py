@@ -1,0 +1,278 @@
+"""The decode executor behind ``decode_backend: latency_specialized``.
+
+    ex = DecodeExecutor(model, max_len=4096)            # backend="latency_specialized" (or "standard")
+    ex.warmup_and_capture()                              # compile every kernel, one CUDA graph per bucket
+    cache = ex.new_cache(batch)                          # slot-pool caches (K3Cache views)
+    logits = ex.prefill(ids, lengths, cache)             # always the standard path (recorded as a fallback)
+    logits = ex.decode(tokens, cache)                    # [B, V] FP32, same semantics as K3ForCausalLM.decode
+    ex.trace.summary()                                   # per step: kernels, standard ops, fallbacks
+
+Every decode step is checked against the ``Envelope`` on the host (no GPU read): inside it the step pads
+the batch to its bucket (padded rows use the empty slot 0), copies tokens / slots / positions into static
+buffers and replays the bucket's CUDA graph (or runs ``fast_step.run_step`` eagerly with
+``use_graphs=False``); outside it the step runs the reference model (the standard path) on the same
+cache and the trace records ``fallback`` with the reason. ``backend="standard"`` runs every step on the
+reference model (bitwise the reference: it is the reference).
+
+A fast step allocates nothing and never synchronises with the host once its bucket is captured; to keep
+it that way pass device tensors (tokens, ``active``) and ``out=`` for the logits. Launch-level options
+(both off by default, both measured on/off by scripts/gpu/decode_executor_check.py): ``prefetch`` (next
+layer's weights into L2 on a side stream, ``prefetch.py``) and ``pdl`` (programmatic dependent launch of
+the projections; ``pdl_support()`` says exactly what it covers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._lib import counters
+from .cache_pool import CachePool, PooledCache, copy_cache
+from .envelope import PREFILL_REASON, Envelope
+from .fast_ops import GLUE_OPS, OpImpl, linear_pdl, op_table
+from .fast_step import ExpertBank, ModelPlan, OpCalls, StepIO, run_step
+from .graphs import BucketGraphs, bucket_for, counter_delta
+from .prefetch import DEFAULT_BUDGET_BYTES, L2Prefetcher
+from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
+
+BACKENDS = ("latency_specialized", "standard")
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def pdl_support() -> str:
+    """What ``pdl=True`` does in this build (recorded in the trace metadata)."""
+    return ("skinny_gemm (every projection) launches with programmatic dependent launch: each CTA prefetches "
+            "its share of up to 16 MB of weights into L2, then griddepcontrol.wait, then launch_dependents "
+            "(nvidia-cutlass-dsl 4.8.1: launch(use_pdl=True), cute.arch.griddepcontrol_*). rmsnorm_residual, "
+            "attn_res_mix, kda_decode, moe_router and the PyTorch ops launch normally (they wait for their "
+            "predecessor as usual and do not trigger early)")
+
+
+class DecodeExecutor:
+    """Fast decode steps for one ``K3ForCausalLM`` on one device (see the module docstring)."""
+
+    def __init__(self, model: Any, *, backend: str = "latency_specialized", max_batch: int = 64, max_len: int,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, use_graphs: bool = True, trace_dir: str | None = None,
+                 kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
+                 envelope: Envelope | None = None, prefetch: bool = False,
+                 prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = False,
+                 stacked_experts: str | bool = "auto") -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if max_batch < 1 or max_len < 1:
+            raise ValueError(f"max_batch and max_len must be >= 1, got {max_batch}, {max_len}")
+        self.model = model
+        self.cfg = model.cfg
+        self.backend = backend
+        self.device = model.device
+        self.dtype = model.dtype
+        self.max_batch = max_batch
+        self.max_len = max_len
+        self.kv_dtype = kv_dtype or self.dtype
+        self.kv_scale = kv_scale
+        self.buckets = _buckets(buckets, max_batch)
+        base = envelope or Envelope()
+        self.envelope = dataclasses.replace(base, max_batch=min(base.max_batch, max_batch),
+                                            max_context=min(base.max_context, max_len))
+        self.model_reason = self.envelope.check_model(self.cfg, device=self.device, dtype=self.dtype,
+                                                      kv_dtype=self.kv_dtype)
+        self.fast = backend == "latency_specialized" and self.model_reason is None
+        self.use_graphs = bool(use_graphs and self.fast and self.device.type == "cuda")
+        self.pdl = pdl
+        self.ops = op_table()
+        if pdl and self.ops["linear"].kernel == "skinny_gemm":
+            self.ops["linear"] = OpImpl("linear", linear_pdl, kernel="skinny_gemm")
+        self._stacked = stacked_experts
+        self.prefetcher = L2Prefetcher(self.device, prefetch_budget, enabled=prefetch and self.fast)
+        self.pool: CachePool | None = None
+        self._plan: ModelPlan | None = None
+        self._io: dict[int, StepIO] = {}
+        self._calls: dict[int, OpCalls] = {}
+        self.graphs = BucketGraphs(self.device) if self.use_graphs else None
+        meta = {"backend": backend, "model": self.cfg.name, "device": str(self.device),
+                "dtype": str(self.dtype).replace("torch.", ""), "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
+                "envelope": self.envelope.as_dict(), "model_reason": self.model_reason, "buckets": list(self.buckets),
+                "max_len": max_len, "use_graphs": self.use_graphs,
+                "ops": {n: (o.kernel if o.kernel else f"standard: {o.standard_reason}") for n, o in self.ops.items()},
+                "glue_ops": list(GLUE_OPS), "pdl": {"requested": pdl, "effect": pdl_support()},
+                "l2_prefetch": {"enabled": self.prefetcher.enabled, "budget_bytes": prefetch_budget}}
+        self.trace = ExecutionTrace(trace_dir if trace_dir is not None else trace_dir_from_env(), meta)
+
+    # ------------------------------------------------------------------ caches
+    def _ensure_pool(self) -> CachePool:
+        if self.pool is None:
+            self.pool = CachePool(self.cfg, self.max_batch + 1, self.max_len, self.dtype, self.device,
+                                  kv_dtype=self.kv_dtype, kv_scale=self.kv_scale)
+        return self.pool
+
+    def new_cache(self, batch: int, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None,
+                  kv_scale: float | None = None) -> Any:
+        """Empty caches for ``batch`` sequences. The fast backend hands out views of its slot pool; a request
+        the pool cannot serve (more than ``max_batch`` sequences, a longer ``max_len``, another KV dtype or
+        scale) gets a plain reference cache, and its steps run the standard path with the reason."""
+        max_len = self.max_len if max_len is None else max_len
+        kv_dtype = self.kv_dtype if kv_dtype is None else kv_dtype
+        kv_scale = self.kv_scale if kv_scale is None else kv_scale
+        if (self.backend == "standard" or batch > self.max_batch or max_len > self.max_len
+                or kv_dtype != self.kv_dtype or kv_scale != self.kv_scale):
+            return self.model.new_cache(batch, max_len, kv_dtype=kv_dtype, kv_scale=kv_scale)
+        return self._ensure_pool().allocate(batch, max_len)
+
+    def copy_cache(self, dst: Any, src: Any) -> Any:
+        """Overwrite ``dst`` with ``src``'s state (e.g. one prefilled reference cache into an executor cache)."""
+        return copy_cache(dst, src)
+
+    # ------------------------------------------------------------------ setup
+    def _plan_or_build(self) -> ModelPlan:
+        if self._plan is None:
+            stacked = self._stacked
+            if stacked == "auto":  # the stacked BF16 experts if they take at most half the free memory
+                need = ExpertBank.stacked_bytes(self.cfg, self.dtype)
+                free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 1 << 30
+                stacked = ExpertBank.is_stacked(self.model) or need < free // 2
+            self._plan = ModelPlan.build(self.model, stacked_experts=bool(stacked))
+            self.trace.set_meta(stacked_experts=bool(stacked))
+        return self._plan
+
+    def _io_for(self, bucket: int) -> StepIO:
+        if bucket not in self._io:
+            d = self.device
+            self._io[bucket] = StepIO(tokens=torch.zeros(bucket, dtype=torch.long, device=d),
+                                      slot=torch.zeros(bucket, dtype=torch.int32, device=d),
+                                      pos=torch.zeros(bucket, dtype=torch.long, device=d),
+                                      active=torch.zeros(bucket, dtype=torch.bool, device=d),
+                                      logits=torch.zeros(bucket, self.cfg.vocab_size, dtype=torch.float32, device=d))
+        return self._io[bucket]
+
+    def _run(self, bucket: int) -> OpCalls:
+        calls = OpCalls(self.ops)
+        pool = self._ensure_pool()  # before the plan: the expert-stacking decision sees the pool's memory
+        run_step(self._plan_or_build(), calls, self._io_for(bucket), pool,
+                 self.prefetcher if self.prefetcher.enabled else None)
+        return calls
+
+    def _empty_rows(self, io: StepIO) -> None:
+        for t in (io.tokens, io.slot, io.pos, io.active):
+            t.zero_()
+
+    @torch.no_grad()
+    def _warm_up(self, bucket: int) -> None:
+        """One eager step of empty rows: compiles every kernel the bucket launches, touches only slot 0."""
+        io = self._io_for(bucket)
+        self._empty_rows(io)
+        self._calls[bucket] = self._run(bucket)
+
+    @torch.no_grad()
+    def _ensure_bucket(self, bucket: int) -> None:
+        """With graphs: warm the bucket up and capture its graph (once)."""
+        if self.graphs is None or bucket in self.graphs:
+            return
+        self._warm_up(bucket)
+        torch.cuda.synchronize(self.device)
+        holder: dict[str, OpCalls] = {}
+
+        def step() -> None:
+            holder["calls"] = self._run(bucket)
+
+        self.graphs.capture(bucket, step, lambda: {"standard_ops": holder["calls"].standard_ops()})
+
+    def warmup_and_capture(self) -> None:
+        """Compile every kernel each bucket launches and capture one CUDA graph per bucket (largest first, so
+        the shared graph memory pool is sized by the largest step). No-op for steps that fall back."""
+        if not self.fast:
+            return
+        self._ensure_pool()
+        for bucket in sorted(self.buckets, reverse=True):
+            if self.graphs is not None:
+                self._ensure_bucket(bucket)
+            elif self.device.type == "cuda" and bucket not in self._calls:
+                self._warm_up(bucket)
+
+    # ------------------------------------------------------------------ steps
+    def step_reason(self, batch: int, cache: Any) -> str | None:
+        """Why a decode step of ``batch`` sequences on ``cache`` would run the standard path (None: fast)."""
+        if self.backend == "standard":
+            return None
+        if self.model_reason:
+            return self.model_reason
+        if self.pool is None or not self.pool.owns(cache):
+            if batch > self.max_batch:
+                return self.envelope.check_step(batch=batch)
+            return "cache not allocated by this executor (use DecodeExecutor.new_cache)"
+        reason = self.envelope.check_step(batch=batch, context=cache.length_bound + 1)
+        if reason and reason.startswith("context"):  # the host bound is loose: read the exact one once
+            cache.length_bound = int(cache.lengths.max())
+            reason = self.envelope.check_step(batch=batch, context=cache.length_bound + 1)
+        return reason
+
+    @torch.no_grad()
+    def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None, cache: Any) -> torch.Tensor:
+        """The standard path (``K3ForCausalLM.prefill``) on ``cache``; recorded as a step with prefill tokens."""
+        logits = self.model.prefill(input_ids, lengths, cache)
+        if isinstance(cache, PooledCache):
+            cache.length_bound = int(cache.lengths.max()) if cache.batch else 0
+        reason = None if self.backend == "standard" else PREFILL_REASON
+        self.trace.record(StepRecord(0, self.backend, int(input_ids.shape[0]), None, fallback=reason, kind="prefill"))
+        return logits
+
+    @torch.no_grad()
+    def decode(self, tokens: torch.Tensor, cache: Any, active: torch.Tensor | None = None, *,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per active sequence -> logits ``[B, V]`` FP32 (inactive rows 0, their caches untouched).
+        ``out`` (``[>= B, V]`` FP32) receives the logits without an allocation; otherwise a new tensor."""
+        b = int(tokens.shape[0])
+        reason = self.step_reason(b, cache)
+        if self.backend == "standard" or reason:
+            logits = self.model.decode(tokens, cache, active)
+            if isinstance(cache, PooledCache):
+                cache.length_bound += 1
+            self.trace.record(StepRecord(0, self.backend, b, None, fallback=reason))
+            if out is not None:
+                out[:b].copy_(logits)
+                return out[:b]
+            return logits
+        bucket = bucket_for(b, self.buckets)
+        self._ensure_bucket(bucket)
+        io = self._io_for(bucket)
+        io.tokens[:b].copy_(tokens.reshape(b), non_blocking=True)
+        if active is None:
+            io.active[:b].fill_(True)
+        else:
+            io.active[:b].copy_(active.reshape(b), non_blocking=True)
+        torch.mul(cache.slots, io.active[:b], out=io.slot[:b])
+        torch.mul(cache.lengths, io.active[:b], out=io.pos[:b])
+        if b < bucket:
+            for t in (io.tokens, io.slot, io.pos, io.active):
+                t[b:].zero_()
+        if self.graphs is not None:
+            cap = self.graphs.replay(bucket)
+            rec = StepRecord(0, self.backend, b, bucket, kernels=dict(cap.kernels),
+                             standard_ops=list(cap.standard_ops), kernel_fallbacks=dict(cap.kernel_fallbacks),
+                             graph=True)
+        else:
+            before = counters.snapshot()
+            calls = self._run(bucket)
+            kernels, fallbacks = counter_delta(before, counters.snapshot())
+            rec = StepRecord(0, self.backend, b, bucket, kernels=kernels, standard_ops=calls.standard_ops(),
+                             kernel_fallbacks=fallbacks)
+        cache.lengths.add_(io.active[:b])
+        cache.length_bound += 1
+        self.trace.record(rec)
+        if out is not None:
+            out[:b].copy_(io.logits[:b])
+            return out[:b]
+        return io.logits[:b].clone()
+
+    def close(self) -> None:
+        self.trace.close()
+
+
+def _buckets(buckets: Sequence[int], max_batch: int) -> tuple[int, ...]:
+    """The buckets below ``max_batch`` plus the first one holding it (``max_batch`` itself if none does)."""
+    bs = sorted({int(b) for b in buckets if int(b) >= 1})
+    out = [b for b in bs if b < max_batch]
+    top = next((b for b in bs if b >= max_batch), max_batch)
+    return tuple(out + [top])

@@ -1,0 +1,296 @@
+"""One fast decode step of the whole model, written once for eager runs and CUDA-graph capture.
+
+``ModelPlan.build(model)`` gathers, per layer, the reference model's own weight tensors (no copies, so
+every weight stays a distinct allocation) into the form the kernels take: flattened AttnRes projections,
+W_UK / W_UV of the MLA up-projection in FP32, the routed experts of each MoE layer as an ``ExpertBank``.
+``run_step(plan, ops, io, pool)`` then runs the step for a batch bucket ``Bk``:
+
+1. residual stream in one buffer ``src [S_max, Bk, H]``: block snapshots at 0..nb-1, the running prefix at
+   nb, so ``src[:nb + 1]`` is exactly the ``[S, Bk, H]`` source stack ``attn_res`` takes, and closing a
+   block is ``nb += 1`` (no copy). Embedding into ``src[0]`` (0 for inactive rows, as the reference).
+2. per layer: ``attn_res`` (AttnRes mix + the sublayer's RMSNorm, one kernel) -> attention -> its output
+   projection with the residual add fused (``linear(..., residual=prefix, out=prefix)``) -> ``attn_res``
+   -> MLP / LatentMoE -> residual add;
+3. ``attn_res`` with the final norm, ``lm_head`` with FP32 output into ``io.logits``; inactive rows 0.
+
+KDA: q, k, v, g, f_a -> f_b, beta logits are separate ``linear`` calls (``kda_decode`` takes contiguous
+[B, C] operands), then ``kda_step`` updates the slot pools in place. MLA: q_a -> RMSNorm -> q_b, kv_a,
+``mla_attention`` (writes the latent, attends), the output gate, o_proj. Rows are independent
+everywhere, so padded rows (slot 0, position 0) never touch a real sequence's cache or output.
+
+Rounding differs from the reference by design in a few places: a fused residual add rounds once where
+the reference rounds the projection and then the sum, and the logits come from an FP32 epilogue.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..reference.common import rms_norm, situ_glu
+from .fast_ops import OpImpl
+
+
+# ------------------------------------------------------------------------------------------ experts
+class ExpertBank:
+    """The routed experts of one LatentMoE layer for ``moe_experts``: MXFP4 (or BF16) as the checkpoint
+    stores them, plus optionally all of them dequantized to BF16 and stacked ``[E, I, L]`` / ``[E, L, I]``
+    (built once per module and shared by every executor over the same model)."""
+
+    _stacked_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, moe: Any, cfg: Any, stacked: bool) -> None:
+        self.module = moe
+        self.num_experts = cfg.num_experts
+        self.beta = cfg.activation_situ_beta
+        self.linear_beta = cfg.activation_situ_linear_beta
+        self.stacked = self._stack(moe) if stacked else None
+
+    def dense(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ex = self.module.experts[e]
+        return ex.w1.dense(dtype), ex.w3.dense(dtype), ex.w2.dense(dtype)
+
+    @classmethod
+    def _stack(cls, moe: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hit = cls._stacked_cache.get(moe)
+        if hit is not None:
+            return hit
+        dt = moe.routed_expert_down_proj.weight.dtype
+        first = moe.experts[0]
+        shapes = [(len(moe.experts), *first.w1.dense(dt).shape), (len(moe.experts), *first.w3.dense(dt).shape),
+                  (len(moe.experts), *first.w2.dense(dt).shape)]
+        dev = moe.routed_expert_down_proj.weight.device
+        out = tuple(torch.empty(s, dtype=dt, device=dev) for s in shapes)
+        for e, ex in enumerate(moe.experts):
+            for dst, w in zip(out, (ex.w1, ex.w3, ex.w2), strict=True):
+                dst[e].copy_(w.dense(dt))
+        cls._stacked_cache[moe] = out
+        return out
+
+    @classmethod
+    def is_stacked(cls, model: Any) -> bool:
+        """True when this model's experts are already stacked (by another executor over it)."""
+        return any(hasattr(layer, "block_sparse_moe") and layer.block_sparse_moe in cls._stacked_cache
+                   for layer in model.model.layers)
+
+    @staticmethod
+    def stacked_bytes(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Bytes of every MoE layer's stacked BF16 experts (what ``stacked=True`` costs)."""
+        per = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size
+        layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+        return per * layers * torch.finfo(dtype).bits // 8
+
+
+# ------------------------------------------------------------------------------------------ plan
+@dataclass
+class LayerPlan:
+    idx: int
+    kind: str  # "kda" | "mla"
+    closes_block: bool
+    attn_res_norm: torch.Tensor
+    attn_res_proj: torch.Tensor  # [H] (the checkpoint's [1, H], flattened)
+    input_norm: torch.Tensor
+    mlp_res_norm: torch.Tensor
+    mlp_res_proj: torch.Tensor
+    post_norm: torch.Tensor
+    attn: dict[str, Any]
+    mlp: dict[str, Any]
+    moe: bool
+
+    def weights(self) -> list[torch.Tensor]:
+        """The big weights of this layer in the order the step reads them (what an L2 prefetch targets)."""
+        names = ("q", "k", "v", "g", "f_a", "b", "f_b", "o") if self.kind == "kda" else \
+            ("q_a", "kv_a", "q_b", "g", "o")
+        out = [self.attn[n] for n in names if self.attn.get(n) is not None]
+        names = ("router", "latent_down", "shared_gate", "shared_up", "latent_up", "shared_down") if self.moe \
+            else ("gate", "up", "down")
+        return out + [self.mlp[n] for n in names]
+
+
+def _flat(w: torch.Tensor) -> torch.Tensor:
+    return w.detach().reshape(-1)
+
+
+def _rows_to_8(w: torch.Tensor) -> torch.Tensor:
+    """The weight itself when its row count is a multiple of 8 (the skinny GEMM's N granule), else a copy
+    zero-padded to one: the beta projection has one row per KDA head (6 per GPU at TP16, 4 in k3-tiny)."""
+    w = w.detach()
+    n = w.shape[0]
+    if n % 8 == 0:
+        return w
+    out = torch.zeros(-(-n // 8) * 8, w.shape[1], dtype=w.dtype, device=w.device)
+    out[:n].copy_(w)
+    return out
+
+
+@dataclass
+class ModelPlan:
+    cfg: Any
+    eps: float
+    embed: torch.Tensor
+    layers: list[LayerPlan]
+    out_res_norm: torch.Tensor
+    out_res_proj: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+    num_sources: int  # AttnRes blocks + the running prefix
+
+    @classmethod
+    def build(cls, model: Any, stacked_experts: bool) -> ModelPlan:
+        cfg = model.cfg
+        m = model.model
+        layers = []
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            if layer.is_kda:
+                attn = {"q": a.q_proj.weight, "k": a.k_proj.weight, "v": a.v_proj.weight, "g": a.g_proj.weight,
+                        "f_a": a.f_a_proj.weight, "f_b": a.f_b_proj.weight, "b": _rows_to_8(a.b_proj.weight),
+                        "heads": a.num_heads,
+                        "conv_q": a.q_conv1d.weight, "conv_k": a.k_conv1d.weight, "conv_v": a.v_conv1d.weight,
+                        "A_log": a.A_log, "dt_bias": a.dt_bias, "o_norm": a.o_norm.weight, "o": a.o_proj.weight,
+                        "lower_bound": a.lower_bound}
+            else:
+                w_uk, w_uv = a._w_uk_uv()
+                attn = {"q_a": a.q_a_proj.weight, "q_a_norm": a.q_a_layernorm.weight, "q_b": a.q_b_proj.weight,
+                        "kv_a": a.kv_a_proj_with_mqa.weight, "kv_norm": a.kv_a_layernorm.weight,
+                        "w_uk": w_uk.detach().float().contiguous(), "w_uv": w_uv.detach().float().contiguous(),
+                        "g": a.g_proj.weight if a.g_proj is not None else None, "o": a.o_proj.weight,
+                        "heads": a.num_heads, "q_head_dim": a.nope + a.rope, "softmax_scale": a.softmax_scale}
+            if hasattr(layer, "block_sparse_moe"):
+                moe = layer.block_sparse_moe
+                mlp = {"router": moe.gate.weight, "bias": moe.gate.e_score_correction_bias, "top_k": moe.gate.top_k,
+                       "renormalize": moe.gate.renormalize, "scale": moe.gate.scale,
+                       "latent_down": moe.routed_expert_down_proj.weight,
+                       "latent_norm": moe.routed_expert_norm.weight if moe.routed_expert_norm is not None else None,
+                       "latent_up": moe.routed_expert_up_proj.weight,
+                       "shared_gate": moe.shared_experts.gate_proj.weight,
+                       "shared_up": moe.shared_experts.up_proj.weight,
+                       "shared_down": moe.shared_experts.down_proj.weight,
+                       "bank": ExpertBank(moe, cfg, stacked_experts)}
+            else:
+                mlp = {"gate": layer.mlp.gate_proj.weight, "up": layer.mlp.up_proj.weight,
+                       "down": layer.mlp.down_proj.weight}
+            layers.append(LayerPlan(
+                idx=i, kind="kda" if layer.is_kda else "mla", closes_block=layer.closes_block,
+                attn_res_norm=layer.self_attention_res_norm.weight, attn_res_proj=_flat(layer.self_attention_res_proj.weight),
+                input_norm=layer.input_layernorm.weight, mlp_res_norm=layer.mlp_res_norm.weight,
+                mlp_res_proj=_flat(layer.mlp_res_proj.weight), post_norm=layer.post_attention_layernorm.weight,
+                attn={k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in attn.items()},
+                mlp={k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in mlp.items()},
+                moe=hasattr(layer, "block_sparse_moe")))
+        return cls(cfg=cfg, eps=cfg.rms_norm_eps, embed=m.embed_tokens.weight.detach(), layers=layers,
+                   out_res_norm=m.output_attn_res_norm.weight.detach(),
+                   out_res_proj=_flat(m.output_attn_res_proj.weight), final_norm=m.norm.weight.detach(),
+                   lm_head=model.lm_head.weight.detach(), num_sources=cfg.num_attn_res_blocks + 1)
+
+
+# ------------------------------------------------------------------------------------------ step
+@dataclass
+class StepIO:
+    """The static tensors a step reads and writes (views of the executor's buffers for one bucket)."""
+
+    tokens: torch.Tensor  # [Bk] int64
+    slot: torch.Tensor  # [Bk] int32: pool slot per row, 0 = empty (inactive / padded rows)
+    pos: torch.Tensor  # [Bk] int64: the position each row's token takes (0 for empty rows)
+    active: torch.Tensor  # [Bk] bool
+    logits: torch.Tensor  # [Bk, V] fp32 (written)
+
+
+class OpCalls:
+    """The op table as a step calls it: counts calls per op (host side, so a capture counts once)."""
+
+    def __init__(self, table: dict[str, OpImpl]) -> None:
+        self.table = table
+        self.calls: Counter[str] = Counter()
+
+    def __call__(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls[name] += 1
+        return self.table[name](*args, **kwargs)
+
+    def standard_ops(self) -> list[dict[str, Any]]:
+        return [{"op": n, "reason": self.table[n].standard_reason, "calls": c}
+                for n, c in sorted(self.calls.items()) if self.table[n].standard_reason]
+
+
+def _kda(ops: OpCalls, a: dict[str, Any], x: torch.Tensor, io: StepIO, cache: Any, eps: float,
+         residual: torch.Tensor | None, out: torch.Tensor) -> None:
+    q, k, v, g = (ops("linear", x, a[n]) for n in ("q", "k", "v", "g"))
+    decay = ops("linear", ops("linear", x, a["f_a"]), a["f_b"])
+    beta = ops("linear", x, a["b"])
+    if beta.shape[1] != a["heads"]:  # zero-padded rows of the beta projection (glue: a [Bk, heads] copy)
+        beta = beta[:, : a["heads"]].contiguous()
+    y = ops("kda_step", q, k, v, g, decay, beta, a["conv_q"], a["conv_k"], a["conv_v"], a["A_log"], a["dt_bias"],
+            a["o_norm"], io.slot, cache.conv_q, cache.conv_k, cache.conv_v, cache.state, eps=eps,
+            lower_bound=a["lower_bound"])
+    ops("linear", y, a["o"], residual=residual, out=out)
+
+
+def _mla(ops: OpCalls, a: dict[str, Any], x: torch.Tensor, io: StepIO, cache: Any, eps: float,
+         residual: torch.Tensor | None, out: torch.Tensor) -> None:
+    bk = x.shape[0]
+    q = ops("linear", ops("rmsnorm", ops("linear", x, a["q_a"]), a["q_a_norm"], eps), a["q_b"])
+    kv = ops("linear", x, a["kv_a"])
+    o = ops("mla_attention", q.view(bk, a["heads"], a["q_head_dim"]), kv, a["kv_norm"], eps, cache.latent,
+            cache.scale, io.slot, io.pos, a["w_uk"], a["w_uv"], a["softmax_scale"])
+    if a["g"] is not None:  # glue: the output gate, FP32 like the reference
+        o = (o.float() * torch.sigmoid(ops("linear", x, a["g"]).float())).to(x.dtype)
+    ops("linear", o, a["o"], residual=residual, out=out)
+
+
+def _mlp(ops: OpCalls, m: dict[str, Any], x: torch.Tensor, eps: float, prefix: torch.Tensor, cfg: Any) -> None:
+    beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+    if "bank" not in m:  # the dense MLP of the first layers
+        h = situ_glu(ops("linear", x, m["gate"]), ops("linear", x, m["up"]), beta, lb).to(x.dtype)
+        ops("linear", h, m["down"], residual=prefix, out=prefix)
+        return
+    ids, weights = ops("moe_router", x, m["router"], m["bias"], m["top_k"], m["renormalize"], m["scale"])
+    z = ops("linear", x, m["latent_down"])
+    acc = ops("moe_experts", z, ids, weights, m["bank"])
+    zr = (rms_norm(acc, m["latent_norm"], eps) if m["latent_norm"] is not None else acc).to(x.dtype)
+    routed = ops("linear", zr, m["latent_up"])
+    h = situ_glu(ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), beta, lb).to(x.dtype)
+    f = ops("linear", h, m["shared_down"], residual=routed)  # shared + routed, rounded once
+    prefix.add_(f)
+
+
+def _mix(ops: OpCalls, src: torch.Tensor, nb: int, norm_w: torch.Tensor, proj_w: torch.Tensor,
+         out_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm(AttnRes mix of src[:nb+1]) * out_w; with no block yet the mix is the prefix itself."""
+    if nb == 0:
+        return ops("rmsnorm", src[0], out_w, eps)
+    return ops("attn_res", src[: nb + 1], norm_w, proj_w, eps, out_w)
+
+
+def run_step(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: Any = None) -> None:
+    """One decode step for the bucket of ``io``: reads io.tokens/slot/pos/active and the caches of ``pool``,
+    updates the caches of the non-empty slots, writes ``io.logits``. Capturable in a CUDA graph."""
+    bk = io.tokens.shape[0]
+    embed = plan.embed
+    src = torch.empty(plan.num_sources, bk, embed.shape[1], dtype=embed.dtype, device=embed.device)
+    torch.index_select(embed, 0, io.tokens, out=src[0])
+    src[0].mul_(io.active.to(embed.dtype)[:, None])  # inactive rows carry a zero stream, as in the reference
+    nb = 0
+    eps = plan.eps
+    layers = plan.layers
+    for n, L in enumerate(layers):
+        x = _mix(ops, src, nb, L.attn_res_norm, L.attn_res_proj, L.input_norm, eps)
+        if L.closes_block:
+            nb += 1  # the incoming stream becomes block nb-1; the prefix restarts at the attention output
+            residual = None
+        else:
+            residual = src[nb]
+        if prefetcher is not None and n + 1 < len(layers):
+            prefetcher.issue(layers[n + 1].weights())  # next layer's weights into L2 while this one attends
+        attend = _kda if L.kind == "kda" else _mla
+        attend(ops, L.attn, x, io, pool.layers[L.idx], eps, residual, src[nb])
+        x = _mix(ops, src, nb, L.mlp_res_norm, L.mlp_res_proj, L.post_norm, eps)
+        _mlp(ops, L.mlp, x, eps, src[nb], plan.cfg)
+    x = _mix(ops, src, nb, plan.out_res_norm, plan.out_res_proj, plan.final_norm, eps)
+    ops("linear", x, plan.lm_head, out=io.logits, out_dtype=torch.float32)
+    io.logits.masked_fill_(~io.active[:, None], 0.0)
+    if prefetcher is not None:
+        prefetcher.join()

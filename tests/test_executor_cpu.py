@@ -1,0 +1,358 @@
+"""The decode executor on a CPU: envelope reasons, fallback dispatch, the execution trace, the slot pool, the
+standard backend (bitwise the reference), and the fast step's structure emulated with every kernel served
+by its FP32 reference (``Envelope(emulate=True)``), against an FP64 oracle.
+
+What needs a GPU (graphs, the kernels themselves, no-allocation / no-sync replay) is in
+tests/test_executor_gpu.py. Inputs are fresh random tokens per run (the ``seed`` fixture); the model
+weights are the seeded synthetic k3-tiny checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+
+from k3_fastpath.config import preset
+from k3_fastpath.reference.model import load_reference
+from k3_fastpath.runtime import fast_ops
+from k3_fastpath.runtime.cache_pool import CachePool, PooledCache, copy_cache
+from k3_fastpath.runtime.envelope import PREFILL_REASON, Envelope
+from k3_fastpath.runtime.executor import DecodeExecutor, _buckets
+from k3_fastpath.runtime.graphs import bucket_for
+from k3_fastpath.runtime.trace import TRACE_ENV, fast_path_problems, read_trace, summarize
+from k3_fastpath.synthetic import synthetic_state_dict
+
+CFG = preset("k3-tiny").config
+
+
+@pytest.fixture(scope="module")
+def sd_stable():
+    return synthetic_state_dict(CFG, 0, conditioning="stable")
+
+
+@pytest.fixture(scope="module")
+def model32(sd_stable):
+    return load_reference(CFG, sd_stable, dtype=torch.float32)
+
+
+def _prompt(batch: int, length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, CFG.vocab_size, (batch, length), generator=g)
+
+
+# ------------------------------------------------------------------------------------------ envelope
+def test_envelope_step_reasons():
+    env = Envelope(max_batch=64, max_context=100)
+    assert env.check_step(batch=8) is None
+    assert env.check_step(batch=65) == "batch 65 > 64"
+    assert env.check_step(batch=0) == "batch 0 < 1"
+    assert env.check_step(batch=2, new_tokens=7) == PREFILL_REASON
+    assert env.check_step(batch=2, context=101) == "context 101 > max 100"
+    assert env.check_step(batch=2, context=100) is None
+    assert env.check_step(batch=2, speculative_tokens=3).startswith("speculative decoding")
+    assert env.check_step(batch=2, model_reason="device cpu is not sm_90") == "device cpu is not sm_90"
+
+
+def test_envelope_model_reasons():
+    env = Envelope()
+    assert env.check_model(CFG, device="cpu", dtype=torch.bfloat16) == "device cpu is not sm_90"
+    emu = Envelope(emulate=True)
+    assert emu.check_model(CFG, device="cpu", dtype=torch.bfloat16) is None
+    assert emu.check_model(CFG, device="cpu", dtype=torch.float32) == "dtype float32 (fast path needs bfloat16)"
+    assert emu.check_model(CFG, device="cpu", dtype=torch.bfloat16, kv_dtype=torch.float16).startswith(
+        "kv cache dtype float16")
+    assert emu.check_model(CFG, device="cpu", dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn) is None
+    odd = CFG.replace(linear_attn_config=dataclasses.replace(CFG.linear_attn_config, head_dim=48))
+    assert emu.check_model(odd, device="cpu", dtype=torch.bfloat16) == "KDA head dim 48 not in (32, 64, 128)"
+    assert emu.check_model(CFG, device="cpu", dtype=torch.bfloat16, tp_size=3) == "tp size 3 not in (1, 2, 4, 8, 16)"
+
+
+def test_buckets():
+    assert _buckets((1, 2, 4, 8, 16, 32, 64), 64) == (1, 2, 4, 8, 16, 32, 64)
+    assert _buckets((1, 2, 4, 8), 3) == (1, 2, 4)
+    assert _buckets((1, 8), 64) == (1, 8, 64)  # max_batch itself closes the list
+    assert [bucket_for(b, (1, 2, 4)) for b in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+
+
+# ------------------------------------------------------------------------------------------ slot pool
+def test_cache_pool_slots_and_release():
+    pool = CachePool(CFG, slots=6, max_len=16, dtype=torch.float32, device="cpu")
+    a = pool.allocate(2)
+    b = pool.allocate(3)
+    assert a.slots.tolist() == [1, 2] and b.slots.tolist() == [3, 4, 5]  # slot 0 is never handed out
+    with pytest.raises(RuntimeError, match="no 1 contiguous free slots"):
+        pool.allocate(1)
+    a.release()
+    c = pool.allocate(1)
+    assert c.slots.tolist() == [1]
+    del b  # garbage collection gives the slots back
+    import gc
+
+    gc.collect()
+    assert pool.free_slots == 4
+    d = pool.allocate(4, max_len=8)
+    assert d.slots.tolist() == [2, 3, 4, 5] and d.max_len == 8
+    # the views write through to the pools: the reference model's cache code works on them
+    kda = next(i for i in range(CFG.num_hidden_layers) if CFG.is_kda_layer(i))
+    d.layers[kda].state.fill_(7.0)
+    assert float(pool.layers[kda].state[2:6].min()) == 7.0 and float(pool.layers[kda].state[0].abs().max()) == 0.0
+    assert pool.owns(d) and not pool.owns(CachePool(CFG, 2, 4, torch.float32, "cpu").allocate(1))
+
+
+def test_copy_cache_roundtrip(model32, seed):
+    ex = DecodeExecutor(model32, max_len=32, max_batch=3, envelope=Envelope(emulate=True))
+    ref = model32.new_cache(3, 32)
+    model32.prefill(_prompt(3, 5, seed), torch.tensor([5, 3, 4]), ref)
+    dst = ex.new_cache(3)
+    copy_cache(dst, ref)
+    assert isinstance(dst, PooledCache) and dst.length_bound == 5
+    assert torch.equal(dst.lengths, ref.lengths)
+    for d, s in zip(dst.layers, ref.layers, strict=True):
+        pairs = zip(d.tensors(), s.tensors(), strict=True) if hasattr(d, "tensors") else [(d.latent, s.latent)]
+        for a, b in pairs:
+            assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------ dispatch
+def test_cpu_fast_backend_falls_back_bitwise(model32, seed, tmp_path):
+    """On a CPU the fast backend runs every step on the reference model, with the reason in the trace."""
+    ex = DecodeExecutor(model32, max_len=32, max_batch=4, trace_dir=str(tmp_path))
+    assert not ex.fast and ex.model_reason == "device cpu is not sm_90"
+    ids = _prompt(2, 4, seed)
+    cache, ref = ex.new_cache(2), model32.new_cache(2, 32)
+    l1, l2 = ex.prefill(ids, None, cache), model32.prefill(ids, None, ref)
+    assert torch.equal(l1, l2)
+    tok = l1[:, -1].argmax(-1)
+    active = torch.tensor([True, False])
+    for _ in range(2):
+        a, b = ex.decode(tok, cache, active), model32.decode(tok, ref, active)
+        assert torch.equal(a, b)
+        tok = a.argmax(-1)
+    s = ex.trace.summary()
+    assert s["fallbacks"] == {PREFILL_REASON: 1, "device cpu is not sm_90": 2} and s["fast_steps"] == 0
+    ex.close()
+    meta, steps = read_trace(tmp_path)
+    assert len(meta) == 1 and meta[0]["model_reason"] == "device cpu is not sm_90"
+    assert [r["kind"] for r in steps] == ["prefill", "decode", "decode"]
+    for r in steps:
+        assert {"step", "backend", "batch", "bucket", "kernels", "standard_ops", "fallback"} <= set(r)
+    summ = summarize(steps)
+    assert summ["fallbacks"] == {"device cpu is not sm_90": 2}
+    assert fast_path_problems(summ) == ["2 step(s) fell back to the standard path: device cpu is not sm_90",
+                                        "no step ran the fast path"]
+
+
+def test_trace_dir_from_environment(model32, tmp_path, monkeypatch):
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "t"))
+    ex = DecodeExecutor(model32, max_len=8, max_batch=2)
+    cache = ex.new_cache(1)
+    ex.decode(torch.tensor([5]), cache)
+    ex.close()
+    path = tmp_path / "t" / f"trace-{os.getpid()}.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert lines[0]["type"] == "meta" and lines[1]["type"] == "step" and lines[1]["batch"] == 1
+    assert lines[1]["fallback"] == "device cpu is not sm_90"
+    assert ex.trace.to_jsonl().splitlines()[1] == json.dumps(lines[1], sort_keys=True)
+
+
+def test_step_reasons_batch_context_foreign_cache(sd_stable):
+    m = load_reference(CFG, sd_stable, dtype=torch.bfloat16)
+    ex = DecodeExecutor(m, max_len=16, max_batch=2, envelope=Envelope(emulate=True, max_context=6))
+    assert ex.fast
+    big = ex.new_cache(3)  # more sequences than the pool serves: a plain cache, standard path
+    assert not isinstance(big, PooledCache)
+    assert ex.step_reason(3, big) == "batch 3 > 2"
+    assert ex.step_reason(1, m.new_cache(1, 16)).startswith("cache not allocated by this executor")
+    c = ex.new_cache(1)
+    ex.prefill(torch.tensor([[5, 6, 7, 8, 9, 10]]), None, c)
+    assert ex.step_reason(1, c) == "context 7 > max 6"
+    logits = ex.decode(torch.tensor([11]), c)  # falls back, still correct and still advancing
+    assert logits.shape == (1, CFG.vocab_size) and c.lengths.tolist() == [7]
+    assert ex.trace.records[-1].fallback == "context 7 > max 6"
+
+
+def test_standard_backend_is_the_reference_bitwise(model32, seed):
+    ex = DecodeExecutor(model32, backend="standard", max_len=16)
+    ids = _prompt(3, 5, seed)
+    cache, ref = ex.new_cache(3), model32.new_cache(3, 16)
+    lens = torch.tensor([5, 2, 4])
+    assert torch.equal(ex.prefill(ids, lens, cache), model32.prefill(ids, lens, ref))
+    tok = ids[:, 0]
+    for active in (None, torch.tensor([True, False, True])):
+        assert torch.equal(ex.decode(tok, cache, active), model32.decode(tok, ref, active))
+    assert ex.trace.summary()["fallbacks"] == {} and ex.trace.summary()["backends"] == {"standard": 3}
+
+
+# ------------------------------------------------------------------------------------------ emulated fast step
+def test_emulated_fast_step_matches_fp64_oracle(sd_stable, seed, monkeypatch):
+    """The fast step's structure (static buffers, slot mapping with padding and an inactive row, the
+    residual-stream buffer, chunked MLA attention, dense-masked experts) against the FP64 reference: within
+    2x the BF16 reference's own error (+1% of the logit scale); inactive rows 0 with untouched caches."""
+    monkeypatch.setattr(fast_ops, "_latent_chunk", lambda bk, max_len: 5)  # several online-softmax chunks
+    m16 = load_reference(CFG, sd_stable, dtype=torch.bfloat16)
+    m64 = load_reference(CFG, sd_stable, dtype=torch.float64)
+    ex = DecodeExecutor(m16, max_len=24, max_batch=4, envelope=Envelope(emulate=True))
+    ids = _prompt(3, 6, seed)
+    lens = torch.tensor([6, 4, 5])
+    cache, c16, c64 = ex.new_cache(3), m16.new_cache(3, 24), m64.new_cache(3, 24)
+    ex.prefill(ids, lens, cache)
+    m16.prefill(ids, lens, c16)
+    l64 = m64.prefill(ids, lens, c64)[torch.arange(3), lens - 1]
+    active = torch.tensor([True, False, True])
+    kda = CFG.kda_layer_ids[-1]
+    frozen = cache.layers[kda].state[1].clone()
+    for _ in range(2):
+        tok = l64.argmax(-1)
+        fast = ex.decode(tok, cache, active)
+        ref = m16.decode(tok, c16, active)
+        l64 = m64.decode(tok, c64, active)
+        scale = float(l64.abs().max())
+        e_fast, e_ref = float((fast - l64).abs().max()), float((ref.double() - l64).abs().max())
+        assert e_fast <= 2 * e_ref + 0.01 * scale, f"seed {seed}: fast {e_fast:.4g} vs BF16 reference {e_ref:.4g}"
+        assert torch.all(fast[1] == 0) and torch.isfinite(fast).all()
+    assert cache.lengths.tolist() == [8, 4, 7] and cache.length_bound >= 8
+    assert torch.equal(cache.layers[kda].state[1], frozen)
+    assert float(ex.pool.layers[kda].state[0].abs().max()) == 0.0  # the empty slot stays empty
+    rec = ex.trace.records[-1]
+    assert rec.fallback is None and rec.bucket == 4 and rec.batch == 3 and not rec.graph
+    assert {o["op"] for o in rec.standard_ops} >= {"mla_attention", "moe_experts"}
+    assert rec.kernel_fallbacks["kda_decode"] == {"no cuda device": len(CFG.kda_layer_ids)}
+    assert fast_path_problems(summarize(list(ex.trace.records)))  # emulation is not a fast path
+
+
+# ------------------------------------------------------------------------------------------ standard ops
+def _mla_setup(dtype, kv_dtype, seed):
+    from k3_fastpath.reference.mla import MLACache
+
+    m = load_reference(CFG, synthetic_state_dict(CFG, 0), dtype=dtype)
+    layer = CFG.mla_layer_ids[0]
+    attn = m.model.layers[layer].self_attn
+    g = torch.Generator().manual_seed(seed)
+    b, ctx = 3, 11
+    cache = MLACache.empty(CFG, b, 16, kv_dtype)
+    cache.write(torch.arange(b).repeat_interleave(ctx), torch.arange(ctx).repeat(b),
+                torch.randn(b * ctx, CFG.mla_latent_dim, generator=g).to(dtype))
+    x = torch.randn(b, 1, CFG.hidden_size, generator=g).to(dtype)
+    pos = torch.tensor([10, 4, 7])  # each sequence's current position (shorter ones have stale keys after it)
+    return attn, cache, x, pos
+
+
+@pytest.mark.parametrize("dtype,kv,tol", [(torch.float64, torch.float64, 1e-10),
+                                          (torch.bfloat16, torch.float8_e4m3fn, 2e-2)])
+@torch.no_grad()
+def test_mla_attention_standard_matches_reference(dtype, kv, tol, seed, monkeypatch):
+    monkeypatch.setattr(fast_ops, "_latent_chunk", lambda bk, max_len: 3)
+    attn, cache, x, pos = _mla_setup(dtype, kv, seed)
+    pool = type(cache)(latent=torch.cat([torch.zeros_like(cache.latent[:1]), cache.latent]), scale=cache.scale)
+    want = attn(x, cache, pos, mode="absorbed")[:, 0]
+    q_nope, q_pe = attn.project_q(x)
+    q = torch.cat([q_nope, q_pe], -1)[:, 0]
+    kv_raw = attn.kv_a_proj_with_mqa(x)[:, 0]
+    w_uk, w_uv = attn._w_uk_uv()
+    cdt = torch.float64 if dtype == torch.float64 else torch.float32
+    o = fast_ops.mla_attention_standard(q, kv_raw, attn.kv_a_layernorm.weight, CFG.rms_norm_eps, pool.latent,
+                                        pool.scale, torch.tensor([1, 2, 3], dtype=torch.int32), pos,
+                                        w_uk.to(cdt), w_uv.to(cdt), attn.softmax_scale)
+    o = (o.to(cdt) * torch.sigmoid(attn.g_proj(x)[:, 0].to(cdt))).to(dtype)
+    got = attn.o_proj(o)
+    assert torch.equal(pool.latent[1:], cache.latent)  # same latent written at the same positions
+    err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
+    assert err <= tol, f"seed {seed}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@torch.no_grad()
+def test_moe_experts_standard_matches_reference(stacked, seed):
+    from k3_fastpath.reference.moe import route
+    from k3_fastpath.runtime.fast_step import ExpertBank
+
+    m = load_reference(CFG, synthetic_state_dict(CFG, 0), dtype=torch.float64)
+    moe = m.model.layers[1].block_sparse_moe
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, CFG.hidden_size, generator=g, dtype=torch.float64)
+    ids, w = route(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.top_k, True, 1.0)
+    z = moe.routed_expert_down_proj(x)
+    want = torch.zeros_like(z)
+    for row in range(5):
+        for slot in range(ids.shape[1]):
+            want[row] += w[row, slot] * moe.experts[int(ids[row, slot])](z[row:row + 1])[0]
+    got = fast_ops.moe_experts_standard(z, ids, w, ExpertBank(moe, CFG, stacked))
+    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())  # FP32 weighted sum
+
+
+def test_moe_router_standard_matches_reference(seed):
+    from k3_fastpath.reference.moe import route
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(6, CFG.hidden_size, generator=g).bfloat16()
+    w = (torch.randn(CFG.num_experts, CFG.hidden_size, generator=g) * 0.1).bfloat16()
+    bias = torch.randn(CFG.num_experts, generator=g) * 0.02
+    x[3] = 0  # all scores tied: the lower expert index wins
+    ids, wt = fast_ops.moe_router_standard(x, w, bias, 4, True, 1.0)
+    rid, rw = route(x, w, bias, 4, True, 1.0)
+    assert torch.equal(ids, rid)
+    assert torch.allclose(wt, rw, rtol=1e-5, atol=1e-6)
+
+
+def test_op_registry_plugs_one_op():
+    table = fast_ops.op_table()
+    assert table["linear"].kernel == "skinny_gemm" and table["kda_step"].kernel == "kda_decode"
+    assert table["mla_attention"].standard_reason == fast_ops.NO_KERNEL_YET
+    saved = dict(fast_ops._REGISTRY)
+    try:
+        fast_ops.register_op("mla_attention", lambda *a, **k: None, kernel="mla_decode")
+        assert fast_ops.op_table()["mla_attention"].kernel == "mla_decode"
+        with pytest.raises(ValueError, match="exactly one"):
+            fast_ops.register_op("x", lambda: None)
+    finally:
+        fast_ops._REGISTRY.clear()
+        fast_ops._REGISTRY.update(saved)
+
+
+@pytest.mark.compile
+def test_l2_prefetch_kernel_compiles_for_sm90a(tmp_path, monkeypatch):
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("K3_KERNEL_CACHE", str(tmp_path))
+    from k3_fastpath._lib import compile_cache
+    from k3_fastpath.runtime.prefetch import L2PrefetchConfig, compile_l2_prefetch, prefetch_plan
+
+    compile_cache.clear_memory()
+    compile_l2_prefetch(L2PrefetchConfig())
+    ptx = next(tmp_path.rglob("*.ptx")).read_text()
+    assert "cp.async.bulk.prefetch.L2.global" in ptx
+    t = torch.empty(1000, dtype=torch.bfloat16)
+    plan = prefetch_plan([t, t], budget=2600)
+    assert [n for _, n in plan] == [2000, 592] and all(n % 16 == 0 for _, n in plan)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("M,N,K,residual", [(1, 1536, 7168, False), (16, 7168, 1536, True)])
+def test_pdl_skinny_gemm_waits_before_reading_activations(M, N, K, residual, tmp_path, monkeypatch):
+    """K3.md failure 2: a PDL kernel that reads activations before ``griddepcontrol.wait`` reads its
+    predecessor's output too early. In the PTX of the PDL variant the wait precedes every global load (the
+    only earlier memory instruction is the L2 prefetch of the weights); without PDL there is no wait."""
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_90a")
+    monkeypatch.setenv("K3_KERNEL_CACHE", str(tmp_path))
+    from k3_fastpath._lib import compile_cache
+    from k3_fastpath.kernels.skinny_gemm.api import compile_skinny_gemm
+    from k3_fastpath.kernels.skinny_gemm.config import SkinnyGemmConfig
+
+    compile_cache.clear_memory()
+    base = SkinnyGemmConfig.from_heuristic(M, N, K, residual=residual)
+    for pdl in (False, True):
+        cfg = dataclasses.replace(base, pdl=pdl)
+        compile_skinny_gemm("bf16", N, K, cfg)
+        ptx = compile_cache.artifact_paths(compile_cache.CompileKey.make("skinny_gemm", "bf16", (N, K), cfg))["ptx"]
+        text = ptx.read_text()
+        wait, first_load = text.find("griddepcontrol.wait"), text.find("ld.global")
+        if pdl:
+            assert 0 <= wait < first_load and "griddepcontrol.launch_dependents" in text
+            assert 0 <= text.find("cp.async.bulk.prefetch.L2") < wait
+        else:
+            assert wait == -1 and "cp.async.bulk.prefetch" not in text

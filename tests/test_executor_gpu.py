@@ -1,0 +1,186 @@
+"""The decode executor on an H100/H200 (sm_90a). Run: python -m pytest -m gpu tests/test_executor_gpu.py
+
+Contract:
+* inside the envelope every step runs the fast kernels: their launch counters move every step, no kernel
+  refuses a call (no kernel fallback), the trace shows no whole-step fallback;
+* fast vs reference (same weights, same cache state; k3-tiny and a 6-KDA-head variant like a TP16 rank,
+  the gate that once sent every layer to the slow path, K3.md failure 1): greedy side by side, every
+  mismatch inside each other's top-5, mean KL <= 0.01, finite logits;
+* a CUDA-graph replay gives the eager fast step's logits and caches bit for bit; replays allocate nothing
+  (``torch.cuda.memory_stats`` allocation count unchanged) and never synchronise with the host
+  (``torch.cuda.set_sync_debug_mode("error")``);
+* the L2 prefetch (a hint) changes no bit; an FP8 KV cache stays within the same top-5 rule.
+Inputs are fresh random prompts per run (the ``seed`` fixture); weights are the seeded synthetic checkpoint
+with ``conditioning="stable"``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from k3_fastpath.config import preset
+from k3_fastpath.runtime.executor import DecodeExecutor
+from k3_fastpath.runtime.trace import fast_path_problems, summarize
+from verify.checks.equivalence import build_synthetic_model, compare_greedy, fill_reference
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an sm_90 CUDA device")]
+
+KERNELS = ("skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode")
+
+
+def _cfg(name: str):
+    tiny = preset("k3-tiny").config
+    if name == "k3-tiny":
+        return tiny
+    if name == "tiny-6heads":  # KDA and MLA heads of a TP16 rank (6), beta rows padded to 8
+        return tiny.replace(linear_attn_config=dataclasses.replace(tiny.linear_attn_config, num_heads=6),
+                            num_attention_heads=6, name="tiny-6heads")
+    raise KeyError(name)
+
+
+_models: dict = {}
+
+
+def _model(name: str):
+    if name not in _models:
+        _models[name] = build_synthetic_model(_cfg(name), 0, "stable", "cuda")
+    return _models[name]
+
+
+def _filled(model, ex, batch: int, prompt_len: int, seed: int, max_len: int):
+    ref = model.new_cache(batch, max_len)
+    first = fill_reference(model, ref, None, prompt_len, seed)
+    fast = ex.new_cache(batch, max_len)
+    ex.copy_cache(fast, ref)
+    return ref, fast, first
+
+
+@pytest.mark.parametrize("name", ["k3-tiny", "tiny-6heads"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_fast_decode_matches_reference(name, batch, graphs, seed):
+    model = _model(name)
+    ex = DecodeExecutor(model, max_len=64, max_batch=8, buckets=(1, 2, 4, 8), use_graphs=graphs)
+    assert ex.fast, ex.model_reason
+    ex.warmup_and_capture()
+    ref, fast, first = _filled(model, ex, batch, 12, seed, 64)
+    out = torch.empty(batch, model.cfg.vocab_size, device="cuda")
+    r = compare_greedy(lambda t: model.decode(t, ref), lambda t: ex.decode(t, fast, out=out), first, 16)
+    assert not r["topk_violations"], f"seed {seed}: {r['topk_violations'][:3]}"
+    assert r["nonfinite_steps"] == 0 and r["kl_mean"] <= 0.01, f"seed {seed}: {r['kl_mean']}"
+    s = summarize(list(ex.trace.records))
+    assert fast_path_problems(s) == [], s
+    assert s["fast_steps"] == 16
+    for k in KERNELS:  # every step launched every kernel (replays count what the capture launched)
+        assert s["kernels"].get(k, 0) >= 16, (k, s["kernels"])
+    assert all(rec.graph == graphs for rec in ex.trace.records)
+    assert torch.equal(fast.lengths, ref.lengths)
+
+
+def test_graph_replay_is_the_eager_step_bitwise(seed):
+    model = _model("k3-tiny")
+    eager = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,), use_graphs=False)
+    graph = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,), use_graphs=True)
+    graph.warmup_and_capture()
+    ref, ce, first = _filled(model, eager, 3, 10, seed, 48)
+    cg = graph.new_cache(3, 48)
+    graph.copy_cache(cg, ref)
+    tok = first.argmax(-1)
+    active = torch.tensor([True, False, True], device="cuda")
+    for _ in range(4):
+        a, b = eager.decode(tok, ce, active), graph.decode(tok, cg, active)
+        assert torch.equal(a, b), f"seed {seed}"
+        assert torch.all(a[1] == 0)
+        tok = a.argmax(-1)
+    for x, y in zip(ce.layers, cg.layers, strict=True):
+        pairs = zip(x.tensors(), y.tensors(), strict=True) if hasattr(x, "tensors") else [(x.latent, y.latent)]
+        for p, q in pairs:
+            assert torch.equal(p, q)
+
+
+def test_replay_allocates_nothing_and_never_syncs(seed):
+    model = _model("k3-tiny")
+    ex = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), use_graphs=True)
+    ex.warmup_and_capture()
+    _, cache, first = _filled(model, ex, 5, 8, seed, 48)
+    out = torch.empty(5, model.cfg.vocab_size, device="cuda")
+    toks = [first.argmax(-1)] + [torch.randint(3, 500, (5,), device="cuda") for _ in range(3)]
+    active = torch.ones(5, dtype=torch.bool, device="cuda")
+    ex.decode(toks[0], cache, active, out=out)  # first replay outside the measured window
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in toks[1:]:
+            ex.decode(t, cache, active, out=out)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert torch.isfinite(out).all() and all(r.graph for r in ex.trace.records)
+
+
+def test_l2_prefetch_changes_no_bit(seed):
+    model = _model("k3-tiny")
+    off = DecodeExecutor(model, max_len=48, max_batch=2, buckets=(2,), prefetch=False)
+    on = DecodeExecutor(model, max_len=48, max_batch=2, buckets=(2,), prefetch=True)
+    on.warmup_and_capture()
+    off.warmup_and_capture()
+    ref, c_off, first = _filled(model, off, 2, 8, seed, 48)
+    c_on = on.new_cache(2, 48)
+    on.copy_cache(c_on, ref)
+    tok = first.argmax(-1)
+    for _ in range(3):
+        a, b = off.decode(tok, c_off), on.decode(tok, c_on)
+        assert torch.equal(a, b)
+        tok = a.argmax(-1)
+    assert on.trace.records[-1].kernels.get("l2_prefetch", 0) > 0
+    assert "l2_prefetch" not in off.trace.records[-1].kernels
+
+
+def test_pdl_changes_no_bit(seed):
+    """Programmatic dependent launch only moves when kernels start: logits and caches are bit for bit those
+    of normal launches (a kernel reading activations before its wait would break this under load)."""
+    model = _model("tiny-6heads")
+    off = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,))
+    on = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=True)
+    off.warmup_and_capture()
+    on.warmup_and_capture()
+    ref, c_off, first = _filled(model, off, 8, 8, seed, 48)
+    c_on = on.new_cache(8, 48)
+    on.copy_cache(c_on, ref)
+    tok = first.argmax(-1)
+    for _ in range(6):
+        a, b = off.decode(tok, c_off), on.decode(tok, c_on)
+        assert torch.equal(a, b), f"seed {seed}"
+        tok = a.argmax(-1)
+    assert on.trace.meta["pdl"]["requested"] and fast_path_problems(summarize(list(on.trace.records))) == []
+
+
+def test_fp8_kv_cache(seed):
+    model = _model("k3-tiny")
+    ex = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,), kv_dtype=torch.float8_e4m3fn)
+    ex.warmup_and_capture()
+    ref = model.new_cache(4, 48, kv_dtype=torch.float8_e4m3fn)
+    first = fill_reference(model, ref, None, 10, seed)
+    fast = ex.new_cache(4, 48)
+    ex.copy_cache(fast, ref)
+    r = compare_greedy(lambda t: model.decode(t, ref), lambda t: ex.decode(t, fast), first, 12)
+    assert not r["topk_violations"] and r["kl_mean"] <= 0.01, f"seed {seed}: {r['kl_mean']}"
+    assert fast_path_problems(summarize(list(ex.trace.records))) == []
+
+
+def test_outside_the_envelope_falls_back_with_reason(seed):
+    model = _model("k3-tiny")
+    ex = DecodeExecutor(model, max_len=32, max_batch=2, buckets=(1, 2))
+    big = ex.new_cache(3, 32)  # 3 > max_batch: a plain cache, the standard path
+    ids = torch.randint(3, 500, (3, 4), device="cuda")
+    ex.prefill(ids, None, big)
+    ex.decode(ids[:, 0], big)
+    assert ex.trace.records[-1].fallback == "batch 3 > 2"
+    m32 = build_synthetic_model(_cfg("k3-tiny"), 0, "stable", "cuda").float()
+    assert DecodeExecutor(m32, max_len=8).model_reason == "dtype float32 (fast path needs bfloat16)"

@@ -1,0 +1,275 @@
+"""``equivalence.decode``: the fast decode executor against the reference model, on identical weights and
+identical cache state, greedy tokens side by side (the way vLLM's model tests compare generations).
+
+Per grid point (batch x context):
+
+1. one BF16 model from the seeded synthetic checkpoint (``conditioning="stable"`` by default: the default
+   draw amplifies BF16 rounding noise until two correct implementations disagree on most tokens, see
+   ``k3_fastpath/synthetic.py``); the fast side is a ``DecodeExecutor`` over the same model object;
+2. the reference cache is filled to the context: ``"short"`` = a prefill of ``prompt_len`` random tokens;
+   a number N = positions ``[0, N - prompt_len)`` synthesized (MLA latents ~ N(0, 1), KDA recurrent state
+   ~ N(0, 0.05^2), conv state ~ N(0, 0.5^2); a full-size prefill at 128K would up-project the whole latent
+   cache) followed by ``prompt_len`` teacher-forced reference decode steps; the executor's cache is a
+   copy of it, so the same state enters both paths;
+3. ``steps`` decode steps. Both sides are fed the reference's greedy token; at every step each side's own
+   greedy choice is compared. Up to a sequence's first divergence this is exactly two independent greedy
+   generations; after it, the inputs stay identical so logit errors and KL keep measuring numerics, and
+   every later mismatch is checked by the same rule;
+4. the rule at every mismatch: each side's token is in the other's top-``top_k``. Per step: max |logit
+   difference| (absolute and relative to max |reference logit| of the row), KL(reference || fast) per row
+   (FP64 softmax), both sides' tokens;
+5. the fast executor's execution trace over the point's decode steps: no whole-step fallback, no kernel
+   call refused by its kernel, at least one fast step. Ops without a fast kernel yet (``standard_ops``) are
+   allowed and listed in the metrics.
+
+Fails on: a top-k violation, a non-finite fast logit, mean KL over the point above ``max_mean_kl``, or a
+trace problem. ``max_mean_kl`` defaults to 0.01: on k3-tiny with the fast step emulated on a CPU (every
+kernel served by its FP32 reference rounded to BF16, the kernels' own rounding points), batch 4, 12 steps,
+mean KL was 3e-4 (short context) / 5e-4 (100 positions) with the stable draw and no top-5 violation, and
+0.036 with five top-5 violations with the default draw. TO BE MEASURED on the H200 for k3-mini.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from verify.context import CheckContext
+
+MAX_MEAN_KL = 0.01
+FILL_STATE_STD = 0.05
+FILL_CONV_STD = 0.5
+
+
+# ------------------------------------------------------------------------------------------ comparison
+def step_metrics(ref: torch.Tensor, fast: torch.Tensor) -> dict[str, Any]:
+    """Logit error and KL(ref || fast) per row of two ``[B, V]`` logit tensors (rows of zeros = inactive)."""
+    r, f = ref.double(), fast.double()
+    diff = (r - f).abs().amax(dim=-1)
+    scale = r.abs().amax(dim=-1).clamp_min(1e-30)
+    lr, lf = torch.log_softmax(r, -1), torch.log_softmax(f, -1)
+    kl = (lr.exp() * (lr - lf)).sum(-1)
+    return {"max_abs_err": diff.tolist(), "max_rel_err": (diff / scale).tolist(), "kl": kl.tolist(),
+            "finite": bool(torch.isfinite(f).all())}
+
+
+def compare_greedy(ref_decode: Callable[[torch.Tensor], torch.Tensor],
+                   fast_decode: Callable[[torch.Tensor], torch.Tensor], first_logits: torch.Tensor, steps: int,
+                   top_k: int = 5, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run ``steps`` decode steps on both sides from the same state (see the module docstring, step 3-4).
+
+    ``ref_decode(tokens)`` / ``fast_decode(tokens)`` decode one token per row and return ``[B, V]`` logits;
+    ``first_logits`` are the reference's logits that pick the first token. Returns the point's summary;
+    ``on_step`` receives each step's record.
+    """
+    tokens = first_logits.argmax(-1)
+    b = tokens.shape[0]
+    first_div: list[int | None] = [None] * b
+    mismatches, violations = [], []
+    worst_abs = worst_rel = kl_max = 0.0
+    kl_sum, kl_n, nonfinite = 0.0, 0, 0
+    for s in range(steps):
+        lr = ref_decode(tokens)
+        lf = fast_decode(tokens)
+        m = step_metrics(lr, lf)
+        nr, nf = lr.argmax(-1), lf.argmax(-1)
+        top_r, top_f = lr.topk(top_k, -1).indices, lf.topk(top_k, -1).indices
+        diff_rows = (nr != nf).nonzero().flatten().tolist()
+        for row in diff_rows:
+            ok_f = bool((top_r[row] == nf[row]).any())
+            ok_r = bool((top_f[row] == nr[row]).any())
+            rec = {"step": s, "seq": row, "ref_token": int(nr[row]), "fast_token": int(nf[row]),
+                   "first": first_div[row] is None, "fast_in_ref_topk": ok_f, "ref_in_fast_topk": ok_r}
+            mismatches.append(rec)
+            if first_div[row] is None:
+                first_div[row] = s
+            if not (ok_f and ok_r):
+                violations.append(rec)
+        worst_abs = max(worst_abs, max(m["max_abs_err"]))
+        worst_rel = max(worst_rel, max(m["max_rel_err"]))
+        finite_kl = [k for k in m["kl"] if math.isfinite(k)]
+        kl_sum += sum(finite_kl)
+        kl_n += len(finite_kl)
+        kl_max = max([kl_max, *finite_kl])
+        nonfinite += 0 if m["finite"] else 1
+        if on_step is not None:
+            on_step({"step": s, "ref_tokens": nr.tolist(), "fast_tokens": nf.tolist(), "mismatch_rows": diff_rows,
+                     "max_abs_err": max(m["max_abs_err"]), "max_rel_err": max(m["max_rel_err"]),
+                     "kl_max": max(m["kl"]), "kl_mean": sum(m["kl"]) / b, "finite": m["finite"]})
+        tokens = nr  # both sides continue from the reference's greedy token
+    return {"steps": steps, "batch": b, "first_divergence": first_div,
+            "sequences_diverged": sum(d is not None for d in first_div), "mismatches": len(mismatches),
+            "topk_violations": violations, "max_abs_logit_err": worst_abs, "max_rel_logit_err": worst_rel,
+            "kl_mean": kl_sum / max(kl_n, 1), "kl_max": kl_max, "nonfinite_steps": nonfinite,
+            "mismatch_list": mismatches[:200]}
+
+
+# ------------------------------------------------------------------------------------------ context fill
+def context_length(context: Any) -> int | None:
+    """``"short"`` -> None (prompt only), an int or numeric string -> that many positions."""
+    if context == "short":
+        return None
+    try:
+        n = int(context)
+    except (TypeError, ValueError):
+        raise ValueError(f"context must be 'short' or a number of positions, got {context!r}") from None
+    if n < 1:
+        raise ValueError(f"context must be positive, got {n}")
+    return n
+
+
+@torch.no_grad()
+def synthesize_context(cache: Any, positions: int, seed: int) -> None:
+    """Fill positions ``[0, positions)`` of every sequence of a reference ``K3Cache`` with synthetic state
+    (module docstring, step 2) and set its lengths; the same cache is then copied to the fast side. Drawn
+    on the cache's device, one sequence's latents at a time (bounded memory at 128K positions)."""
+    from k3_fastpath.reference.kda import KDACache
+
+    dev = cache.lengths.device
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    for layer in cache.layers:
+        if isinstance(layer, KDACache):
+            st = layer.state
+            st.copy_(torch.randn(st.shape, generator=gen, device=dev, dtype=st.dtype) * FILL_STATE_STD)
+            for t in (layer.conv_q, layer.conv_k, layer.conv_v):
+                t.copy_(torch.randn(t.shape, generator=gen, device=dev) * FILL_CONV_STD)
+        else:
+            b, _, d = layer.latent.shape
+            for i in range(b):
+                layer.latent[i, :positions] = layer.encode(torch.randn(positions, d, generator=gen, device=dev))
+    cache.lengths = torch.full((cache.batch,), positions, dtype=torch.long, device=dev)
+
+
+@torch.no_grad()
+def fill_reference(model: Any, cache: Any, context: int | None, prompt_len: int, seed: int) -> torch.Tensor:
+    """Bring a fresh reference cache to the point's context; returns the logits that pick the first token."""
+    b = cache.batch
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, model.cfg.vocab_size, (b, prompt_len), generator=gen).to(model.device)
+    if context is None:
+        return model.prefill(prompt, None, cache)[:, -1]
+    if context <= prompt_len:
+        raise ValueError(f"context {context} must exceed prompt_len {prompt_len}")
+    synthesize_context(cache, context - prompt_len, seed + 1)
+    logits = None
+    for t in range(prompt_len):
+        logits = model.decode(prompt[:, t], cache)
+    return logits
+
+
+# ------------------------------------------------------------------------------------------ the check
+def build_synthetic_model(cfg: Any, seed: int, conditioning: str, device: str | torch.device, tp: int = 1) -> Any:
+    """A BF16 reference model of the seeded synthetic checkpoint, built in place on ``device``: on a GPU the
+    weights are drawn there (``runtime.device_synthetic``; TP > 1 = one rank's share, the rank emulation of
+    ``runtime.tp.rank_config``), the modules are made on the meta device and take the tensors as they are
+    (no CPU copy of a k3-mini-sized model). On a CPU: ``synthetic.synthetic_state_dict`` (TP 1 only)."""
+    from k3_fastpath.reference.model import K3ForCausalLM
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        from k3_fastpath.runtime.device_synthetic import device_state_dict
+        from k3_fastpath.runtime.tp import rank_config
+
+        sd = device_state_dict(cfg, seed, device, tp=tp, conditioning=conditioning)
+        cfg = rank_config(cfg, tp)
+    else:
+        from k3_fastpath.synthetic import synthetic_state_dict
+
+        if tp != 1:
+            raise ValueError("a TP rank emulation is built on a GPU only")
+        sd = synthetic_state_dict(cfg, seed, conditioning=conditioning)
+    with torch.device("meta"):
+        model = K3ForCausalLM(cfg, dtype=torch.bfloat16)
+    model.load_state_dict(sd, strict=True, assign=True)
+    return model.eval()
+
+
+def _model(preset: str, seed: int, conditioning: str, device: str) -> Any:
+    from k3_fastpath.config import get_config
+
+    return build_synthetic_model(get_config(preset), seed, conditioning, device)
+
+
+def _kv_dtype(kv_cache: str) -> torch.dtype:
+    kinds = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    if kv_cache not in kinds:
+        raise ValueError(f"kv_cache must be one of {sorted(kinds)}, got {kv_cache!r}")
+    return kinds[kv_cache]
+
+
+def run_point(model: Any, executor: Any, batch: int, context: Any, steps: int, prompt_len: int, top_k: int,
+              seed: int, record: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """One grid point: fill, copy, compare; returns the point summary with the trace summary of its steps."""
+    from k3_fastpath.runtime.trace import summarize
+
+    n = context_length(context)
+    max_len = (n or prompt_len) + steps + 1
+    ref_cache = model.new_cache(batch, max_len, kv_dtype=executor.kv_dtype, kv_scale=executor.kv_scale)
+    first = fill_reference(model, ref_cache, n, prompt_len, seed * 1000 + batch)
+    fast_cache = executor.new_cache(batch, max_len)
+    executor.copy_cache(fast_cache, ref_cache)
+    out = torch.empty(batch, model.cfg.vocab_size, dtype=torch.float32, device=model.device)
+    start = len(executor.trace)
+    result = compare_greedy(lambda t: model.decode(t, ref_cache), lambda t: executor.decode(t, fast_cache, out=out),
+                            first, steps, top_k, record)
+    result["trace"] = summarize(executor.trace.since(start))
+    if hasattr(fast_cache, "release"):
+        fast_cache.release()
+    return result
+
+
+def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: int, preset: str = "auto",
+           conditioning: str = "stable", prompt_len: int = 16, top_k: int = 5, max_mean_kl: float = MAX_MEAN_KL,
+           kv_cache: str = "bf16", use_graphs: bool = True, emulate: bool = False) -> Any:
+    from k3_fastpath.runtime.envelope import Envelope
+    from k3_fastpath.runtime.executor import DecodeExecutor
+    from k3_fastpath.runtime.trace import fast_path_problems
+
+    if preset == "auto":
+        preset = "k3-mini" if ctx.device == "cuda" else ctx.preset
+    kv_dtype = _kv_dtype(kv_cache)
+    model = _model(preset, ctx.seed, conditioning, ctx.device)
+    problems: list[str] = []
+    points = []
+    standard_ops: dict[str, int] = {}
+    for context in contexts:
+        n = context_length(context)
+        ex = DecodeExecutor(model, max_batch=max(batches), max_len=(n or prompt_len) + steps + 1, buckets=batches,
+                            use_graphs=use_graphs, kv_dtype=kv_dtype, envelope=Envelope(emulate=emulate))
+        ex.warmup_and_capture()
+        for batch in batches:
+            where = f"batch {batch} context {context}"
+
+            def record(step: dict[str, Any], batch=batch, context=context) -> None:
+                ctx.record({"kind": "step", "batch": batch, "context": context, **step})
+
+            r = run_point(model, ex, batch, context, steps, prompt_len, top_k, ctx.seed, record)
+            summary = {k: v for k, v in r.items() if k not in ("mismatch_list",)}
+            ctx.record({"kind": "point", "batch": batch, "context": context, "preset": preset, **summary,
+                        "mismatch_list": r["mismatch_list"]})
+            points.append({"batch": batch, "context": context, "first_divergence": r["first_divergence"],
+                           "mismatches": r["mismatches"], "kl_mean": r["kl_mean"], "kl_max": r["kl_max"],
+                           "max_rel_logit_err": r["max_rel_logit_err"]})
+            for v in r["topk_violations"][:5]:
+                problems.append(f"{where}: step {v['step']} seq {v['seq']}: reference token {v['ref_token']} / fast "
+                                f"token {v['fast_token']} not in each other's top-{top_k}")
+            if r["nonfinite_steps"]:
+                problems.append(f"{where}: non-finite fast logits at {r['nonfinite_steps']} step(s)")
+            if r["kl_mean"] > max_mean_kl:
+                problems.append(f"{where}: mean KL(reference || fast) {r['kl_mean']:.3g} > {max_mean_kl:g}")
+            problems += [f"{where}: {p}" for p in fast_path_problems(r["trace"], expect_fast=not emulate)]
+            for k, v in r["trace"]["standard_ops"].items():
+                standard_ops[k] = standard_ops.get(k, 0) + v
+        ex.close()
+        del ex
+        if ctx.device == "cuda":
+            torch.cuda.empty_cache()
+    metrics = {"preset": preset, "conditioning": conditioning, "kv_cache": kv_cache, "steps": steps,
+               "top_k": top_k, "max_mean_kl": max_mean_kl, "points": points,
+               "standard_ops_steps": standard_ops, "emulated": emulate,
+               "worst_kl_mean": max((p["kl_mean"] for p in points), default=0.0),
+               "worst_rel_logit_err": max((p["max_rel_logit_err"] for p in points), default=0.0)}
+    return ctx.verdict(problems, metrics)
