@@ -18,6 +18,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Verify and benchmark the Kimi K3 latency-specialized decode path; write result bundles.")
 bundle_app = typer.Typer(no_args_is_help=True, help="Check, inspect and compare result bundles (no GPU needed).")
 app.add_typer(bundle_app, name="bundle")
+image_app = typer.Typer(no_args_is_help=True, help="Build and run the k3-verify container images (Docker engine).")
+app.add_typer(image_app, name="image")
 
 FormatOpt = typer.Option("text", "--format", help="text (rich tables) or json (one JSON document on stdout)")
 
@@ -48,6 +50,14 @@ def run(
     preset: str = typer.Option("auto", "--preset", help="model for reference checks: auto (k3-tiny), a preset, or a checkpoint dir"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     seed: int = typer.Option(0, "--seed", help="global seed (recorded in the bundle)"),
+    engine: str | None = typer.Option(None, "--engine", help="engine under test for features/evals: builtin:reference | "
+                                      "builtin:fast | openai:URL | vllm | vllm+latency_specialized (default "
+                                      "builtin:fast on an sm_90 GPU, else builtin:reference)"),
+    baseline_engine: str | None = typer.Option(None, "--baseline-engine",
+                                               help="engine it is compared against (default builtin:reference)"),
+    model_dir: Path | None = typer.Option(None, "--model-dir", help="HF model directory a `vllm` / "
+                                          "`vllm+latency_specialized` engine launches vLLM on (its log and launch "
+                                          "config go to the bundle's logs/)"),
     require_complete: bool = typer.Option(False, "--require-complete", help="exit 1 unless the verdict is pass"),
     fmt: str = FormatOpt,
 ) -> None:
@@ -55,7 +65,9 @@ def run(
     out = Output(fmt)
     from verify.runner import run_tier
 
-    verdict, _ = run_tier(tier, output, preset, device, seed, out, argv=["k3-verify", *sys.argv[1:]])
+    verdict, _ = run_tier(tier, output, preset, device, seed, out, argv=["k3-verify", *sys.argv[1:]],
+                          engine=engine, baseline_engine=baseline_engine,
+                          model_dir=str(model_dir) if model_dir else None)
     out.finish()
     if verdict == "fail" or (require_complete and verdict != "pass"):
         raise _Exit(EXIT_FAILED)
@@ -63,19 +75,22 @@ def run(
 
 @app.command()
 def bench(
-    what: str = typer.Argument(..., help="kernels"),
+    what: str = typer.Argument(..., help="kernels | decode"),
     output: Path | None = typer.Option(None, "--output", "-o", help="bundle directory (default bundles/local/<timestamp>)"),
     sweep: bool = typer.Option(False, "--sweep", help="also time one-factor-at-a-time variations of every heuristic constant (skinny GEMM, KDA)"),
     fmt: str = FormatOpt,
 ) -> None:
-    """Benchmark the fast kernels against cuBLAS / PyTorch into a bundle (needs an H100/H200)."""
+    """Benchmark into a bundle (needs an H100/H200): ``kernels`` (each kernel vs cuBLAS / PyTorch) or
+    ``decode`` (perf.decode_sweep: whole decode steps, fast vs standard, batch x context x TP)."""
     out = Output(fmt)
-    if what != "kernels":
-        raise UserError(f"unknown bench {what!r}: available: kernels (the decode step sweep is perf.decode_sweep)")
+    if what not in ("kernels", "decode"):
+        raise UserError(f"unknown bench {what!r}: available: kernels, decode")
+    if sweep and what != "kernels":
+        raise UserError("--sweep applies to `bench kernels` only")
     from verify.runner import run_tier
     from verify.tiers import TIER_DIR
 
-    tier = TIER_DIR / "bench-kernels.yaml"
+    tier = TIER_DIR / f"bench-{what}.yaml"
     overrides = {"bench.kernels": {"sweep": True}} if sweep else None
     verdict, _ = run_tier(str(tier), output, "auto", "auto", 0, out, argv=["k3-verify", *sys.argv[1:]],
                           overrides=overrides)
@@ -124,6 +139,8 @@ def env(fmt: str = FormatOpt) -> None:
 def bundle_verify(path: Path = typer.Argument(..., help="bundle directory or .tar.gz"), fmt: str = FormatOpt) -> None:
     """Check hashes, schema and that the verdict follows from the records (0 ok, 1 failed, 2 unreadable)."""
     out = Output(fmt)
+    import verify.checks.perf  # noqa: F401  (registers the perf.decode_sweep rescorer: re-derives its targets)
+    import verify.evals.rescore  # noqa: F401  (registers the evals.* rescorer: re-scores eval samples)
     from verify.bundle.verify import verify_bundle
 
     report = verify_bundle(path)
@@ -161,6 +178,190 @@ def bundle_show(path: Path = typer.Argument(..., help="bundle directory or .tar.
     for reason in m.get("verdict_reasons") or []:
         out.line(f"  - {reason}")
     out.finish()
+
+
+@bundle_app.command("compare")
+def bundle_compare(
+    a: Path = typer.Argument(..., help="bundle A (before): directory or .tar.gz"),
+    b: Path = typer.Argument(..., help="bundle B (after): directory or .tar.gz"),
+    noise_floor: float = typer.Option(0.02, "--noise-floor", help="smallest step-time change that counts (fraction)"),
+    noise_floor_no_spread: float = typer.Option(0.05, "--noise-floor-no-spread",
+                                                help="the same when a side recorded no spread (one median)"),
+    changes_only: bool = typer.Option(False, "--changes-only", help="list only changed checks and perf rows"),
+    fmt: str = FormatOpt,
+) -> None:
+    """Check status changes, perf deltas against the noise, eval deltas; a verdict (bundles/COMPARE.md).
+
+    Exit 0 improved or within noise, 1 regressed, 2 a bundle is unreadable."""
+    out = Output(fmt)
+    from verify.bundle.compare import compare_bundles, render_compare
+    from verify.bundle.schema import BundleError
+
+    try:
+        report = compare_bundles(a, b, noise_floor=noise_floor, noise_floor_no_spread=noise_floor_no_spread)
+    except (BundleError, ValueError) as e:
+        raise UserError(str(e)) from e
+    out.set("compare", report.to_dict())
+    if not out.is_json:
+        out.console.print(render_compare(report, show_all=not changes_only), markup=False, end="")
+    out.finish()
+    if report.exit_code != EXIT_OK:
+        raise _Exit(report.exit_code)
+
+
+@bundle_app.command("render")
+def bundle_render(
+    path: Path = typer.Argument(..., help="bundle directory or .tar.gz"),
+    output: Path | None = typer.Option(None, "--output", "-o", help="output directory (default <bundle>-render)"),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the PNG plots (needs matplotlib)"),
+    fmt: str = FormatOpt,
+) -> None:
+    """Write summary.md (<= 65,536 characters, for a PR comment) and PNG plots of a bundle."""
+    out = Output(fmt)
+    from verify.bundle.plots import PlotError
+    from verify.bundle.render import render_bundle
+    from verify.bundle.schema import BundleError
+
+    name = path.name[:-7] if path.name.endswith(".tar.gz") else path.name
+    dest = output or path.with_name(f"{name}-render")
+    try:
+        res = render_bundle(path, dest, plots=plots)
+    except (BundleError, PlotError) as e:
+        raise UserError(str(e)) from e
+    out.set("summary", str(res.summary))
+    out.set("chars", res.chars)
+    out.set("truncated", res.truncated)
+    out.set("plots", [str(p) for p in res.plots])
+    out.set("skipped", list(res.skipped))
+    out.line(f"wrote {res.summary} ({res.chars:,} characters{', details truncated' if res.truncated else ''})")
+    for p in res.plots:
+        out.line(f"wrote {p}")
+    for s in res.skipped:
+        out.line(f"skipped {s}")
+    out.finish()
+
+
+@bundle_app.command("attach")
+def bundle_attach(
+    path: Path = typer.Argument(..., help="bundle directory or .tar.gz"),
+    pr: int = typer.Option(..., "--pr", help="pull request number"),
+    repo: str | None = typer.Option(None, "--repo", "-R", help="OWNER/REPO (default: gh's, from the current directory)"),
+    tag: str = typer.Option("k3-verify-bundles", "--tag", help="release that stores archives and plots"),
+    work_dir: Path | None = typer.Option(None, "--work-dir", help="where to stage the comment and assets "
+                                                                  "(default <bundle>-attach)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the gh commands and the comment body; run nothing"),
+    fmt: str = FormatOpt,
+) -> None:
+    """Post the bundle's summary as a PR comment and upload its archive and plots (a release) with gh."""
+    out = Output(fmt)
+    from verify.bundle import attach
+    from verify.bundle.plots import PlotError
+    from verify.bundle.schema import BundleError
+
+    url_repo = None
+    if not dry_run:
+        attach.require_gh()
+        url_repo = None if repo else attach.resolve_repo()
+    try:
+        plan = attach.plan_attach(path, pr, repo=repo, url_repo=url_repo, tag=tag, work_dir=work_dir)
+    except (BundleError, PlotError, ValueError) as e:
+        raise UserError(str(e)) from e
+    out.set("dry_run", dry_run)
+    out.set("commands", plan.commands())
+    out.set("body_file", str(plan.body_file))
+    out.set("body", plan.body)
+    if dry_run:
+        if not out.is_json:
+            note = "" if plan.url_repo else f"# links name {attach.REPO_PLACEHOLDER}: pass --repo for the exact URLs\n"
+            out.console.print(f"# dry run: nothing is run or posted\n{note}{plan.script()}"
+                              f"# comment body ({plan.body_file}, {len(plan.body):,} characters):\n{plan.body}",
+                              markup=False, end="")
+        out.finish()
+        return
+    try:
+        done = attach.execute(plan)
+    except attach.AttachError as e:
+        out.finish()
+        Output.error(str(e))
+        raise _Exit(EXIT_FAILED) from e
+    out.set("done", done)
+    out.line(f"posted the summary of {path} on PR #{pr}; archive {plan.archive.name} on release {tag}")
+    out.finish()
+
+
+@image_app.command("build")
+def image_build(
+    kind: str = typer.Option("cpu", "--kind", help="cpu (images/Dockerfile.cpu) or gpu (images/Dockerfile)"),
+    tag: str | None = typer.Option(None, "--tag", "-t", help="image tag (default k3-verify:<kind>)"),
+    base: str | None = typer.Option(None, "--base", help="BASE_IMAGE (default: the Dockerfile's pinned one)"),
+    extras: str | None = typer.Option(None, "--extras", help="k3-verify extras to install (gpu: gpu,eval; cpu: report)"),
+    extra_requirements: str | None = typer.Option(None, "--extra-requirements",
+                                                  help="more requirements, space-separated (gpu: pytest>=8.0)"),
+    python: str | None = typer.Option(None, "--python", help="the base's Python (gpu: python3; cpu: python3.11)"),
+    wheelhouse: Path | None = typer.Option(None, "--wheelhouse", help="keep staged wheels here between builds"),
+    stage_only: Path | None = typer.Option(None, "--stage-only", help="only stage the build context into this dir"),
+    pull: bool = typer.Option(True, "--pull/--no-pull", help="pull the base image when it is not in the engine"),
+    no_cache: bool = typer.Option(False, "--no-cache", help="do not reuse layers from earlier builds"),
+    docker_host: str | None = typer.Option(None, "--docker-host", help="engine URL (default $DOCKER_HOST)"),
+    fmt: str = FormatOpt,
+) -> None:
+    """Stage wheels + sources on the host, then build the image offline with streamed logs."""
+    out = Output(fmt)
+    from verify import images
+
+    req = images.BuildRequest(kind=kind, tag=tag, base=base, extras=extras, extra_requirements=extra_requirements,
+                              python=python, wheelhouse=wheelhouse, stage_only=stage_only, pull=pull,
+                              nocache=no_cache, docker_host=docker_host)
+    try:
+        result = images.build(req, out)
+    except images.ImageError as e:
+        out.finish()
+        Output.error(str(e), e)
+        raise _Exit(EXIT_FAILED) from e
+    out.set("image", result)
+    if result.get("staged_only"):
+        out.line(f"staged {result['context']} (build args in build-args.json); nothing built")
+    else:
+        out.line(f"built {result['tag']}  {result['image_id']}  base {result['base_image']}")
+    out.finish()
+
+
+@image_app.command("run")
+def image_run(
+    args: list[str] | None = typer.Argument(None, help="k3-verify arguments inside the container, after -- "
+                                                       "(default: run --tier smoke)"),
+    tag: str = typer.Option("k3-verify:gpu", "--tag", "-t", help="image to run"),
+    bundles: Path = typer.Option(Path("bundles"), "--bundles", help="host directory mounted at /bundles"),
+    gpus: str = typer.Option("auto", "--gpus", help="auto (all GPUs when the host has one) | all | none"),
+    network: str = typer.Option("none", "--network", help="container network (none: offline)"),
+    user: str | None = typer.Option(None, "--user", help="uid:gid inside (default: yours, so you own the bundles)"),
+    env: list[str] | None = typer.Option(None, "--env", "-e", help="NAME=VALUE for the container (repeatable)"),
+    shm_size: str = typer.Option("8g", "--shm-size", help="/dev/shm size (torch / NCCL need more than 64m)"),
+    keep: bool = typer.Option(False, "--keep", help="keep the stopped container"),
+    docker_host: str | None = typer.Option(None, "--docker-host", help="engine URL (default $DOCKER_HOST)"),
+    fmt: str = FormatOpt,
+) -> None:
+    """Run k3-verify in an image with the bundle directory mounted; exit with the container's code."""
+    out = Output(fmt)
+    from verify import images
+
+    req = images.RunRequest(tag=tag, args=list(args or ["run", "--tier", "smoke"]), bundles=bundles, gpus=gpus,
+                            network=network, user=user, env=list(env or []), shm_size=shm_size, keep=keep,
+                            docker_host=docker_host)
+    try:
+        result = images.run(req, out)
+    except images.ImageError as e:
+        out.finish()
+        Output.error(str(e), e)
+        raise _Exit(EXIT_FAILED) from e
+    out.set("run", result)
+    for b in result["bundles"]:
+        out.line(f"bundle: {b}")
+    if result["error"]:
+        out.line(f"engine: {result['error']}")
+    out.finish()
+    if result["exit_code"] != EXIT_OK:
+        raise _Exit(result["exit_code"])
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ class CheckContext:
     budget_s: float
     started: float = field(default_factory=time.monotonic)
     records_written: int = 0
+    engines: Any = None  # verify.engines.EnginePool of the run (built lazily, closed by the runner)
 
     @property
     def config(self):
@@ -40,6 +41,21 @@ class CheckContext:
 
     def artifact_path(self, name: str) -> Path:
         return self.writer.artifact_path(f"{self.check_id}/{name}")
+
+    def engine_under_test(self):
+        """The engine the run verifies (``--engine``), built on first use and shared by every check."""
+        return self._engine("engine_under_test")
+
+    def baseline_engine(self):
+        """The engine the engine under test is compared against (``--baseline-engine``)."""
+        return self._engine("baseline")
+
+    def _engine(self, role: str):
+        if self.engines is None:
+            from verify.engines.base import EngineError
+
+            raise EngineError(f"{self.check_id}: this run was started without engines")
+        return self.engines.get(role)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started

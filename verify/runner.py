@@ -93,8 +93,28 @@ def run_check(ctx: CheckContext, decl: Any, params: dict[str, Any]) -> CheckResu
     return fn(ctx, **params)
 
 
+def make_engine_pool(engine: str | None, baseline_engine: str | None, preset: str, device: str, seed: int,
+                     log: Any = None, model_dir: str | None = None, log_dir: str | None = None) -> Any:
+    """The run's engines (built lazily by the checks that use them): ``engine`` defaults to builtin:fast on
+    an sm_90 GPU and builtin:reference elsewhere; the baseline to builtin:reference. A bad spec -> UserError.
+    ``model_dir``: the HF model a launched ``vllm`` engine serves; ``log_dir``: where it keeps the server's
+    log and launch config (the bundle's ``logs/``)."""
+    from verify.engines import BASELINE_DEFAULT, EngineError, EnginePool, default_engine_spec
+
+    specs = {"engine_under_test": engine or default_engine_spec(device),
+             "baseline": baseline_engine or BASELINE_DEFAULT}
+    opts: dict[str, Any] = {"preset": preset, "device": device, "seed": seed}
+    if any(s.startswith("vllm") for s in specs.values()):
+        opts.update(model_dir=model_dir, log_dir=log_dir)
+    try:
+        return EnginePool(specs, opts, log=log)
+    except EngineError as e:
+        raise UserError(str(e)) from None
+
+
 def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed: int, out: Output,
-             argv: list[str], overrides: dict[str, dict[str, Any]] | None = None) -> tuple[str, Path]:
+             argv: list[str], overrides: dict[str, dict[str, Any]] | None = None, engine: str | None = None,
+             baseline_engine: str | None = None, model_dir: str | None = None) -> tuple[str, Path]:
     from verify import environment
     from verify.bundle.writer import BundleWriter
     from verify.tiers import TierError, load_tier
@@ -109,14 +129,17 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
     root = Path(output) if output else default_output_dir()
     if root.exists() and any(root.iterdir()):
         raise UserError(f"output directory {root} exists and is not empty")
+    pool = make_engine_pool(engine, baseline_engine, preset, device, seed, model_dir=model_dir,
+                            log_dir=str(root / "logs"))
     out.note(f"tier {tier.name}: {len(tier.checks)} checks, preset {preset}, device {device} -> {root}")
     env = environment.capture()
     writer = BundleWriter(
         root, tool_version=TOOL_VERSION, argv=argv, tier=tier.name, planned_checks=tier.check_ids,
-        engines=["builtin:reference"],
+        engines=pool.manifest_entries(),
         config={"preset": preset, "device": device, "tier_source": tier.source, "cpu_threads": cpu_threads},
         seeds={"global": seed}, env=env,
     )
+    pool.log = writer.log  # engine builds and descriptions go to logs/run.log
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, _raise_terminated)
     signal.signal(signal.SIGINT, _raise_terminated)
@@ -129,7 +152,7 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
                 params = {**decl.params, **spec.params, **(overrides or {}).get(spec.id, {})}
                 bar.advance(0, description=spec.id)
                 ctx = CheckContext(check_id=spec.id, preset=preset, device=device, seed=seed, writer=writer, out=out,
-                                   tmp_dir=Path(tmp), budget_s=spec.budget_s)
+                                   tmp_dir=Path(tmp), budget_s=spec.budget_s, engines=pool)
                 started = _dt.datetime.now(_dt.timezone.utc).isoformat()
                 t0 = time.monotonic()
                 try:
@@ -154,6 +177,10 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
         state = "interrupted"
         writer.log("run interrupted by a signal; finalizing an incomplete bundle")
     finally:
+        try:
+            pool.close()  # stop launched servers, free models; a failure is logged, never a crashed run
+        except Exception as e:
+            writer.log(f"closing the engines failed: {type(e).__name__}: {e}")
         for s, h in old.items():
             signal.signal(s, h)
     verdict = writer.finalize(state=state)
