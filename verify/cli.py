@@ -139,9 +139,7 @@ def env(fmt: str = FormatOpt) -> None:
 def bundle_verify(path: Path = typer.Argument(..., help="bundle directory or .tar.gz"), fmt: str = FormatOpt) -> None:
     """Check hashes, schema and that the verdict follows from the records (0 ok, 1 failed, 2 unreadable)."""
     out = Output(fmt)
-    import verify.checks.perf  # noqa: F401  (registers the perf.decode_sweep rescorer: re-derives its targets)
-    import verify.evals.rescore  # noqa: F401  (registers the evals.* rescorer: re-scores eval samples)
-    from verify.bundle.verify import verify_bundle
+    from verify.bundle.verify import verify_bundle  # loads the built-in rescorers (perf sweep, evals)
 
     report = verify_bundle(path)
     out.set("ok", report.ok)

@@ -157,8 +157,24 @@ def _extract(archive: Path, dest: Path) -> Path:
 
 
 # ---------------------------------------------------------------- verification
+# Modules whose import registers a rescorer for the checks they implement (import is cheap: no torch).
+BUILTIN_RESCORERS = ("verify.checks.perf", "verify.evals.rescore")
+
+
+def load_builtin_rescorers() -> None:
+    """Register the rescorers of every check that has one, so each caller of ``verify_bundle`` (the CLI,
+    ``bundle compare``, tests) re-derives the same things from the raw records."""
+    import importlib
+
+    for name in BUILTIN_RESCORERS:
+        importlib.import_module(name)
+
+
 def verify_bundle(path: str | Path, *, rescorers: Sequence[tuple[str, Rescorer]] | None = None) -> VerifyReport:
-    """Verify a bundle directory or .tar.gz. ``rescorers`` replaces the registered ones (tests)."""
+    """Verify a bundle directory or .tar.gz. ``rescorers`` replaces the registered ones (tests); without it
+    the built-in ones (``BUILTIN_RESCORERS``) are loaded first."""
+    if rescorers is None:
+        load_builtin_rescorers()
     try:
         with open_bundle(path) as root:
             return _verify_root(root, list(_RESCORERS if rescorers is None else rescorers))
