@@ -200,41 +200,43 @@ def _eval_scores(name: str, rng: random.Random) -> tuple[list[bool], list[bool]]
     return baseline, under
 
 
-def _evals(w: BundleWriter, name: str, rng: random.Random) -> dict:
-    """Samples in the record format of verify/checks/evals.py (verify/evals/runner.py), both sides."""
+def _evals(w: BundleWriter, name: str, rng: random.Random) -> tuple[str, str, dict]:
+    """Records in the real format of verify/checks/evals.py (a config record, then per-sample records of
+    both sides with responses and targets), scored by evals.utils and judged by verify.evals.gates exactly as
+    a run would, so ``bundle verify``'s eval rescorer re-derives every number. Returns (status, reason, metrics)."""
+    from evals.utils import SCORERS
+    from verify.evals.gates import compare, headline, load_thresholds
+
     baseline, under = _eval_scores(name, rng)
+    th = load_thresholds("gsm8k")
+    seed = 0
+    w.record("evals.gsm8k", {"type": "config", "dataset": "gsm8k", "tasks": ["k3_gsm8k"], "thresholds": th.as_dict(),
+                             "seed": seed, "limit": EVAL_ITEMS, "repeats": 1, "max_tokens": 256,
+                             "data_dir": "synthetic", "synthetic_data": True})
     engines = {"baseline": "builtin:reference", "under_test": "builtin:fast"}
-    for side, scores in (("baseline", baseline), ("under_test", under)):
-        for i, ok in enumerate(scores):
+    sides: dict[str, list[dict]] = {}
+    for side, oks in (("baseline", baseline), ("under_test", under)):
+        rows = []
+        for i, ok in enumerate(oks):
             h = hashlib.sha256(f"gsm8k-{i}".encode()).hexdigest()
-            w.record(
-                "evals.gsm8k",
-                {
-                    "type": "sample",
-                    "task": "k3_gsm8k",
-                    "dataset": "gsm8k",
-                    "doc_id": i,
-                    "doc_hash": h[:16],
-                    "prompt_hash": h[16:32],
-                    "repeats": 1,
-                    "scores": [1.0 if ok else 0.0],
-                    "extraction_failed": [False],
-                    "output_tokens": [120 + (i * 37) % 90],
-                    "truncated": [False],
-                    "side": side,
-                    "engine": engines[side],
-                },
-            )
-    b = sum(1 for x, y in zip(baseline, under, strict=True) if x and not y)
-    c = sum(1 for x, y in zip(baseline, under, strict=True) if y and not x)
-    metrics = {
-        "accuracy_under_test": sum(under) / EVAL_ITEMS,
-        "accuracy_baseline": sum(baseline) / EVAL_ITEMS,
-        "discordant": [b, c],
-        "items": EVAL_ITEMS,
-    }
-    w.record("evals.gsm8k", {"type": "task_stats", "task": "k3_gsm8k", "metrics": metrics, "problems": []})
-    return {"tasks": {"k3_gsm8k": metrics}}
+            gold = 10 + i
+            target = {"answer": f"Step by step. #### {gold}"}
+            response = f"The answer is #### {gold if ok else gold + 1}"
+            scored = SCORERS["gsm8k"](response, target)
+            rec = {"type": "sample", "task": "k3_gsm8k", "dataset": "gsm8k", "doc_id": i, "doc_hash": h[:16],
+                   "prompt_hash": h[16:32], "target_hash": h[32:48], "target": target, "repeats": 1,
+                   "responses": [response], "scores": [scored["score"]], "extracted": [scored["extracted"]],
+                   "rules": [scored["rule"]], "extraction_failed": [bool(scored["extraction_failed"])],
+                   "output_tokens": [120 + (i * 37) % 90], "output_chars": [len(response)],
+                   "finish_reasons": ["stop"], "truncated": [False], "seeds": [seed], "max_tokens": 256,
+                   "side": side, "engine": engines[side]}
+            w.record("evals.gsm8k", rec)
+            rows.append(rec)
+        sides[side] = rows
+    metrics, problems = compare("k3_gsm8k", sides["baseline"], sides["under_test"], th, seed)
+    w.record("evals.gsm8k", {"type": "task_stats", "task": "k3_gsm8k", "metrics": metrics, "problems": problems})
+    status = "failed" if problems else "passed"
+    return status, (problems[0] if problems else ""), {"tasks": {"k3_gsm8k": metrics}, **headline({"k3_gsm8k": metrics})}
 
 
 def make_bundle(root: Path, name: str) -> Path:
@@ -291,7 +293,8 @@ def make_bundle(root: Path, name: str) -> Path:
     )
     add("perf.decode_sweep", "passed", metrics=_sweep(w, name, rng))
     if name != "noisy":
-        add("evals.gsm8k", "passed", metrics=_evals(w, name, rng))
+        status, reason, metrics = _evals(w, name, rng)
+        add("evals.gsm8k", status, reason, metrics)
     w.finalize()
     tarball_path(root).unlink()  # the directories are the test data; tests make tarballs when they need one
     return root
