@@ -6,6 +6,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import struct
+import subprocess
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -40,3 +43,37 @@ def isolated_cache(tmp_path_factory: pytest.TempPathFactory, name: str):
             os.environ.pop("K3_KERNEL_CACHE", None)
         else:
             os.environ["K3_KERNEL_CACHE"] = old
+
+def opcodes(cubin: Path) -> Counter:
+    out = subprocess.run([NVDISASM, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ops: Counter = Counter()
+    for raw in out.splitlines():
+        m = INSN.match(raw)
+        if m:
+            parts = m.group(1).split()
+            ops[parts[1] if parts[0].startswith("@") else parts[0]] += 1
+    return ops
+
+
+def frame_sizes(cubin: Path) -> list[int]:
+    """EIATTR_FRAME_SIZE (0x11) values of the cubin's .nv.info records: bytes of local memory per function."""
+    b = cubin.read_bytes()
+    (shoff,) = struct.unpack_from("<Q", b, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", b, 0x3A)
+    secs = [struct.unpack_from("<IIQQQQIIQQ", b, shoff + i * shentsize) for i in range(shnum)]
+    strtab = secs[shstrndx][4]
+    out = []
+    for sec in secs:
+        if b[strtab + sec[0]: b.index(b"\0", strtab + sec[0])] != b".nv.info":
+            continue
+        p, end = sec[4], sec[4] + sec[5]
+        while p < end:
+            fmt, attr = b[p], b[p + 1]
+            if fmt == 0x04:
+                (size,) = struct.unpack_from("<H", b, p + 2)
+                if size == 8 and attr == 0x11:
+                    out.append(struct.unpack_from("<II", b, p + 4)[1])
+                p += 4 + size
+            else:
+                p += 4 if fmt == 0x03 else 2
+    return out
