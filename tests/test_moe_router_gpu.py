@@ -165,7 +165,7 @@ def test_moe_router_end_to_end_exact_ties(seed):
     x = torch.randn(M, H, device="cuda").bfloat16()
     w = (torch.randn(E, H, device="cuda") * H**-0.5).bfloat16()
     grp = sorted(torch.randperm(E)[:40].tolist())
-    w[grp] = w[grp[0]]
+    w[grp] = w[grp[0]].clone()  # clone: an indexed write may not read its own destination
     bias = torch.randn(E, device="cuda") * 0.01
     bias[grp] = 1.0  # the tied group outranks everything else (keys in [1, 2))
     ids, _ = _run_twice(lambda **o: k.moe_router(x, w, bias, top_k, True, 1.0, **o), M, top_k)

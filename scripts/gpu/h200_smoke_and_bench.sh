@@ -5,6 +5,7 @@
 #   smoke     k3-verify run --tier smoke          (kernel compile + numerics with counters + sanitizer + probes)
 #   bench     k3-verify bench kernels             (kernels vs cuBLAS / fla / PyTorch, cold L2, % of HBM floor)
 #   sweep     k3-verify run --tier scripts/gpu/gemm-sweep.yaml   (GEMM heuristic constants, one at a time)
+#   numerics  k3-verify run --tier scripts/gpu/kernels-numerics.yaml (every kernel GPU test, counters)
 #   kernels2  k3-verify run --tier scripts/gpu/kernels-ii.yaml   (all kernel GPU tests + router/MLA/experts bench)
 #   gputests  pytest -m gpu on the kernel tests named in $K3_GPU_TESTS (default: every tests/test_*gpu*.py)
 #   executor  python scripts/gpu/decode_executor_check.py        (decode executor vs reference, graphs)
@@ -43,6 +44,7 @@ for what in "$@"; do
       smoke) timeout -s TERM "$T" python3 -m verify.cli run --tier smoke --output "/tmp/bundles/$stamp-h200-smoke" 2>&1 | tee "$OUT/smoke.log" || rc=1 ;;
       bench) timeout -s TERM "$T" python3 -m verify.cli bench kernels --output "/tmp/bundles/$stamp-h200-bench-kernels" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
       kernels2) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/kernels-ii.yaml --output "/tmp/bundles/$stamp-h200-kernels-ii" 2>&1 | tee "$OUT/kernels2.log" || rc=1 ;;
+      numerics) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/kernels-numerics.yaml --output "/tmp/bundles/$stamp-h200-kernels-numerics" 2>&1 | tee "$OUT/numerics.log" || rc=1 ;;
       sweep) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/gemm-sweep.yaml --output "/tmp/bundles/$stamp-h200-gemm-sweep" 2>&1 | tee "$OUT/sweep.log" || rc=1 ;;
       gputests) timeout -s TERM "$T" python3 -m pytest -q -m gpu -p no:cacheprovider ${K3_GPU_TESTS:-tests/} 2>&1 | tail -60 | tee "$OUT/gputests.log" || rc=1 ;;
       executor) timeout -s TERM "$T" python3 scripts/gpu/decode_executor_check.py 2>&1 | tail -80 | tee "$OUT/executor.log" || rc=1 ;;
