@@ -120,7 +120,7 @@ def test_cli_bundle_verify_runs_the_eval_rescorer(tmp_path, seed) -> None:
                                                   if f != schema.SUMS], sealed=False))
     exe = Path(sys.executable).with_name("k3-verify")
     if not exe.exists():
-        pytest.skip("needs the k3-verify console script (pip install -e .)")
+        pytest.skip(reason="needs the k3-verify console script (pip install -e .)")
     r = subprocess.run([str(exe), "bundle", "verify", str(root)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "evals.gsm8k: rescore:" in r.stdout and "re-score to [0]" in r.stdout

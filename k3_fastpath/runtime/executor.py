@@ -147,12 +147,7 @@ class DecodeExecutor:
 
     def _io_for(self, bucket: int) -> StepIO:
         if bucket not in self._io:
-            d = self.device
-            self._io[bucket] = StepIO(tokens=torch.zeros(bucket, dtype=torch.long, device=d),
-                                      slot=torch.zeros(bucket, dtype=torch.int32, device=d),
-                                      pos=torch.zeros(bucket, dtype=torch.long, device=d),
-                                      active=torch.zeros(bucket, dtype=torch.bool, device=d),
-                                      logits=torch.zeros(bucket, self.cfg.vocab_size, dtype=torch.float32, device=d))
+            self._io[bucket] = StepIO.zeros(bucket, self.cfg.vocab_size, self.device)
         return self._io[bucket]
 
     def _run(self, bucket: int) -> OpCalls:

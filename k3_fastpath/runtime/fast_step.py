@@ -215,6 +215,15 @@ class StepIO:
     # (None outside it; a caller that runs ``_mla`` without ``run_step`` gets them derived per layer)
     mla_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    @classmethod
+    def zeros(cls, bucket: int, vocab: int, device: torch.device) -> StepIO:
+        """The static buffers of one batch bucket (every row empty: slot 0, position 0, inactive)."""
+        return cls(tokens=torch.zeros(bucket, dtype=torch.long, device=device),
+                   slot=torch.zeros(bucket, dtype=torch.int32, device=device),
+                   pos=torch.zeros(bucket, dtype=torch.long, device=device),
+                   active=torch.zeros(bucket, dtype=torch.bool, device=device),
+                   logits=torch.zeros(bucket, vocab, dtype=torch.float32, device=device))
+
 
 class OpCalls:
     """The op table as a step calls it: counts calls per op (host side, so a capture counts once)."""
