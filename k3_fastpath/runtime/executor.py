@@ -246,16 +246,7 @@ class DecodeExecutor:
         bucket = bucket_for(b, self.buckets)
         self._ensure_bucket(bucket)
         io = self._io_for(bucket)
-        io.tokens[:b].copy_(tokens.reshape(b), non_blocking=True)
-        if active is None:
-            io.active[:b].fill_(True)
-        else:
-            io.active[:b].copy_(active.reshape(b), non_blocking=True)
-        torch.mul(cache.slots, io.active[:b], out=io.slot[:b])
-        torch.mul(cache.lengths, io.active[:b], out=io.pos[:b])
-        if b < bucket:
-            for t in (io.tokens, io.slot, io.pos, io.active):
-                t[b:].zero_()
+        io.load(tokens, active, cache.slots, cache.lengths)
         if self.graphs is not None and bucket in self.graphs:
             cap = self.graphs.replay(bucket)
             rec = StepRecord(0, self.backend, b, bucket, kernels=dict(cap.kernels),

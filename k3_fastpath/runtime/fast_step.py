@@ -215,6 +215,22 @@ class StepIO:
     # (None outside it; a caller that runs ``_mla`` without ``run_step`` gets them derived per layer)
     mla_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def load(self, tokens: torch.Tensor, active: torch.Tensor | None, slots: torch.Tensor,
+             lengths: torch.Tensor) -> None:
+        """Stage one step of ``b`` rows into the bucket's buffers without a host sync: tokens, the active
+        mask, each active row's slot and position (inactive rows get slot 0 / position 0, the empty slot);
+        the padded rows ``b:`` are emptied."""
+        b = int(tokens.shape[0])
+        self.tokens[:b].copy_(tokens.reshape(b), non_blocking=True)
+        if active is None:
+            self.active[:b].fill_(True)
+        else:
+            self.active[:b].copy_(active.reshape(b), non_blocking=True)
+        torch.mul(slots, self.active[:b], out=self.slot[:b])
+        torch.mul(lengths, self.active[:b], out=self.pos[:b])
+        for t in (self.tokens, self.slot, self.pos, self.active):
+            t[b:].zero_()
+
     @classmethod
     def zeros(cls, bucket: int, vocab: int, device: torch.device) -> StepIO:
         """The static buffers of one batch bucket (every row empty: slot 0, position 0, inactive)."""

@@ -171,15 +171,7 @@ class TPFastDecoder:
             raise ValueError(f"batch {b} outside the buckets {self.buckets}, or a cache not from new_cache()")
         self._ensure_bucket(bucket)
         io = self._io_for(bucket)
-        io.tokens[:b].copy_(tokens.reshape(b), non_blocking=True)
-        if active is None:
-            io.active[:b].fill_(True)
-        else:
-            io.active[:b].copy_(active.reshape(b), non_blocking=True)
-        torch.mul(cache.slots, io.active[:b], out=io.slot[:b])
-        torch.mul(cache.lengths, io.active[:b], out=io.pos[:b])
-        for t in (io.tokens, io.slot, io.pos, io.active):
-            t[b:].zero_()
+        io.load(tokens, active, cache.slots, cache.lengths)
         if self.graphs is not None:
             self.graphs.replay(bucket)
         else:
