@@ -113,9 +113,15 @@ def _interpreter_check(seed: int) -> None:
     from k3_fastpath.runtime.tp_allreduce import fused_epilogue
 
     g = torch.Generator().manual_seed(seed)
-    # BF16: up to four chained FP32 -> BF16 conversions (addend + sum, + prefix, the mix, the output) that the
-    # interpreter truncates where the reference rounds to nearest: up to 4 BF16 steps (2^-7 relative each)
-    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 4 * 2.0**-7)):
+    # FP32: against the same-dtype reference, 1e-5. BF16: the project's rule, against an FP64 oracle of the
+    # same inputs: at most 2x the error of the BF16 reference itself, plus one BF16 step (2^-8 relative) for
+    # the interpreter, which truncates the chained FP32 -> BF16 conversions (addend + sum, + prefix, the mix,
+    # the output) where the reference rounds to nearest. (A fixed 4-step bound failed for a seed whose mix
+    # amplified the rounding: 0.0333 vs 0.03125 while the BF16 reference itself was that far off too.)
+    def rel(a, b):
+        return float(((a.double() - b.double()).abs() / b.double().abs().clamp_min(1.0)).max())
+
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, None)):
         for nb, has_add, has_pre in ((0, False, False), (0, True, True), (1, False, True), (3, True, True)):
             h, rows = 96, 5
 
@@ -127,9 +133,16 @@ def _interpreter_check(seed: int) -> None:
             pw, nw, ow = rnd(1, h, scale=0.3), 1 + rnd(h, scale=0.1), 1 + rnd(h, scale=0.1)
             got = fused_epilogue(red, pre, blocks, pw, nw, ow, 1e-5, add)
             want = TP.epilogue_reference(red, pre, blocks, pw, nw, ow, 1e-5, add)
-            for a, b in zip(got, want, strict=True):
-                err = float(((a.float() - b.float()).abs() / b.float().abs().clamp_min(1.0)).max())
-                assert err <= tol, (seed, dt, nb, has_add, has_pre, err)
+            if tol is not None:
+                for a, b in zip(got, want, strict=True):
+                    err = rel(a, b)
+                    assert err <= tol, (seed, dt, nb, has_add, has_pre, err)
+                continue
+            f64 = [None if t is None else t.double() for t in (red, pre, blocks, pw, nw, ow, add)]
+            oracle = TP.epilogue_reference(f64[0], f64[1], f64[2], f64[3], f64[4], f64[5], 1e-5, f64[6])
+            for a, b, o in zip(got, want, oracle, strict=True):
+                err, ref_err = rel(a, o), rel(b, o)
+                assert err <= 2 * ref_err + 2.0**-8, (seed, dt, nb, has_add, has_pre, err, ref_err)
     print("interpreter check ok")
 
 
