@@ -116,6 +116,24 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
 
 
+def prepare_step(input_ids: torch.Tensor, lengths: torch.Tensor, cache, device) -> tuple[torch.Tensor, ...]:
+    """Validate one prefill/decode call against its cache -> (ids with padding set to 0, lengths [B],
+    start positions [B] (a copy of ``cache.lengths``), valid mask [B, T]). Shared by every runner of the
+    model (this reference, the TP decoder) so they refuse the same inputs with the same messages."""
+    b, t = input_ids.shape
+    input_ids = input_ids.to(device)
+    lengths = lengths.to(device=device, dtype=torch.long).reshape(b)
+    if cache.batch != b:
+        raise ValueError(f"cache holds {cache.batch} sequences, input has {b}")
+    if bool((lengths < 0).any()) or bool((lengths > t).any()):
+        raise ValueError(f"lengths must lie in 0..{t}, got {lengths.tolist()}")
+    start_pos = cache.lengths.to(device).clone()
+    if bool((start_pos + lengths > cache.max_len).any()):
+        raise ValueError(f"cache max_len {cache.max_len} exceeded: positions {(start_pos + lengths).tolist()}")
+    valid = torch.arange(t, device=device)[None, :] < lengths[:, None]
+    return input_ids.masked_fill(~valid, 0), lengths, start_pos, valid
+
+
 class K3ForCausalLM(nn.Module):
     """The reference model. ``prefill`` / ``decode`` run against a ``K3Cache``; ``forward`` is a fresh prefill."""
 
@@ -176,19 +194,8 @@ class K3ForCausalLM(nn.Module):
 
     # ------------------------------------------------------------------ running
     def _run(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: K3Cache, mla_mode: str) -> torch.Tensor:
-        b, t = input_ids.shape
         dev = self.device
-        input_ids = input_ids.to(dev)
-        lengths = lengths.to(device=dev, dtype=torch.long).reshape(b)
-        if cache.batch != b:
-            raise ValueError(f"cache holds {cache.batch} sequences, input has {b}")
-        if bool((lengths < 0).any()) or bool((lengths > t).any()):
-            raise ValueError(f"lengths must lie in 0..{t}, got {lengths.tolist()}")
-        start_pos = cache.lengths.to(dev).clone()
-        if bool((start_pos + lengths > cache.max_len).any()):
-            raise ValueError(f"cache max_len {cache.max_len} exceeded: positions {(start_pos + lengths).tolist()}")
-        valid = torch.arange(t, device=dev)[None, :] < lengths[:, None]
-        ids = input_ids.masked_fill(~valid, 0)
+        ids, lengths, start_pos, valid = prepare_step(input_ids, lengths, cache, dev)
         x = self.model.embed_tokens(ids)
         x = torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=dev))
         blocks: list[torch.Tensor] = []

@@ -260,19 +260,11 @@ class TPModel:
 
     # ------------------------------------------------------------------ running
     def _run(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: Any, mla_mode: str) -> torch.Tensor:
+        from ..reference.model import prepare_step
+
         b, t = input_ids.shape
         dev = self.device
-        input_ids = input_ids.to(dev)
-        lengths = lengths.to(device=dev, dtype=torch.long).reshape(b)
-        if cache.batch != b:
-            raise ValueError(f"cache holds {cache.batch} sequences, input has {b}")
-        if bool((lengths < 0).any()) or bool((lengths > t).any()):
-            raise ValueError(f"lengths must lie in 0..{t}, got {lengths.tolist()}")
-        start_pos = cache.lengths.to(dev).clone()
-        if bool((start_pos + lengths > cache.max_len).any()):
-            raise ValueError(f"cache max_len {cache.max_len} exceeded: positions {(start_pos + lengths).tolist()}")
-        valid = torch.arange(t, device=dev)[None, :] < lengths[:, None]
-        ids = input_ids.masked_fill(~valid, 0)
+        ids, lengths, start_pos, valid = prepare_step(input_ids, lengths, cache, dev)
         m = self.model.model
         eps = self.cfg.rms_norm_eps
         layers = list(m.layers)
