@@ -127,4 +127,8 @@ def test_check_runs_emulated_on_a_cpu(seed, tmp_path):
     assert kinds == ["step", "step", "point"]
     point = sink.rows[-1][1]
     assert point["trace"]["fast_steps"] == 2 and point["trace"]["fallbacks"] == {}
-    assert "mla_attention: no fast kernel yet (issue #4)" in res.metrics["standard_ops_steps"]
+    assert res.metrics["standard_ops_steps"] == {}  # MLA attention and the routed experts are kernels
+    n_moe = sum(1 for i in range(CFG.num_hidden_layers) if CFG.is_moe_layer(i))
+    kfb = point["trace"]["kernel_fallbacks"]  # emulated: each kernel api served the call from its reference
+    assert kfb["mla_decode: no cuda device"] == 2 * len(CFG.mla_layer_ids)
+    assert kfb["moe_experts: no cuda device"] == 2 * n_moe

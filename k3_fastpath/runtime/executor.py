@@ -15,7 +15,15 @@ cache and the trace records ``fallback`` with the reason. ``backend="standard"``
 reference model (bitwise the reference: it is the reference).
 
 A fast step allocates nothing and never synchronises with the host once its bucket is captured; to keep
-it that way pass device tensors (tokens, ``active``) and ``out=`` for the logits. Launch-level options
+it that way pass device tensors (tokens, ``active``) and ``out=`` for the logits. Every op of the step is a
+kernel (``fast_ops``: MLA attention is ``mla_decode``, the routed experts ``moe_experts`` over the MXFP4
+weights built once here, ``ExpertBank``); the shared experts overlap the routed experts on a second stream.
+A bucket whose eager warm-up saw a kernel refuse a call (a counted kernel fallback, served by the
+kernel's reference, which synchronises) is not captured: its steps run eagerly, each listing the fallback.
+
+The MLA latent pools hold ``max_len`` rounded up to a multiple of 64 positions (``CachePool``): the slot
+pool is then a paged cache of 64-position pages, the layout ``mla_decode`` takes; ``max_len`` itself stays
+the context limit of the envelope and of ``new_cache``. Launch-level options
 (both off by default, both measured on/off by scripts/gpu/decode_executor_check.py): ``prefetch`` (next
 layer's weights into L2 on a side stream, ``prefetch.py``) and ``pdl`` (programmatic dependent launch of
 the projections; ``pdl_support()`` says exactly what it covers).
@@ -33,7 +41,7 @@ from .._lib import counters
 from .cache_pool import CachePool, PooledCache, copy_cache
 from .envelope import PREFILL_REASON, Envelope
 from .fast_ops import GLUE_OPS, OpImpl, linear_pdl, op_table
-from .fast_step import ExpertBank, ModelPlan, OpCalls, StepIO, run_step
+from .fast_step import ModelPlan, OpCalls, SideStream, StepIO, run_step
 from .graphs import BucketGraphs, bucket_for, counter_delta
 from .prefetch import DEFAULT_BUDGET_BYTES, L2Prefetcher
 from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
@@ -59,7 +67,7 @@ class DecodeExecutor:
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
                  envelope: Envelope | None = None, prefetch: bool = False,
                  prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = False,
-                 stacked_experts: str | bool = "auto") -> None:
+                 shared_stream: bool = True) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -85,12 +93,13 @@ class DecodeExecutor:
         self.ops = op_table()
         if pdl and self.ops["linear"].kernel == "skinny_gemm":
             self.ops["linear"] = OpImpl("linear", linear_pdl, kernel="skinny_gemm")
-        self._stacked = stacked_experts
+        self.side = SideStream(self.device, enabled=shared_stream and self.fast)
         self.prefetcher = L2Prefetcher(self.device, prefetch_budget, enabled=prefetch and self.fast)
         self.pool: CachePool | None = None
         self._plan: ModelPlan | None = None
         self._io: dict[int, StepIO] = {}
         self._calls: dict[int, OpCalls] = {}
+        self.eager_buckets: dict[int, dict[str, dict[str, int]]] = {}  # bucket -> kernel fallbacks at warm-up
         self.graphs = BucketGraphs(self.device) if self.use_graphs else None
         meta = {"backend": backend, "model": self.cfg.name, "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
@@ -98,8 +107,13 @@ class DecodeExecutor:
                 "max_len": max_len, "use_graphs": self.use_graphs,
                 "ops": {n: (o.kernel if o.kernel else f"standard: {o.standard_reason}") for n, o in self.ops.items()},
                 "glue_ops": list(GLUE_OPS), "pdl": {"requested": pdl, "effect": pdl_support()},
-                "l2_prefetch": {"enabled": self.prefetcher.enabled, "budget_bytes": prefetch_budget}}
+                "l2_prefetch": {"enabled": self.prefetcher.enabled, "budget_bytes": prefetch_budget},
+                "mla_pool_len": CachePool.latent_length(max_len),
+                "shared_experts_stream": self.side.stream is not None}
         self.trace = ExecutionTrace(trace_dir if trace_dir is not None else trace_dir_from_env(), meta)
+        if self.fast:  # the routed experts' kernel weights (and W_UK / W_UV) once, here, never per step
+            self._plan = ModelPlan.build(model)
+            self.trace.set_meta(expert_weights=self.cfg.expert_format)
 
     # ------------------------------------------------------------------ caches
     def _ensure_pool(self) -> CachePool:
@@ -128,13 +142,7 @@ class DecodeExecutor:
     # ------------------------------------------------------------------ setup
     def _plan_or_build(self) -> ModelPlan:
         if self._plan is None:
-            stacked = self._stacked
-            if stacked == "auto":  # the stacked BF16 experts if they take at most half the free memory
-                need = ExpertBank.stacked_bytes(self.cfg, self.dtype)
-                free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 1 << 30
-                stacked = ExpertBank.is_stacked(self.model) or need < free // 2
-            self._plan = ModelPlan.build(self.model, stacked_experts=bool(stacked))
-            self.trace.set_meta(stacked_experts=bool(stacked))
+            self._plan = ModelPlan.build(self.model)
         return self._plan
 
     def _io_for(self, bucket: int) -> StepIO:
@@ -144,9 +152,8 @@ class DecodeExecutor:
 
     def _run(self, bucket: int) -> OpCalls:
         calls = OpCalls(self.ops)
-        pool = self._ensure_pool()  # before the plan: the expert-stacking decision sees the pool's memory
-        run_step(self._plan_or_build(), calls, self._io_for(bucket), pool,
-                 self.prefetcher if self.prefetcher.enabled else None)
+        run_step(self._plan_or_build(), calls, self._io_for(bucket), self._ensure_pool(),
+                 self.prefetcher if self.prefetcher.enabled else None, self.side)
         return calls
 
     def _empty_rows(self, io: StepIO) -> None:
@@ -162,11 +169,18 @@ class DecodeExecutor:
 
     @torch.no_grad()
     def _ensure_bucket(self, bucket: int) -> None:
-        """With graphs: warm the bucket up and capture its graph (once)."""
-        if self.graphs is None or bucket in self.graphs:
+        """With graphs: warm the bucket up and capture its graph (once). A warm-up in which a kernel refused
+        a call (served by its reference, which synchronises with the host) leaves the bucket eager."""
+        if self.graphs is None or bucket in self.graphs or bucket in self.eager_buckets:
             return
+        before = counters.snapshot()
         self._warm_up(bucket)
         torch.cuda.synchronize(self.device)
+        _, refused = counter_delta(before, counters.snapshot())
+        if refused:
+            self.eager_buckets[bucket] = refused
+            self.trace.set_meta(eager_buckets={str(b): f for b, f in self.eager_buckets.items()})
+            return
         holder: dict[str, OpCalls] = {}
 
         def step() -> None:
@@ -233,7 +247,7 @@ class DecodeExecutor:
         self._ensure_bucket(bucket)
         io = self._io_for(bucket)
         io.load(tokens, active, cache.slots, cache.lengths)
-        if self.graphs is not None:
+        if self.graphs is not None and bucket in self.graphs:
             cap = self.graphs.replay(bucket)
             rec = StepRecord(0, self.backend, b, bucket, kernels=dict(cap.kernels),
                              standard_ops=list(cap.standard_ops), kernel_fallbacks=dict(cap.kernel_fallbacks),

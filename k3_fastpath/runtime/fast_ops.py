@@ -8,21 +8,25 @@ A fast step (``fast_step.py``) never calls a kernel directly; it calls ``ops[nam
 | ``rmsnorm``     | ``(x [Bk,H] bf16, w [H], eps) -> [Bk,H] bf16``                                          |
 | ``attn_res``    | ``(sources [S,Bk,H] bf16, norm_w [H], proj_w [H], eps, out_w [H]) -> RMSNorm(mix)*out_w`` |
 | ``kda_step``    | ``kernels.kda_decode.api.kda_decode``'s signature (pools + slots, in-place update)      |
-| ``mla_attention`` | ``(q [Bk,h,nope+rope], kv [Bk,rank+rope] (kv_a output, c_kv not yet normed), kv_norm_w, eps, latent [N,L,rank+rope], scale, slot [Bk] i32, pos [Bk] i64, w_uk [h,nope,rank], w_uv [h,v,rank] (FP32), softmax_scale) -> [Bk, h*v]``: writes the new latent at (slot, pos), attends over positions 0..pos |
+| ``mla_attention`` | ``(q [Bk,h,nope+rope], kv [Bk,rank+rope] (kv_a output, c_kv not yet normed), kv_norm_w, eps, latent [N,L,rank+rope], scale, slot [Bk] i32, pos [Bk] i64, block_table [Bk,pages] i32, ctx_len [Bk] i32, w_uk [h,nope,rank] (FP32), w_uv [h,v,rank] bf16, softmax_scale, gate [Bk,h*v] or None) -> [Bk, h*v] bf16``: writes the new latent at (slot, pos), attends over positions 0..pos, gated |
 | ``moe_router``  | ``(x [Bk,H] bf16, gate_w [E,H], bias [E] f32, top_k, renormalize, scale) -> (ids [Bk,k], w [Bk,k] f32)`` |
-| ``moe_experts`` | ``(z [Bk,L] bf16, ids [Bk,k], weights [Bk,k] f32, bank: ExpertBank) -> [Bk,L] f32`` (the weighted sum before the routed norm) |
+| ``moe_experts`` | ``(z [Bk,L] bf16, ids [Bk,k], weights [Bk,k] f32, bank: ExpertBank, norm_w=None, eps=1e-5) -> [Bk,L]``: the FP32 weighted sum, or with ``norm_w`` the routed latent norm fused (bf16) |
 
 An entry (``OpImpl``) names the kernel whose launches it counts under, or, for an op served by PyTorch
 inside the fast step, the reason (``standard_reason``), which the trace lists per step as a standard op.
 Every implementation must be CUDA-graph capturable: no host synchronisation, no data-dependent shapes.
+A kernel that refuses a call (its ``is_supported``) serves it from its reference and counts a fallback
+with the reason; the trace lists it per step (``kernel_fallbacks``), and the executor runs such a bucket
+eagerly instead of capturing it (the references synchronise with the host).
 
-Plugging in a new kernel is one call, e.g. when ``kernels/mla_decode`` lands::
+Plugging in a kernel is one call::
 
     register_op("mla_attention", my_adapter, kernel="mla_decode")
 
-where ``my_adapter`` has the signature above. ``moe_router`` is already served by ``kernels/moe_router``
-when that kernel is registered; ``mla_attention`` and ``moe_experts`` run the PyTorch implementations
-below until theirs land (issue #4).
+where ``my_adapter`` has the signature above. Every op of the table is served by a kernel
+(``mla_attention`` by ``kernels/mla_decode``, ``moe_experts`` by ``kernels/moe_experts``); what remains in
+PyTorch between kernels is elementwise glue (``GLUE_OPS``). On a CPU, or outside a kernel's envelope,
+each kernel api serves the call from its ``reference.py``, which is how the CPU tests run these adapters.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ..reference.common import compute_dtype, rms_norm, situ_glu
-from ..reference.mla import FP8
+from ..reference.common import rms_norm
+from ..reference.mla import FP8, FP8_MAX
 
 NO_KERNEL_YET = "no fast kernel yet (issue #4)"
 
@@ -130,79 +134,57 @@ def moe_router_standard(x, gate_w, bias, top_k, renormalize, scale):
     return ids, w * scale
 
 
-def _situ(g: torch.Tensor, u: torch.Tensor, bank: Any) -> torch.Tensor:
-    return situ_glu(g, u, bank.beta, bank.linear_beta).to(g.dtype)
+def moe_experts_kernel(z, ids, weights, bank, norm_w=None, eps=1e-5):
+    """The routed experts through ``kernels/moe_experts``: only the touched experts' weights (MXFP4 as the
+    checkpoint stores them, in the kernel's fragment layout built once per bank) stream, once per step.
+    Returns the FP32 weighted sum, or with ``norm_w`` the routed latent RMSNorm fused into the combine
+    (bf16). Router ids come as int32 from ``moe_router``; the standard router's int64 ids are narrowed."""
+    from ..kernels.moe_experts.api import moe_experts
+
+    if ids.dtype != torch.int32:  # glue, only behind the standard router
+        ids = ids.to(torch.int32)
+    return moe_experts(z, ids, weights.float(), bank.weights, beta=bank.beta, linear_beta=bank.linear_beta,
+                       norm_weight=norm_w, eps=eps)
 
 
-def moe_experts_standard(z, ids, weights, bank):
-    """Every expert on every row, weighted by a dense [Bk, E] routing matrix that is 0 off the chosen
-    experts: static shapes (graph-capturable), same per-expert math as ``RoutedExpert`` (bf16 GEMMs,
-    SiTU-GLU in FP32, FP32 weighted sum). Reads every expert each step: a placeholder until moe_experts."""
-    bk = z.shape[0]
-    dense = torch.zeros(bk, bank.num_experts, dtype=torch.float32, device=z.device)
-    dense.scatter_(1, ids.long(), weights.float())
-    if bank.stacked is not None:
-        w1, w3, w2 = bank.stacked
-        zb = z.unsqueeze(0).expand(bank.num_experts, bk, z.shape[1])
-        h = _situ(torch.bmm(zb, w1.transpose(1, 2)), torch.bmm(zb, w3.transpose(1, 2)), bank)
-        y = torch.bmm(h, w2.transpose(1, 2))  # [E, Bk, L]
-        return torch.einsum("be,ebl->bl", dense, y.float())
-    acc = torch.zeros(bk, z.shape[1], dtype=torch.float32, device=z.device)
-    for e in range(bank.num_experts):  # MXFP4 dequantized per step: slow, but no extra memory
-        w1, w3, w2 = bank.dense(e, z.dtype)
-        y = torch.nn.functional.linear(_situ(z @ w1.T, z @ w3.T, bank), w2)
-        acc.add_(y.float() * dense[:, e:e + 1])
-    return acc
-
-
-def _latent_chunk(bk: int, max_len: int) -> int:
-    """Context positions per attention chunk: Bk x chunk <= 2^18 rows (~0.6 GB of FP32 latents)."""
-    return max(128, min(max_len, (1 << 18) // max(bk, 1)))
-
-
-def mla_attention_standard(q, kv, kv_norm_w, eps, latent, scale, slot, pos, w_uk, w_uv, softmax_scale):
-    """Absorbed gated-MLA decode over a slot-indexed latent pool, in PyTorch (``reference.mla`` semantics).
-
-    Writes ``concat(RMSNorm(c_kv), k_pe)`` (FP8-encoded with ``scale`` for an FP8 pool) at ``(slot[b],
-    pos[b])``, then attends over positions ``0..pos[b]`` of ``slot[b]`` with an online softmax over
-    fixed-size chunks of the whole pool length (static shapes: the same work at every context, so a graph
-    captured once serves every step). Scores and sums in FP32; q_lat and the latent output rounded to the
-    model dtype where the reference rounds them.
-    """
-    bk, heads, _ = q.shape
-    nope, rank = w_uk.shape[1], w_uk.shape[2]
-    dt = q.dtype
-    cdt = compute_dtype(dt)
-    fp8 = latent.dtype == FP8
+def write_mla_latent(kv, kv_norm_w, eps, latent, scale, slot, pos):
+    """Glue before ``mla_decode``: ``concat(RMSNorm(c_kv), k_pe)`` (FP8-encoded with ``scale`` for an FP8
+    pool, saturating like ``MLACache.encode``) into ``latent[slot[b], pos[b]]``. Padded rows write slot 0."""
+    rank = kv_norm_w.shape[0]
     new = torch.cat([rms_norm(kv[:, :rank], kv_norm_w, eps), kv[:, rank:]], dim=-1)
-    enc = (new.float() / scale).clamp(-448.0, 448.0).to(FP8) if fp8 else new.to(latent.dtype)
-    rows = slot.long()
-    latent[rows, pos] = enc
-    q_lat = torch.einsum("bhd,hdr->bhr", q[..., :nope].to(cdt), w_uk).to(dt).to(cdt)
-    q_pe = q[..., nope:].to(cdt)
-    m = torch.full((bk, heads), float("-inf"), dtype=cdt, device=q.device)
-    denom = torch.zeros(bk, heads, dtype=cdt, device=q.device)
-    acc = torch.zeros(bk, heads, rank, dtype=cdt, device=q.device)
-    max_len = latent.shape[1]
-    chunk = _latent_chunk(bk, max_len)
-    for s0 in range(0, max_len, chunk):
-        s1 = min(max_len, s0 + chunk)
-        lat = latent[rows, s0:s1]
-        lat = ((lat.float() * scale).to(dt) if fp8 else lat.to(dt)).to(cdt)
-        ok = torch.arange(s0, s1, device=q.device)[None, :] <= pos[:, None]  # [Bk, n]
-        lat = torch.where(ok[..., None], lat, 0.0)  # a stale slot never enters, not even as NaN * 0
-        sc = (torch.einsum("bhr,bsr->bhs", q_lat, lat[..., :rank])
-              + torch.einsum("bhd,bsd->bhs", q_pe, lat[..., rank:])) * softmax_scale
-        sc = sc.masked_fill(~ok[:, None, :], float("-inf"))
-        m_new = torch.maximum(m, sc.amax(dim=-1))  # finite from chunk 0 on: position 0 is always valid
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(sc - m_new[..., None])
-        denom = denom * alpha + p.sum(dim=-1)
-        acc = acc * alpha[..., None] + torch.einsum("bhs,bsr->bhr", p, lat[..., :rank])
-        m = m_new
-    o_lat = (acc / denom[..., None]).to(dt)
-    o = torch.einsum("bhr,hdr->bhd", o_lat.to(cdt), w_uv).to(dt)
-    return o.reshape(bk, heads * w_uv.shape[1])
+    enc = (new.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8) if latent.dtype == FP8 else new.to(latent.dtype)
+    latent[slot.long(), pos] = enc
+
+
+def mla_attention_kernel(q, kv, kv_norm_w, eps, latent, scale, slot, pos, block_table, ctx_len, w_uk, w_uv,
+                         softmax_scale, gate=None):
+    """Absorbed gated-MLA decode through ``kernels/mla_decode`` over the slot pool (``reference.mla``
+    semantics): writes the new latent at ``(slot, pos)`` (``write_mla_latent``), absorbs ``q_nope`` through
+    W_UK (``absorb_q``: FP32 accumulate, rounded), then one ``mla_decode`` over the pool viewed as pages of
+    ``block_table``'s page size: positions ``0 .. ctx_len - 1 = pos`` of each row's slot, W_UV and the
+    output gate fused into the combine. ``max_ctx`` is the pool length (static: one graph per bucket)."""
+    from ..kernels.mla_decode.api import absorb_q, mla_decode
+
+    write_mla_latent(kv, kv_norm_w, eps, latent, scale, slot, pos)
+    nope = w_uk.shape[1]
+    q_lat = absorb_q(q[..., :nope], w_uk).contiguous()
+    q_pe = q[..., nope:].contiguous()
+    n, length, width = latent.shape
+    page = length // (block_table.shape[1])
+    paged = latent.view(n * length // page, page, width)
+    return mla_decode(q_lat, q_pe, paged, block_table, ctx_len, w_uv, gate, softmax_scale=softmax_scale,
+                      cache_scale=scale if latent.dtype == FP8 else None, max_ctx=length)
+
+
+def mla_step_index(slot: torch.Tensor, pos: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block_table [Bk, pages] int32, ctx_len [Bk] int32 = pos + 1) of one step over slot pools of
+    ``length`` positions: pages of ``mla_decode``'s 64 when ``length`` is a multiple of 64 (the executor's
+    pools are, ``CachePool`` rounds up), else one page per slot, which the kernel refuses: the call then
+    falls back to its reference and the trace counts it (never silent)."""
+    from ..kernels.mla_decode.api import PAGE_SIZE, slot_block_table
+
+    page = PAGE_SIZE if length % PAGE_SIZE == 0 else length
+    return slot_block_table(slot, length, page), (pos + 1).to(torch.int32)
 
 
 # ------------------------------------------------------------------------------------ defaults
@@ -219,9 +201,11 @@ def _register_defaults() -> None:
         register_op("moe_router", _moe_router_kernel, kernel="moe_router")
     else:
         register_op("moe_router", moe_router_standard, standard_reason=NO_KERNEL_YET)
-    register_op("mla_attention", mla_attention_standard, standard_reason=NO_KERNEL_YET)
-    register_op("moe_experts", moe_experts_standard, standard_reason=NO_KERNEL_YET)
+    register_op("mla_attention", mla_attention_kernel, kernel="mla_decode")
+    register_op("moe_experts", moe_experts_kernel, kernel="moe_experts")
 
 
-GLUE_OPS = ("embedding", "routed_latent_norm", "situ_glu", "mla_output_gate", "moe_residual_add",
-            "logits_mask", "kda_beta_unpad (heads % 8 != 0 only)")  # PyTorch elementwise / gather ops between kernels, the same every step
+GLUE_OPS = ("embedding", "mla_step_index (block table, ctx_len: once per step)",
+            "mla_latent_write (RMSNorm(c_kv) | k_pe into the pool)", "mla_absorb_q (q_nope x W_UK, FP32 accumulate)",
+            "situ_glu (dense MLP, shared experts)", "moe_residual_add", "logits_mask",
+            "kda_beta_unpad (heads % 8 != 0 only)")  # PyTorch elementwise / gather ops between kernels, the same every step

@@ -2,7 +2,8 @@
 
 ``ModelPlan.build(model)`` gathers, per layer, the reference model's own weight tensors (no copies, so
 every weight stays a distinct allocation) into the form the kernels take: flattened AttnRes projections,
-W_UK / W_UV of the MLA up-projection in FP32, the routed experts of each MoE layer as an ``ExpertBank``.
+W_UK (FP32) / W_UV (bf16) split out of ``kv_b_proj``, the routed experts of each MoE layer as an
+``ExpertBank`` (``kernels/moe_experts``' ``ExpertWeights``, built once).
 ``run_step(plan, ops, io, pool)`` then runs the step for a batch bucket ``Bk``:
 
 1. residual stream in one buffer ``src [S_max, Bk, H]``: block snapshots at 0..nb-1, the running prefix at
@@ -10,12 +11,16 @@ W_UK / W_UV of the MLA up-projection in FP32, the routed experts of each MoE lay
    block is ``nb += 1`` (no copy). Embedding into ``src[0]`` (0 for inactive rows, as the reference).
 2. per layer: ``attn_res`` (AttnRes mix + the sublayer's RMSNorm, one kernel) -> attention -> its output
    projection with the residual add fused (``linear(..., residual=prefix, out=prefix)``) -> ``attn_res``
-   -> MLP / LatentMoE -> residual add;
+   -> MLP / LatentMoE -> residual add. LatentMoE: the shared experts' GLU runs on a second CUDA stream
+   (``SideStream``: event fork / join, captured into the graph) while the router, the latent down
+   projection, ``moe_experts`` (+ the fused latent norm) and the latent up projection run on the main one;
+   the shared down projection adds the routed output as its residual after the join;
 3. ``attn_res`` with the final norm, ``lm_head`` with FP32 output into ``io.logits``; inactive rows 0.
 
 KDA: q, k, v, g, f_a -> f_b, beta logits are separate ``linear`` calls (``kda_decode`` takes contiguous
-[B, C] operands), then ``kda_step`` updates the slot pools in place. MLA: q_a -> RMSNorm -> q_b, kv_a,
-``mla_attention`` (writes the latent, attends), the output gate, o_proj. Rows are independent
+[B, C] operands), then ``kda_step`` updates the slot pools in place. MLA: q_a -> RMSNorm -> q_b, kv_a, the
+gate projection, ``mla_attention`` (writes the latent at (slot, pos), absorbs q, ``mla_decode`` over the
+pool with the block table / ctx_len = pos + 1 derived once per step, the gate fused), o_proj. Rows are independent
 everywhere, so padded rows (slot 0, position 0) never touch a real sequence's cache or output.
 
 Rounding differs from the reference by design in a few places: a fused residual add rounds once where
@@ -31,55 +36,60 @@ from typing import Any
 
 import torch
 
-from ..reference.common import rms_norm, situ_glu
-from .fast_ops import OpImpl
+from ..kernels.mla_decode.api import split_kv_b
+from ..reference.common import situ_glu
+from .fast_ops import OpImpl, mla_step_index
 
 
 # ------------------------------------------------------------------------------------------ experts
 class ExpertBank:
-    """The routed experts of one LatentMoE layer for ``moe_experts``: MXFP4 (or BF16) as the checkpoint
-    stores them, plus optionally all of them dequantized to BF16 and stacked ``[E, I, L]`` / ``[E, L, I]``
-    (built once per module and shared by every executor over the same model)."""
+    """The routed experts of one LatentMoE layer as ``kernels/moe_experts`` reads them: one
+    ``ExpertWeights`` (stacked over experts, in the checkpoint's format, MXFP4 for K3; on a GPU also its
+    fragment layout), built once per module and shared by every executor over the same model.
 
-    _stacked_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    No BF16 copy of any expert exists: the kernel dequantises MXFP4 in registers and streams only the
+    touched experts. Stacking would duplicate the checkpoint's expert tensors, so the module's own
+    per-expert tensors are re-pointed at views of the stacked ones (same values; the reference model reads
+    them unchanged): the experts live once in the checkpoint layout, plus once in the fragment layout."""
 
-    def __init__(self, moe: Any, cfg: Any, stacked: bool) -> None:
+    _weights_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, moe: Any, cfg: Any) -> None:
         self.module = moe
         self.num_experts = cfg.num_experts
         self.beta = cfg.activation_situ_beta
         self.linear_beta = cfg.activation_situ_linear_beta
-        self.stacked = self._stack(moe) if stacked else None
-
-    def dense(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        ex = self.module.experts[e]
-        return ex.w1.dense(dtype), ex.w3.dense(dtype), ex.w2.dense(dtype)
+        self.fmt = cfg.expert_format
+        self.weights = self._build(moe, self.fmt)
 
     @classmethod
-    def _stack(cls, moe: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        hit = cls._stacked_cache.get(moe)
+    def _build(cls, moe: Any, fmt: str) -> Any:
+        from ..kernels.moe_experts.layout import ExpertWeights
+
+        hit = cls._weights_cache.get(moe)
         if hit is not None:
             return hit
-        dt = moe.routed_expert_down_proj.weight.dtype
-        first = moe.experts[0]
-        shapes = [(len(moe.experts), *first.w1.dense(dt).shape), (len(moe.experts), *first.w3.dense(dt).shape),
-                  (len(moe.experts), *first.w2.dense(dt).shape)]
-        dev = moe.routed_expert_down_proj.weight.device
-        out = tuple(torch.empty(s, dtype=dt, device=dev) for s in shapes)
-        for e, ex in enumerate(moe.experts):
-            for dst, w in zip(out, (ex.w1, ex.w3, ex.w2), strict=True):
-                dst[e].copy_(w.dense(dt))
-        cls._stacked_cache[moe] = out
-        return out
+        w = ExpertWeights.from_modules(moe.experts, fmt)
+        for e, ex in enumerate(moe.experts):  # the module's tensors become views of the stacked ones
+            for n in ("w1", "w3", "w2"):
+                mod, stacked = getattr(ex, n), getattr(w, n)
+                if fmt == "mxfp4":
+                    mod.weight_packed, mod.weight_scale = stacked[0][e], stacked[1][e]
+                else:
+                    mod.weight = torch.nn.Parameter(stacked[e], requires_grad=mod.weight.requires_grad)
+        if fmt == "mxfp4" and w.device.type == "cuda":
+            w.fragments()  # the kernel's layout, now rather than inside the first step
+        cls._weights_cache[moe] = w
+        return w
 
-    @classmethod
-    def is_stacked(cls, model: Any) -> bool:
-        """True when this model's experts are already stacked (by another executor over it)."""
-        return any(hasattr(layer, "block_sparse_moe") and layer.block_sparse_moe in cls._stacked_cache
-                   for layer in model.model.layers)
+    def dense(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's (w1, w3, w2) dequantised (tests, debugging; never on the step's path)."""
+        return tuple(self.weights.dense(n, e, dtype) for n in ("w1", "w3", "w2"))
 
     @staticmethod
     def stacked_bytes(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes of every MoE layer's stacked BF16 experts (what ``stacked=True`` costs)."""
+        """Bytes every MoE layer's experts would take dequantised to ``dtype`` (what the fast path no longer
+        allocates; kept for callers that still size that choice)."""
         per = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size
         layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
         return per * layers * torch.finfo(dtype).bits // 8
@@ -140,7 +150,10 @@ class ModelPlan:
     num_sources: int  # AttnRes blocks + the running prefix
 
     @classmethod
-    def build(cls, model: Any, stacked_experts: bool) -> ModelPlan:
+    def build(cls, model: Any, stacked_experts: bool = False) -> ModelPlan:
+        """The plan of ``model``'s own weights. ``stacked_experts`` is ignored (the BF16 expert stacks are
+        gone: ``moe_experts`` reads MXFP4); it stays in the signature for older callers."""
+        del stacked_experts
         cfg = model.cfg
         m = model.model
         layers = []
@@ -154,10 +167,10 @@ class ModelPlan:
                         "A_log": a.A_log, "dt_bias": a.dt_bias, "o_norm": a.o_norm.weight, "o": a.o_proj.weight,
                         "lower_bound": a.lower_bound}
             else:
-                w_uk, w_uv = a._w_uk_uv()
+                w_uk, w_uv = split_kv_b(a.kv_b_proj.weight.detach(), a.num_heads, a.nope, a.v_dim)
                 attn = {"q_a": a.q_a_proj.weight, "q_a_norm": a.q_a_layernorm.weight, "q_b": a.q_b_proj.weight,
                         "kv_a": a.kv_a_proj_with_mqa.weight, "kv_norm": a.kv_a_layernorm.weight,
-                        "w_uk": w_uk.detach().float().contiguous(), "w_uv": w_uv.detach().float().contiguous(),
+                        "w_uk": w_uk.float(), "w_uv": w_uv,
                         "g": a.g_proj.weight if a.g_proj is not None else None, "o": a.o_proj.weight,
                         "heads": a.num_heads, "q_head_dim": a.nope + a.rope, "softmax_scale": a.softmax_scale}
             if hasattr(layer, "block_sparse_moe"):
@@ -170,7 +183,7 @@ class ModelPlan:
                        "shared_gate": moe.shared_experts.gate_proj.weight,
                        "shared_up": moe.shared_experts.up_proj.weight,
                        "shared_down": moe.shared_experts.down_proj.weight,
-                       "bank": ExpertBank(moe, cfg, stacked_experts)}
+                       "bank": ExpertBank(moe, cfg)}
             else:
                 mlp = {"gate": layer.mlp.gate_proj.weight, "up": layer.mlp.up_proj.weight,
                        "down": layer.mlp.down_proj.weight}
@@ -198,6 +211,9 @@ class StepIO:
     pos: torch.Tensor  # [Bk] int64: the position each row's token takes (0 for empty rows)
     active: torch.Tensor  # [Bk] bool
     logits: torch.Tensor  # [Bk, V] fp32 (written)
+    # (block_table, ctx_len) of the MLA layers, derived from slot / pos by ``run_step`` for the step it runs
+    # (None outside it; a caller that runs ``_mla`` without ``run_step`` gets them derived per layer)
+    mla_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def load(self, tokens: torch.Tensor, active: torch.Tensor | None, slots: torch.Tensor,
              lengths: torch.Tensor) -> None:
@@ -259,25 +275,66 @@ def _mla(ops: OpCalls, a: dict[str, Any], x: torch.Tensor, io: StepIO, cache: An
     bk = x.shape[0]
     q = ops("linear", ops("rmsnorm", ops("linear", x, a["q_a"]), a["q_a_norm"], eps), a["q_b"])
     kv = ops("linear", x, a["kv_a"])
+    gate = ops("linear", x, a["g"]) if a["g"] is not None else None  # the output gate: fused into mla_decode
+    table, ctx_len = io.mla_index or mla_step_index(io.slot, io.pos, cache.latent.shape[1])
     o = ops("mla_attention", q.view(bk, a["heads"], a["q_head_dim"]), kv, a["kv_norm"], eps, cache.latent,
-            cache.scale, io.slot, io.pos, a["w_uk"], a["w_uv"], a["softmax_scale"])
-    if a["g"] is not None:  # glue: the output gate, FP32 like the reference
-        o = (o.float() * torch.sigmoid(ops("linear", x, a["g"]).float())).to(x.dtype)
+            cache.scale, io.slot, io.pos, table, ctx_len, a["w_uk"], a["w_uv"], a["softmax_scale"], gate)
     ops("linear", o, a["o"], residual=residual, out=out)
 
 
-def _mlp(ops: OpCalls, m: dict[str, Any], x: torch.Tensor, eps: float, prefix: torch.Tensor, cfg: Any) -> None:
+class SideStream:
+    """A second CUDA stream for work that overlaps the main path inside one step (the shared experts next
+    to the routed experts): ``fork()`` makes it wait for the main stream's work so far, ``join()`` makes the
+    main stream wait for it. Both are stream-ordered events (no host synchronisation), captured into the
+    step's graph as a fork / join. On a CPU (or disabled) it is a no-op and the work runs in order."""
+
+    def __init__(self, device: torch.device, enabled: bool = True) -> None:
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if enabled and self.device.type == "cuda" else None
+
+    def fork(self) -> Any:
+        """Context manager: the work inside runs on the side stream, after everything issued so far."""
+        import contextlib
+
+        if self.stream is None:
+            return contextlib.nullcontext()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.stream)
+
+    def join(self, *tensors: torch.Tensor) -> None:
+        """The main stream waits for the side stream; ``tensors`` made there are now used on the main stream
+        (recorded, so the caching allocator does not hand their memory to the side stream too early)."""
+        if self.stream is None:
+            return
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self.stream)
+        for t in tensors:
+            t.record_stream(main)
+
+
+def _shared_experts(ops: OpCalls, m: dict[str, Any], x: torch.Tensor, cfg: Any) -> torch.Tensor:
+    beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+    return situ_glu(ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), beta, lb).to(x.dtype)
+
+
+def _mlp(ops: OpCalls, m: dict[str, Any], x: torch.Tensor, eps: float, prefix: torch.Tensor, cfg: Any,
+         side: SideStream | None = None) -> None:
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
     if "bank" not in m:  # the dense MLP of the first layers
         h = situ_glu(ops("linear", x, m["gate"]), ops("linear", x, m["up"]), beta, lb).to(x.dtype)
         ops("linear", h, m["down"], residual=prefix, out=prefix)
         return
+    side = side or SideStream(x.device, enabled=False)
+    with side.fork():  # the shared experts' GLU on the side stream, overlapping router + routed experts
+        h = _shared_experts(ops, m, x, cfg)
     ids, weights = ops("moe_router", x, m["router"], m["bias"], m["top_k"], m["renormalize"], m["scale"])
     z = ops("linear", x, m["latent_down"])
-    acc = ops("moe_experts", z, ids, weights, m["bank"])
-    zr = (rms_norm(acc, m["latent_norm"], eps) if m["latent_norm"] is not None else acc).to(x.dtype)
+    if m["latent_norm"] is not None:  # the routed latent RMSNorm fused into the experts' combine
+        zr = ops("moe_experts", z, ids, weights, m["bank"], m["latent_norm"], eps)
+    else:
+        zr = ops("moe_experts", z, ids, weights, m["bank"]).to(x.dtype)
     routed = ops("linear", zr, m["latent_up"])
-    h = situ_glu(ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), beta, lb).to(x.dtype)
+    side.join(h)
     f = ops("linear", h, m["shared_down"], residual=routed)  # shared + routed, rounded once
     prefix.add_(f)
 
@@ -290,9 +347,21 @@ def _mix(ops: OpCalls, src: torch.Tensor, nb: int, norm_w: torch.Tensor, proj_w:
     return ops("attn_res", src[: nb + 1], norm_w, proj_w, eps, out_w)
 
 
-def run_step(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: Any = None) -> None:
+def run_step(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: Any = None,
+             side: SideStream | None = None) -> None:
     """One decode step for the bucket of ``io``: reads io.tokens/slot/pos/active and the caches of ``pool``,
-    updates the caches of the non-empty slots, writes ``io.logits``. Capturable in a CUDA graph."""
+    updates the caches of the non-empty slots, writes ``io.logits``. Capturable in a CUDA graph. ``side``:
+    the stream the shared experts overlap the routed experts on (None: in order on the current stream)."""
+    mla = [c for c in pool.layers if hasattr(c, "latent")]
+    io.mla_index = mla_step_index(io.slot, io.pos, mla[0].latent.shape[1]) if mla else None
+    try:
+        _run_layers(plan, ops, io, pool, prefetcher, side)
+    finally:
+        io.mla_index = None
+
+
+def _run_layers(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: Any,
+                side: SideStream | None) -> None:
     bk = io.tokens.shape[0]
     embed = plan.embed
     src = torch.empty(plan.num_sources, bk, embed.shape[1], dtype=embed.dtype, device=embed.device)
@@ -313,7 +382,7 @@ def run_step(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: A
         attend = _kda if L.kind == "kda" else _mla
         attend(ops, L.attn, x, io, pool.layers[L.idx], eps, residual, src[nb])
         x = _mix(ops, src, nb, L.mlp_res_norm, L.mlp_res_proj, L.post_norm, eps)
-        _mlp(ops, L.mlp, x, eps, src[nb], plan.cfg)
+        _mlp(ops, L.mlp, x, eps, src[nb], plan.cfg, side)
     x = _mix(ops, src, nb, plan.out_res_norm, plan.out_res_proj, plan.final_norm, eps)
     ops("linear", x, plan.lm_head, out=io.logits, out_dtype=torch.float32)
     io.logits.masked_fill_(~io.active[:, None], 0.0)

@@ -5,12 +5,12 @@ This is how anyone (the builtin engine, the vLLM plugin, a maintainer re-checkin
 step from a silent fallback (K3.md failure 1). One JSON object per line:
 
     {"type": "step", "executor": "e1", "step": 12, "backend": "latency_specialized", "batch": 3, "bucket": 4,
-     "graph": true, "kernels": {"skinny_gemm": 131, "kda_decode": 5, ...},
-     "standard_ops": [{"op": "mla_attention", "reason": "no fast kernel yet (issue #4)", "calls": 2}],
-     "kernel_fallbacks": {}, "fallback": null}
+     "graph": true, "kernels": {"skinny_gemm": 131, "kda_decode": 5, "mla_decode": 2, "moe_experts": 7, ...},
+     "standard_ops": [], "kernel_fallbacks": {}, "fallback": null}
 
 ``fallback`` is the whole step's reason for running the standard path (null on a fast step);
-``standard_ops`` are ops of a fast step that have no fast kernel yet (allowed, but listed);
+``standard_ops`` are ops of a fast step served by PyTorch for want of a kernel (allowed, but listed; the
+default op table has none: MLA attention is ``mla_decode``, the routed experts ``moe_experts``);
 ``kernel_fallbacks`` are fast-kernel calls that their own ``is_supported`` refused ({op: {reason: n}}): on
 a GPU inside the envelope there must be none. Each executor also writes one ``{"type": "meta", ...}``
 line (envelope, buckets, what PDL and L2 prefetch do on this machine) before its first step.

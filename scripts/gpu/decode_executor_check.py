@@ -14,7 +14,9 @@ Parts that would not fit the remaining time budget are skipped with that reason.
 part that ran passed, 1 otherwise.
 
 Parts: build (k3-mini, stable synthetic init, drawn on the GPU) -> capture (compile every kernel, one graph
-per bucket) -> equivalence (fast vs reference per batch, short context) -> graphs_vs_eager (bitwise) ->
+per bucket; each graph launches mla_decode once per MLA layer and moe_experts once per MoE layer, no
+standard op) -> equivalence (fast vs reference per batch, short context; the mla_decode / moe_experts
+launch counters moved by layers x steps) -> graphs_vs_eager (bitwise) ->
 no_alloc_no_sync (replay under set_sync_debug_mode("error"), allocation count) -> pdl_prefetch_bitwise (PDL
 on and L2 prefetch on change no bit) -> timing (graph replay vs eager fast step vs reference; L2 prefetch
 on/off; PDL on/off) -> long_context (one batch at --long positions) -> fp8 (FP8
@@ -103,6 +105,26 @@ def _trace_problems(summary: dict) -> list[str]:
     return fast_path_problems(summary, expect_fast=DEV == "cuda")
 
 
+def _layer_counts(cfg) -> dict[str, int]:
+    """Launches one fast step makes of the kernels that replaced the PyTorch MLA / routed-expert ops."""
+    return {"mla_decode": len(cfg.mla_layer_ids),
+            "moe_experts": sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))}
+
+
+def _launch_problems(summary: dict, steps: int, cfg) -> list[str]:
+    """The mla_decode / moe_experts launch counters must move by (layers x steps) over ``steps`` fast steps
+    (a CPU dry run: the same count of calls served by their references), and no standard op may remain."""
+    problems = [f"standard op left in a fast step: {k} ({n} step(s))" for k, n in summary["standard_ops"].items()]
+    for name, per_step in _layer_counts(cfg).items():
+        if DEV == "cuda":
+            got = summary["kernels"].get(name, 0)
+        else:
+            got = sum(n for k, n in summary["kernel_fallbacks"].items() if k.startswith(name + ":"))
+        if got != per_step * steps:
+            problems.append(f"{name}: {got} launches in {steps} steps, expected {per_step} per step")
+    return problems
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="k3-mini")
@@ -159,9 +181,17 @@ def main() -> int:
                 for b, c in (ex.graphs.graphs.items() if ex.graphs is not None else ())}
         problems = [f"bucket {b}: kernel fallbacks {c['kernel_fallbacks']}" for b, c in caps.items()
                     if c["kernel_fallbacks"]]
+        per_step = _layer_counts(model.cfg)
+        for b, cap in (ex.graphs.graphs.items() if ex.graphs is not None else ()):
+            problems += [f"bucket {b}: {n} {k} launch(es) captured, expected {per_step[k]}"
+                         for k, n in ((k, cap.kernels.get(k, 0)) for k in per_step) if n != per_step[k]]
+            problems += [f"bucket {b}: standard op {o['op']} ({o['reason']})" for o in cap.standard_ops]
+        problems += [f"bucket {b} left eager (kernel fallbacks at warm-up: {f})" for b, f in ex.eager_buckets.items()]
         return {"seconds_warmup_capture": round(time.monotonic() - t, 1), "compiled": len(recs),
                 "compile_s": round(sum(r.seconds for r in recs), 1), "buckets": caps,
-                "stacked_experts": ex.trace.meta.get("stacked_experts"), "disk_cache": compile_cache.disk_status(),
+                "expert_weights": ex.trace.meta.get("expert_weights"),
+                "mla_pool_len": ex.trace.meta.get("mla_pool_len"),
+                "shared_experts_stream": ex.trace.meta.get("shared_experts_stream"), "disk_cache": compile_cache.disk_status(),
                 "problems": problems}
 
     ex = state.get("ex")
@@ -178,6 +208,7 @@ def main() -> int:
             rows[b]["topk_violations"] = r["topk_violations"][:5]
             rows[b]["trace"] = r["trace"]
             problems += [f"batch {b}: {p}" for p in _trace_problems(r["trace"])]
+            problems += [f"batch {b}: {p}" for p in _launch_problems(r["trace"], args.steps, model.cfg)]
             if r["topk_violations"]:
                 problems.append(f"batch {b}: {len(r['topk_violations'])} top-5 violations")
             if r["nonfinite_steps"] or r["kl_mean"] > 0.01:
