@@ -82,6 +82,35 @@ def main() -> int:
         print(f"sanitize_driver: never launched {sorted(missing)}", flush=True)
         return 1
     print("sanitize_driver: all kernels launched", flush=True)
+    return executor_step()
+
+
+def executor_step() -> int:
+    """Three decode steps of the k3-tiny executor (CUDA graphs, the shared experts' GLU on the side stream,
+    event fork / join) so racecheck / synccheck / memcheck see the two-stream overlap of issue #4 as
+    it runs in a step. Prints its own line; kernel fallbacks here are reported, and fail the driver."""
+    from k3_fastpath._lib import counters
+    from k3_fastpath.config import preset
+    from k3_fastpath.reference.model import load_reference
+    from k3_fastpath.runtime.executor import DecodeExecutor
+    from k3_fastpath.synthetic import synthetic_state_dict
+
+    cfg = preset("k3-tiny").config
+    model = load_reference(cfg, synthetic_state_dict(cfg, 0, conditioning="stable"), dtype=torch.bfloat16,
+                           device="cuda")
+    ex = DecodeExecutor(model, max_len=128, max_batch=4, shared_stream=True)
+    cache = ex.new_cache(3)
+    counters.reset()
+    for _ in range(3):
+        ex.decode(torch.randint(3, cfg.vocab_size, (3,), device="cuda"), cache)
+    torch.cuda.synchronize()
+    snap = counters.snapshot()
+    rec = ex.trace.records[-1]
+    print(f"sanitize_driver: executor step graph={rec.graph} side_stream={ex.side.stream is not None} "
+          f"launches {snap['launches']} fallbacks {snap['fallbacks']} step_fallback {rec.fallback}", flush=True)
+    if snap["fallbacks"] or rec.fallback or ex.side.stream is None:
+        return 1
+    print("sanitize_driver: executor step with the side stream ran", flush=True)
     return 0
 
 

@@ -12,7 +12,9 @@ the batch to its bucket (padded rows use the empty slot 0), copies tokens / slot
 buffers and replays the bucket's CUDA graph (or runs ``fast_step.run_step`` eagerly with
 ``use_graphs=False``); outside it the step runs the reference model (the standard path) on the same
 cache and the trace records ``fallback`` with the reason. ``backend="standard"`` runs every step on the
-reference model (bitwise the reference: it is the reference).
+reference model (bitwise the reference: it is the reference). ``backend="standard_graph"`` is the strong
+standard path the fast one is measured against: the same step, pools and CUDA graphs with every op served by
+cuBLAS / fla / torch's grouped GEMM / PyTorch instead of our kernels (``standard_ops.py``).
 
 A fast step allocates nothing and never synchronises with the host once its bucket is captured; to keep
 it that way pass device tensors (tokens, ``active``) and ``out=`` for the logits. Every op of the step is a
@@ -44,9 +46,11 @@ from .fast_ops import GLUE_OPS, OpImpl, linear_pdl, op_table
 from .fast_step import ModelPlan, OpCalls, SideStream, StepIO, run_step
 from .graphs import BucketGraphs, bucket_for, counter_delta
 from .prefetch import DEFAULT_BUDGET_BYTES, L2Prefetcher
+from .standard_ops import standard_op_table
 from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
 
-BACKENDS = ("latency_specialized", "standard")
+BACKENDS = ("latency_specialized", "standard", "standard_graph")
+STEP_BACKENDS = ("latency_specialized", "standard_graph")  # backends that run fast_step.run_step
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -67,7 +71,7 @@ class DecodeExecutor:
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
                  envelope: Envelope | None = None, prefetch: bool = False,
                  prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = False,
-                 shared_stream: bool = True) -> None:
+                 shared_stream: bool = True, pool_from: DecodeExecutor | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -87,15 +91,21 @@ class DecodeExecutor:
                                             max_context=min(base.max_context, max_len))
         self.model_reason = self.envelope.check_model(self.cfg, device=self.device, dtype=self.dtype,
                                                       kv_dtype=self.kv_dtype)
-        self.fast = backend == "latency_specialized" and self.model_reason is None
+        self.fast = backend in STEP_BACKENDS and self.model_reason is None
         self.use_graphs = bool(use_graphs and self.fast and self.device.type == "cuda")
         self.pdl = pdl
-        self.ops = op_table()
+        self.ops = standard_op_table() if backend == "standard_graph" else op_table()
         if pdl and self.ops["linear"].kernel == "skinny_gemm":
             self.ops["linear"] = OpImpl("linear", linear_pdl, kernel="skinny_gemm")
         self.side = SideStream(self.device, enabled=shared_stream and self.fast)
         self.prefetcher = L2Prefetcher(self.device, prefetch_budget, enabled=prefetch and self.fast)
         self.pool: CachePool | None = None
+        if pool_from is not None:  # e.g. the standard_graph backend timed on the fast backend's caches
+            if (pool_from.max_len, pool_from.max_batch, pool_from.kv_dtype, pool_from.kv_scale, pool_from.dtype) != (
+                    max_len, self.max_batch, self.kv_dtype, kv_scale, self.dtype) or pool_from.model is not model:
+                raise ValueError("pool_from must be an executor over the same model with the same max_len, "
+                                 "max_batch, dtype, kv_dtype and kv_scale")
+            self.pool = pool_from._ensure_pool()
         self._plan: ModelPlan | None = None
         self._io: dict[int, StepIO] = {}
         self._calls: dict[int, OpCalls] = {}

@@ -68,7 +68,7 @@ class ExecutionTrace:
         self._steps = 0
         self._totals: dict[str, Counter] = {"fallback": Counter(), "kernels": Counter(), "standard_ops": Counter(),
                                             "kernel_fallbacks": Counter(), "buckets": Counter(),
-                                            "backend": Counter(), "kind": Counter()}
+                                            "backend": Counter(), "kind": Counter(), "fast": Counter()}
         self.path: Path | None = None
         self._fh = None
         self._meta_written = False
@@ -95,6 +95,8 @@ class ExecutionTrace:
         self.records.append(rec)
         t = self._totals
         t["fallback"][rec.fallback or ""] += 1
+        if not rec.fallback and rec.backend == "latency_specialized":
+            t["fast"]["steps"] += 1
         t["kernels"].update(rec.kernels)
         for op in rec.standard_ops:
             t["standard_ops"][f"{op['op']}: {op['reason']}"] += 1
@@ -136,7 +138,7 @@ class ExecutionTrace:
         """Totals over every step recorded (not only the kept ones)."""
         t = self._totals
         fallbacks = {k: v for k, v in t["fallback"].items() if k}
-        return {"steps": self._steps, "fast_steps": t["fallback"].get("", 0) - t["backend"].get("standard", 0),
+        return {"steps": self._steps, "fast_steps": t["fast"]["steps"],
                 "fallback_steps": sum(fallbacks.values()), "fallbacks": dict(fallbacks),
                 "kernels": dict(t["kernels"]), "standard_ops": dict(t["standard_ops"]),
                 "kernel_fallbacks": dict(t["kernel_fallbacks"]), "buckets": dict(t["buckets"]),
@@ -179,7 +181,7 @@ def summarize(steps: list[dict[str, Any]] | list[StepRecord], decode_only: bool 
     for r in rows:
         if r.get("fallback"):
             fallbacks[r["fallback"]] += 1
-        elif r.get("backend") != "standard":
+        elif r.get("backend") == "latency_specialized":  # "standard" / "standard_graph" are never the fast path
             fast += 1
         kernels.update(r.get("kernels") or {})
         for op in r.get("standard_ops") or []:

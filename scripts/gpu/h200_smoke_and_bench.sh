@@ -12,6 +12,7 @@
 #   decode    k3-verify run --tier scripts/gpu/decode-sweep-quick.yaml  (decode step sweep, fast vs standard;
 #             TP2 points too when two GPUs are visible: the nvidia-h200-x2 kind)
 #   decodemini  the same on the smallest grid (scripts/gpu/decode-sweep-mini.yaml, ~5 min)
+#   sanitizer k3-verify run --tier scripts/gpu/sanitizer.yaml (4 tools: kernels + an executor step's two streams)
 #   tp2       python scripts/gpu/tp2_check.py                   (TP2 vs TP1, fused vs unfused all-reduce + norm)
 # Usage on the GPU host, from the repo root:  bash scripts/gpu/h200_smoke_and_bench.sh STEP [STEP ...]
 # ("all" = smoke bench). Staging with the device tool (a later call's carry drops the earlier carried
@@ -50,6 +51,7 @@ for what in "$@"; do
       executor) timeout -s TERM "$T" python3 scripts/gpu/decode_executor_check.py 2>&1 | tail -80 | tee "$OUT/executor.log" || rc=1 ;;
       decode) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-quick.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep" 2>&1 | tee "$OUT/decode.log" || rc=1 ;;
       decodemini) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-mini.yaml --output "/tmp/bundles/$stamp-h200-decode-mini" 2>&1 | tee "$OUT/decodemini.log" || rc=1 ;;
+      sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
       tp2) timeout -s TERM "$T" python3 scripts/gpu/tp2_check.py 2>&1 | tail -60 | tee "$OUT/tp2.log" || rc=1 ;;
       *) echo "unknown step $s"; rc=2 ;;
     esac

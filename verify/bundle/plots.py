@@ -22,7 +22,7 @@ from typing import Any
 from verify.bundle.readers import BenchRow, SweepPoint, speedups
 
 DPI = 100
-_COLORS = {"fast": "tab:blue", "standard": "tab:orange"}
+_COLORS = {"fast": "tab:blue", "standard": "tab:orange", "reference": "tab:gray"}
 _STYLES = ("-", "--", ":", "-.")
 
 

@@ -32,7 +32,7 @@ from verify.result import CheckResult
 SWEEP_CHECK = "perf.decode_sweep"
 BENCH_CHECK = "bench.kernels"
 EVAL_PREFIX = "evals."
-BACKENDS = ("fast", "standard")
+BACKENDS = ("fast", "standard", "reference")  # reference: the eager PyTorch model (since session 3)
 
 
 # ---------------------------------------------------------------- the bundle as data
@@ -252,7 +252,7 @@ def speedups(points: Iterable[SweepPoint]) -> dict[tuple, float]:
     by: dict[tuple, dict[str, SweepPoint]] = {}
     for p in points:
         by.setdefault(p.key, {})[p.backend] = p
-    return {k: v["standard"].median_us / v["fast"].median_us for k, v in by.items() if len(v) == 2}
+    return {k: v["standard"].median_us / v["fast"].median_us for k, v in by.items() if "standard" in v and "fast" in v}
 
 
 # ---------------------------------------------------------------- bench.kernels rows

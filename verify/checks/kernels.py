@@ -117,7 +117,9 @@ def sanitizer(ctx: CheckContext, tools: list[str]) -> Any:
         m = _SUMMARY.findall(out)
         errors = int(next(g for g in m[-1] if g)) if m else None
         launched = "sanitize_driver: all kernels launched" in out
-        ctx.record({"tool": tool, "returncode": proc.returncode, "errors": errors, "all_kernels_launched": launched})
+        overlap = "sanitize_driver: executor step with the side stream ran" in out
+        ctx.record({"tool": tool, "returncode": proc.returncode, "errors": errors, "all_kernels_launched": launched,
+                    "executor_step_with_side_stream": overlap})
         metrics[f"{tool}_errors"] = errors
         if errors is None:
             problems.append(f"{tool}: no ERROR SUMMARY in compute-sanitizer output (exit {proc.returncode})")
@@ -127,4 +129,6 @@ def sanitizer(ctx: CheckContext, tools: list[str]) -> Any:
             problems.append(f"{tool}: exit code {proc.returncode} with 0 errors reported")
         if not launched:
             problems.append(f"{tool}: the driver did not launch every kernel (a fallback proves nothing)")
+        if not overlap:
+            problems.append(f"{tool}: the executor step with the shared experts on the side stream did not run")
     return ctx.verdict(problems, metrics, artifacts=[f"artifacts/{ctx.check_id}/{t}.log" for t in tools])

@@ -121,7 +121,7 @@ def _sweep_targets(points: list[dict], allreduce: list[dict]) -> tuple[dict[str,
             by_key.setdefault((p["tp"], p["batch"], p["context"], p["routing"]), {})[p["backend"]] = p
     for b, want in TARGET_SPEEDUP.items():
         got = {k: v["standard"]["step_us_median"] / v["fast"]["step_us_median"] for k, v in by_key.items()
-               if k[1] == b and len(v) == 2}
+               if k[1] == b and "standard" in v and "fast" in v}
         if not got:
             targets[f"speedup_batch_{b}"] = {"target": f">= {want}x", "status": "not measured"}
             continue
@@ -142,7 +142,18 @@ def _sweep_targets(points: list[dict], allreduce: list[dict]) -> tuple[dict[str,
             "unfused_us_by_batch": {str(r["batch"]): round(r["unfused_us"], 2) for r in allreduce}}
         problems += [f"TP2 fused all-reduce+norm at batch {r['batch']}: {r['fused_us']:.1f} us, not faster than "
                      f"unfused {r['unfused_us']:.1f} us" for r in slow]
-    std = [p for p in points if p["backend"] == "standard" and p.get("pct_of_floor_by_layer_type")]
+    ref = {k: v["reference"]["step_us_median"] / v["fast"]["step_us_median"] for k, v in by_key.items()
+           if "reference" in v and "fast" in v}
+    if ref:
+        targets["fast_vs_eager_reference"] = {
+            "target": "information only: the eager PyTorch reference model, not the standard path of the targets",
+            "by_point": {f"tp{k[0]} b{k[1]} ctx{k[2]} {k[3]}": round(v, 3) for k, v in ref.items()}}
+    std_x = {f"tp{k[0]} b{k[1]} ctx{k[2]} {k[3]}": round(v["standard"]["x_floor"], 3) for k, v in by_key.items()
+             if "standard" in v and "x_floor" in v["standard"]}
+    if std_x:
+        targets["standard_x_floor"] = {"target": "information only: the standard path's step / the HBM floor",
+                                       "by_point": std_x}
+    std = [p for p in points if p["backend"] in ("standard", "reference") and p.get("pct_of_floor_by_layer_type")]
     if std:
         targets["standard_pct_of_floor_by_layer_type"] = {
             f"b{p['batch']} ctx{p['context']} {p['routing']}": {k: round(v, 3) for k, v in
@@ -153,8 +164,8 @@ def _sweep_targets(points: list[dict], allreduce: list[dict]) -> tuple[dict[str,
 def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp: list[int],
                  routing: list[str] = ("uniform", "real"), mixed: bool = True, preset: str = SWEEP_PRESET,
                  iters: int = 20, standard_iters: int = 5, warmup: int = 3, kv_cache: str = "bf16",
-                 mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096
-                 ) -> Any:
+                 mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
+                 standard_graph: bool = True) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
     measured in this run (verify/checks/perf_sweep.py says how each number is taken)."""
     import torch
@@ -203,13 +214,16 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
             fast = DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches), max_len=max_len,
                                   kv_dtype=kv_dtype)
             std = DecodeExecutor(model, backend="standard", max_batch=max(batches), max_len=max_len, kv_dtype=kv_dtype)
+            strong = DecodeExecutor(model, backend="standard_graph", max_batch=max(batches), max_len=max_len,
+                                    kv_dtype=kv_dtype, pool_from=fast) if standard_graph else None
             for batch in sorted(batches):
                 for r in routing:
                     if over_budget(f"tp=1 batch={batch} context={context} {r}"):
                         continue
                     try:
                         emit(S.run_point(model, fast, std, batch, context, r, bw=bw, iters=iters,
-                                         standard_iters=standard_iters, warmup=warmup, seed=ctx.seed))
+                                         standard_iters=standard_iters, warmup=warmup, seed=ctx.seed,
+                                         strong=strong))
                     except torch.cuda.OutOfMemoryError as e:
                         notes.append(f"tp=1 batch={batch} context={context} {r}: out of memory "
                                      f"({str(e).splitlines()[0][:120]})")
@@ -227,7 +241,9 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                              f"BF16 values per MLA layer)")
             fast.close()
             std.close()
-            del fast, std
+            if strong is not None:
+                strong.close()
+            del fast, std, strong
             torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()

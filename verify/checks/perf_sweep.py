@@ -2,19 +2,22 @@
 
 Per TP1 point (batch x context x routing), in ONE process, on ONE cache:
 
-1. a ``DecodeExecutor`` pair over the same model: ``latency_specialized`` (fast) and ``standard``, built per
-   context with ``max_len = context + slack`` (the standard MLA op of the fast step reads the whole pool
-   length, so the pool is sized to the point);
+1. three ``DecodeExecutor`` backends over the same model, built per context with ``max_len = context +
+   slack`` (the standard MLA op reads the whole pool length, so the pool is sized to the point):
+   ``latency_specialized`` (row ``backend: fast``), ``standard_graph`` (row ``backend: standard``: the
+   strong standard path of the targets, cuBLAS + fla + ``torch._grouped_mm`` over BF16 experts + PyTorch
+   glue in the same CUDA graphs, ``runtime/standard_ops.py``) and ``standard`` (row ``backend:
+   reference``: the eager PyTorch reference model, information only);
 2. the cache (from the fast executor's slot pool; the standard backend runs the reference model on the same
    views) is filled to ``context`` positions cheaply and never with zeros: MLA latents ~ N(0, 1), KDA state
    ~ N(0, 0.05^2), conv state ~ N(0, 0.5^2) (``equivalence.synthesize_context``);
 3. the step's tokens: ``uniform`` = seeded random ids, ``real`` = tokenized text (``routing.prompt_token_ids``);
    one standard step with router hooks records the experts each MoE layer touches (``touched_measured``);
    the floor uses the uniform expectation for ``uniform`` and the measured counts for ``real``;
-4. fast: one ``decode`` captures the bucket's CUDA graph, then ``iters`` timed graph replays (CUDA events
-   around each; decode only, no prefill). Standard: ``standard_iters`` eager steps (the reference has host
-   synchronisation and cannot be captured), plus one step with CUDA events at every attention / MLP module
-   (per-layer-type time);
+4. fast and standard: one ``decode`` captures the bucket's CUDA graph, then ``iters`` timed graph replays
+   (CUDA events around each; decode only, no prefill). Reference: ``standard_iters`` eager steps (it has
+   host synchronisation and cannot be captured), plus one step with CUDA events at every attention / MLP
+   module (per-layer-type time, the only per-layer split: a graph replay has no per-layer hook);
 5. cold L2 without weight copies: a step streams its whole weight set (GBs for k3-mini) through the 60 MB
    L2 once per replay, so every weight is evicted before its next read; a point whose weight bytes are under
    3x the L2 says so in ``cold_l2``.
@@ -159,10 +162,30 @@ def kv_bytes_of(cache: Any) -> int:
     return 2
 
 
-def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
-              standard_iters: int, warmup: int, seed: int) -> list[dict[str, Any]]:
-    """Both backends at one (batch, context, routing) on one cache; returns the two point records."""
+def _graph_row(ex: Any, tokens: torch.Tensor, cache: Any, out: torch.Tensor, iters: int, warmup: int,
+               standard_iters: int) -> tuple[list[float], dict[str, Any]]:
+    """One ``decode`` (captures the bucket's graph), then timed replays; eager timing with the reason when the
+    step did not run as a captured step."""
     from k3_fastpath.runtime.graphs import bucket_for
+
+    start = len(ex.trace)
+    ex.decode(tokens, cache, out=out)
+    rec = ex.trace.since(start)[-1] if len(ex.trace) > start else None
+    bucket = bucket_for(int(tokens.shape[0]), ex.buckets)
+    if ex.graphs is not None and bucket in ex.graphs and rec is not None and rec.fallback is None:
+        return (event_times_us(lambda: ex.graphs.replay(bucket), iters, warmup),
+                {"timer": "cuda_graph_replay", "bucket": bucket, "kernels": dict(rec.kernels),
+                 "standard_ops": list(rec.standard_ops), "kernel_fallbacks": dict(rec.kernel_fallbacks)})
+    return (event_times_us(lambda: ex.decode(tokens, cache, out=out), max(3, standard_iters), 1),
+            {"timer": "eager", "fallback": rec.fallback if rec is not None else "no trace record",
+             "not_fast": "the executor did not run this step as a captured step"})
+
+
+def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
+              standard_iters: int, warmup: int, seed: int, strong: Any = None) -> list[dict[str, Any]]:
+    """The backends at one (batch, context, routing) on one cache: fast, standard (``strong``, the
+    graph-captured library path, when given; it shares ``fast``'s slot pool) and the eager reference
+    (``std``); one record each."""
     from k3_fastpath.runtime.routing import touched_in_step
 
     cfg = model.cfg
@@ -177,28 +200,25 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
         common = {"variant": "decode", "batch": batch, "context": context, "tp": 1, "routing": routing,
                   "token_source": source, "touched_measured": touched, **fl}
         out = torch.empty(batch, cfg.vocab_size, dtype=torch.float32, device=dev)
-        start = len(fast.trace)
-        fast.decode(tokens, cache, out=out)  # captures the bucket's graph
-        rec = fast.trace.since(start)[-1] if len(fast.trace) > start else None
-        bucket = bucket_for(batch, fast.buckets)
-        rows = []
-        if fast.graphs is not None and bucket in fast.graphs and rec is not None and rec.fallback is None:
-            samples = event_times_us(lambda: fast.graphs.replay(bucket), iters, warmup)
-            f_extra = {"timer": "cuda_graph_replay", "bucket": bucket, "kernels": dict(rec.kernels),
-                       "standard_ops": list(rec.standard_ops), "kernel_fallbacks": dict(rec.kernel_fallbacks)}
-        else:
-            samples = event_times_us(lambda: fast.decode(tokens, cache, out=out), max(3, standard_iters), 1)
-            f_extra = {"timer": "eager", "fallback": rec.fallback if rec is not None else "no trace record",
-                       "not_fast": "the fast executor did not run this step as a captured fast step"}
+        samples, f_extra = _graph_row(fast, tokens, cache, out, iters, warmup, standard_iters)
         st = stats(samples)
-        rows.append({**common, "backend": "fast", **st, **f_extra, **throughput(st["step_us_median"], batch, 1),
-                     "pct_of_floor": fl["floor_us"] / st["step_us_median"],
-                     "x_floor": st["step_us_median"] / fl["floor_us"]})
+        rows = [{**common, "backend": "fast", **st, **f_extra, **throughput(st["step_us_median"], batch, 1),
+                 "pct_of_floor": fl["floor_us"] / st["step_us_median"],
+                 "x_floor": st["step_us_median"] / fl["floor_us"], "expert_format": cfg.expert_format}]
+        if strong is not None:
+            samples, g_extra = _graph_row(strong, tokens, cache, out, iters, warmup, standard_iters)
+            gs = stats(samples)
+            rows.append({**common, "backend": "standard", **gs, **g_extra, **throughput(gs["step_us_median"], batch, 1),
+                         "pct_of_floor": fl["floor_us"] / gs["step_us_median"],
+                         "x_floor": gs["step_us_median"] / fl["floor_us"], "expert_format": "bf16",
+                         "expert_format_note": "torch has no MXFP4 grouped GEMM on sm_90: the standard path's "
+                                               "experts are dequantised to BF16 once (4x the fast path's expert "
+                                               "bytes); floor_us is the model's (MXFP4) floor for both"})
         s_samples = event_times_us(lambda: std.decode(tokens, cache), standard_iters, 1)
         layer_us = per_layer_type_us(model, lambda: std.decode(tokens, cache))
         ss = stats(s_samples)
         floor_t = fl["floor_us_by_layer_type"]
-        rows.append({**common, "backend": "standard", **ss, "timer": "eager", **throughput(ss["step_us_median"],
+        rows.append({**common, "backend": "reference", **ss, "timer": "eager", **throughput(ss["step_us_median"],
                      batch, 1), "pct_of_floor": fl["floor_us"] / ss["step_us_median"],
                      "x_floor": ss["step_us_median"] / fl["floor_us"], "per_layer_type_us": layer_us,
                      "pct_of_floor_by_layer_type": {k: floor_t[k] / v for k, v in layer_us.items()

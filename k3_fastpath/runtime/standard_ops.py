@@ -1,0 +1,293 @@
+"""The strong standard path: the executor's decode step with every op served by the libraries a serving
+engine uses on Hopper instead of k3_fastpath's kernels, captured in the same CUDA graphs.
+
+``DecodeExecutor(model, backend="standard_graph")`` runs ``fast_step.run_step`` (the same plan, slot pools,
+static buffers, one graph per bucket, shared experts on a side stream) with this op table:
+
+| op              | standard implementation                                                              |
+|-----------------|--------------------------------------------------------------------------------------|
+| ``linear``      | cuBLAS (``torch.nn.functional.linear``), the residual added by one more kernel         |
+| ``rmsnorm``     | PyTorch (FP32 math), inside the graph                                                 |
+| ``attn_res``    | PyTorch (FP32 math), inside the graph                                                 |
+| ``kda_step``    | conv update in PyTorch on the pools + fla's ``fused_recurrent_kda_fwd`` (gate, beta,   |
+|                 | q/k L2 norm in kernel, state updated in place through ``ssm_state_indices``) + fla's   |
+|                 | ``rms_norm_gated``; without fla (a CPU) the same math in PyTorch                       |
+| ``mla_attention`` | absorbed attention in PyTorch over the pool (online softmax over fixed chunks of the |
+|                 | pool length: static shapes, the pool sized to the context measured)                   |
+| ``moe_router``  | cuBLAS logits (FP32 out) + ``torch.sort`` top-k                                       |
+| ``moe_experts`` | rows sorted by expert + ``torch._grouped_mm`` (cuBLAS-class grouped GEMM, sm_90) over |
+|                 | BF16 experts dequantised once at build (``StandardExperts``); FP32 weighted combine    |
+
+What it is for: ``perf.decode_sweep``'s fast-vs-standard ratio (issue #5 asks for a standard path at least
+as strong as cuBLAS + fla + grouped GEMM + compiled glue, graph-captured). Expert format: torch has no
+MXFP4 grouped GEMM for sm_90, so this path's experts are BF16 (4x the bytes of the fast path's MXFP4);
+the sweep records say so and report each backend's own floor. Every op is capturable: no host
+synchronisation, no data-dependent shapes. The trace lists each op with the library that served it.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+
+from ..kernels.attn_res_mix.reference import attn_res_mix_ref
+from ..kernels.kda_decode.reference import _conv_w3
+from ..kernels.rmsnorm_residual.reference import rmsnorm_residual_ref
+from ..reference.common import compute_dtype, rms_norm, situ_glu
+from ..reference.kda import kda_gate, kda_recurrent_step, l2_normalize
+from .fast_ops import OpImpl, write_mla_latent
+
+CUBLAS = "standard path: cuBLAS (torch.nn.functional.linear)"
+TORCH = "standard path: PyTorch ops in the CUDA graph"
+
+
+# ------------------------------------------------------------------------------------------ dense
+def linear_standard(x, w, *, residual=None, out=None, out_dtype=None):
+    y = torch.nn.functional.linear(x, w)
+    if out_dtype is not None and y.dtype != out_dtype:
+        y = y.to(out_dtype)
+    if residual is not None:
+        if out is not None and out.data_ptr() == residual.data_ptr():
+            return out.add_(y)
+        y = residual + y
+    if out is not None:
+        return out.copy_(y)
+    return y
+
+
+def rmsnorm_standard(x, w, eps):
+    return rmsnorm_residual_ref(x, None, w, eps)[0]
+
+
+def attn_res_standard(sources, norm_w, proj_w, eps, out_w):
+    return attn_res_mix_ref(sources, norm_w, proj_w, eps, out_w=out_w, out_eps=eps)[1]
+
+
+# ------------------------------------------------------------------------------------------ KDA
+@functools.lru_cache(maxsize=1)
+def fla_kda() -> tuple[Any, Any] | None:
+    """(fused_recurrent_kda_fwd, rms_norm_gated) from fla, or None when fla (or a GPU for it) is missing."""
+    try:
+        from fla.modules.norm.fused_norm_gate import rms_norm_gated
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+    except Exception:
+        return None
+    return fused_recurrent_kda_fwd, rms_norm_gated
+
+
+def _conv_standard(x, w, pool, idx):
+    """SiLU causal depthwise conv of one new input per row on pool rows ``idx`` (updated in place)."""
+    win = torch.cat([pool.index_select(0, idx), x[:, None, :].to(pool.dtype)], dim=1)  # [B, W, C]
+    wt = _conv_w3(w)[:, 0, :].t().float()  # [W, C]
+    y = torch.nn.functional.silu((win.float() * wt[None]).sum(dim=1))
+    pool.index_copy_(0, idx, win[:, 1:])
+    return y
+
+
+def kda_step_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                      conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0, out=None):
+    """``kernels.kda_decode``'s op contract in library code. Rows of slot 0 compute on slot 0's (scratch)
+    state like any row and are zeroed on output; real slots are distinct within a step."""
+    B, C = q.shape
+    _, H, D, _ = state.shape
+    idx = slot.long()
+    qc, kc, vc = (_conv_standard(x, w, p, idx) for x, w, p in
+                  ((q, conv_q_w, conv_q), (k, conv_k_w, conv_k), (v, conv_v_w, conv_v)))
+    fla = fla_kda() if q.is_cuda else None
+    if fla is not None:
+        fused_recurrent_kda_fwd, rms_norm_gated = fla
+        o, _ = fused_recurrent_kda_fwd(
+            qc.to(q.dtype).view(B, 1, H, D), kc.to(q.dtype).view(B, 1, H, D), vc.to(q.dtype).view(B, 1, H, D),
+            a.view(B, 1, H, D), beta_logits.view(B, 1, H), A_log=A_log[:H].contiguous(),
+            dt_bias=dt_bias.reshape(H, D).contiguous(), scale=D ** -0.5, initial_state=state,
+            output_final_state=True, inplace_final_state=True, ssm_state_indices=idx,
+            use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            lower_bound=lower_bound)
+        y = rms_norm_gated(o.view(B * H, D), g.reshape(B * H, D), o_norm_w, None, activation="sigmoid",
+                           eps=eps).view(B, C)
+    else:
+        cdt = compute_dtype(state.dtype)
+        qn = l2_normalize(qc.to(cdt).view(B, H, D)) * D ** -0.5
+        kn = l2_normalize(kc.to(cdt).view(B, H, D))
+        g_log = kda_gate(a.view(B, H, D), A_log, dt_bias, lower_bound)
+        o, s_new = kda_recurrent_step(qn, kn, vc.to(cdt).view(B, H, D), g_log,
+                                      torch.sigmoid(beta_logits.to(cdt)), state.index_select(0, idx))
+        state.index_copy_(0, idx, s_new.to(state.dtype))
+        y = (rms_norm(o, o_norm_w.to(cdt), eps) * torch.sigmoid(g.to(cdt).view(B, H, D))).reshape(B, C)
+    y = (y * (idx != 0).to(y.dtype)[:, None]).to(q.dtype)
+    if out is not None:
+        return out.copy_(y)
+    return y
+
+
+# ------------------------------------------------------------------------------------------ MLA
+def _latent_chunk(bk: int, max_len: int) -> int:
+    """Context positions per attention chunk: Bk x chunk <= 2^18 rows (~0.6 GB of FP32 latents)."""
+    return max(128, min(max_len, (1 << 18) // max(bk, 1)))
+
+
+def mla_attention_standard(q, kv, kv_norm_w, eps, latent, scale, slot, pos, block_table, ctx_len, w_uk, w_uv,
+                           softmax_scale, gate=None):
+    """``fast_ops.mla_attention_kernel``'s contract in PyTorch: write the latent, absorb q through W_UK,
+    attend over positions ``0..pos`` of the row's slot with an online softmax over fixed chunks of the pool
+    (static shapes), W_UV, the sigmoid gate. ``block_table`` / ``ctx_len`` are the kernel's view of the
+    same pool and unused here (``pos`` says the same)."""
+    del block_table, ctx_len
+    from ..reference.mla import FP8
+
+    write_mla_latent(kv, kv_norm_w, eps, latent, scale, slot, pos)
+    bk, heads, _ = q.shape
+    nope, rank = w_uk.shape[1], w_uk.shape[2]
+    dt = q.dtype
+    cdt = compute_dtype(dt)
+    fp8 = latent.dtype == FP8
+    rows = slot.long()
+    q_lat = torch.einsum("bhd,hdr->bhr", q[..., :nope].to(cdt), w_uk.to(cdt)).to(dt).to(cdt)
+    q_pe = q[..., nope:].to(cdt)
+    m = torch.full((bk, heads), float("-inf"), dtype=cdt, device=q.device)
+    denom = torch.zeros(bk, heads, dtype=cdt, device=q.device)
+    acc = torch.zeros(bk, heads, rank, dtype=cdt, device=q.device)
+    max_len = latent.shape[1]
+    chunk = _latent_chunk(bk, max_len)
+    for s0 in range(0, max_len, chunk):
+        s1 = min(max_len, s0 + chunk)
+        lat = latent[rows, s0:s1]
+        lat = ((lat.float() * scale).to(dt) if fp8 else lat.to(dt)).to(cdt)
+        ok = torch.arange(s0, s1, device=q.device)[None, :] <= pos[:, None]
+        lat = torch.where(ok[..., None], lat, 0.0)  # a stale slot never enters, not even as NaN * 0
+        sc = (torch.einsum("bhr,bsr->bhs", q_lat, lat[..., :rank])
+              + torch.einsum("bhd,bsd->bhs", q_pe, lat[..., rank:])) * softmax_scale
+        sc = sc.masked_fill(~ok[:, None, :], float("-inf"))
+        m_new = torch.maximum(m, sc.amax(dim=-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(sc - m_new[..., None])
+        denom = denom * alpha + p.sum(dim=-1)
+        acc = acc * alpha[..., None] + torch.einsum("bhs,bsr->bhr", p, lat[..., :rank])
+        m = m_new
+    o_lat = (acc / denom[..., None]).to(dt)
+    o = torch.einsum("bhr,hdr->bhd", o_lat.to(cdt), w_uv.to(cdt)).to(dt).reshape(bk, heads * w_uv.shape[1])
+    if gate is not None:
+        o = (o.float() * torch.sigmoid(gate.float())).to(dt)
+    return o
+
+
+# ------------------------------------------------------------------------------------------ experts
+class StandardExperts:
+    """One MoE layer's routed experts dequantised to BF16 once, stacked ``[E, out, in]`` (the grouped GEMM
+    reads them transposed, K-major). Shared by every standard executor over the same ``ExpertBank``."""
+
+    _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, bank: Any, dtype: torch.dtype = torch.bfloat16) -> None:
+        w = bank.weights
+        E = bank.num_experts
+        self.w1, self.w3, self.w2 = (torch.stack([w.dense(n, e, dtype) for e in range(E)])
+                                     for n in ("w1", "w3", "w2"))
+
+    @classmethod
+    def of(cls, bank: Any) -> StandardExperts:
+        hit = cls._cache.get(bank)
+        if hit is None:
+            hit = cls._cache[bank] = cls(bank)
+        return hit
+
+
+@functools.lru_cache(maxsize=8)
+def grouped_mm_works(device: str) -> bool:
+    """Whether ``torch._grouped_mm`` runs here (sm_90 BF16 on CUDA); probed once per device, outside capture."""
+    if not device.startswith("cuda") or not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.randn(5, 64, device=device, dtype=torch.bfloat16)
+        b = torch.randn(2, 32, 64, device=device, dtype=torch.bfloat16)
+        offs = torch.tensor([2, 5], device=device, dtype=torch.int32)
+        got = torch._grouped_mm(a, b.transpose(1, 2), offs=offs)
+        want = torch.cat([a[:2] @ b[0].t(), a[2:] @ b[1].t()])
+        torch.cuda.synchronize(device)
+        return bool(torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
+    except Exception:
+        return False
+
+
+def _grouped(x: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """rows of ``x`` (sorted by expert) times their expert's ``w[e]^T``."""
+    if grouped_mm_works(str(x.device)):
+        return torch._grouped_mm(x, w.transpose(1, 2), offs=offs)
+    return torch.bmm(x[:, None, :], w.index_select(0, expert_of_row).transpose(1, 2))[:, 0]  # CPU
+
+
+def moe_experts_standard(z, ids, weights, bank, norm_w=None, eps=1e-5):
+    """The routed experts as a grouped GEMM: the Bk x k (row, expert) pairs sorted by expert, offsets from a
+    device-side count, w1 / w3 grouped GEMMs, SiTU-GLU (FP32 math), w2 grouped GEMM, weighted FP32 combine
+    (``index_add_``), optionally the latent RMSNorm. Same math as ``moe_experts_ref`` (bf16 h and y)."""
+    E = bank.num_experts
+    st = StandardExperts.of(bank)
+    bk, k = ids.shape
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    e_sorted = flat.index_select(0, order)
+    counts = torch.zeros(E, dtype=torch.int32, device=z.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    row = order // k
+    xs = z.index_select(0, row).to(st.w1.dtype)
+    h = situ_glu(_grouped(xs, st.w1, e_sorted, offs), _grouped(xs, st.w3, e_sorted, offs), bank.beta,
+                 bank.linear_beta).to(st.w2.dtype)
+    y = _grouped(h, st.w2, e_sorted, offs)
+    wt = weights.reshape(-1).float().index_select(0, order)
+    acc = torch.zeros(bk, z.shape[1], dtype=torch.float32, device=z.device)
+    acc.index_add_(0, row, y.float() * wt[:, None])
+    if norm_w is None:
+        return acc
+    return rms_norm(acc, norm_w, eps).to(z.dtype)
+
+
+def standard_op_table() -> dict[str, OpImpl]:
+    """The op table of ``backend="standard_graph"`` (see the module docstring); each entry names its library."""
+    kda_lib = ("standard path: PyTorch conv update + fla fused_recurrent_kda_fwd + fla rms_norm_gated"
+               if fla_kda() is not None else "standard path: PyTorch KDA step (fla not importable)")
+    experts_lib = ("standard path: torch._grouped_mm over BF16 experts (sorted rows), FP32 combine"
+                   if hasattr(torch, "_grouped_mm") else "standard path: gathered bmm over BF16 experts")
+    table = {
+        "linear": (linear_standard, CUBLAS),
+        "rmsnorm": (rmsnorm_standard, TORCH),
+        "attn_res": (attn_res_standard, TORCH),
+        "kda_step": (kda_step_standard, kda_lib),
+        "mla_attention": (mla_attention_standard, "standard path: absorbed MLA attention in PyTorch (chunked)"),
+        "moe_router": (moe_router_standard_lib, "standard path: cuBLAS FP32 logits + torch.sort top-k"),
+        "moe_experts": (moe_experts_standard, experts_lib),
+    }
+    return {n: OpImpl(n, fn, standard_reason=why) for n, (fn, why) in table.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def mm_out_dtype_works(device: str) -> bool:
+    """Whether ``torch.mm(bf16, bf16, out_dtype=torch.float32)`` (cuBLAS, FP32 output) exists here."""
+    try:
+        a = torch.ones(2, 8, dtype=torch.bfloat16, device=device)
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except Exception:
+        return False
+
+
+def moe_router_standard_lib(x, gate_w, bias, top_k, renormalize, scale):
+    """The reference router with cuBLAS FP32-output logits: sigmoid, + bias, stable descending sort (lower
+    expert index wins exact ties), top-k, renormalised weights."""
+    if mm_out_dtype_works(str(x.device)) and x.dtype == gate_w.dtype:
+        logits = torch.mm(x, gate_w.t(), out_dtype=torch.float32)
+    else:
+        logits = torch.nn.functional.linear(x.float(), gate_w.float())
+    scores = torch.sigmoid(logits)
+    order = torch.sort(scores + bias.to(scores.dtype), dim=-1, descending=True, stable=True).indices
+    ids_ = order[:, :top_k]
+    w = scores.gather(-1, ids_)
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return ids_, w * scale
+
+
+__all__ = ["StandardExperts", "grouped_mm_works", "kda_step_standard", "linear_standard", "mla_attention_standard",
+           "moe_experts_standard", "moe_router_standard_lib", "standard_op_table"]
