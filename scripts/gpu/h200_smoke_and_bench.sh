@@ -11,6 +11,7 @@
 #   executor  python scripts/gpu/decode_executor_check.py        (decode executor vs reference, graphs)
 #   decode    k3-verify run --tier scripts/gpu/decode-sweep-quick.yaml  (decode step sweep, fast vs standard;
 #             TP2 points too when two GPUs are visible: the nvidia-h200-x2 kind)
+#   decodes3  k3-verify run --tier scripts/gpu/decode-sweep-s3.yaml (batch 1/8/64 x 1K/32K/128K x TP1/TP2)
 #   decodemini  the same on the smallest grid (scripts/gpu/decode-sweep-mini.yaml, ~5 min)
 #   sanitizer k3-verify run --tier scripts/gpu/sanitizer.yaml (4 tools: kernels + an executor step's two streams)
 #   tp2       python scripts/gpu/tp2_check.py                   (TP2 vs TP1, fused vs unfused all-reduce + norm)
@@ -50,6 +51,7 @@ for what in "$@"; do
       gputests) timeout -s TERM "$T" python3 -m pytest -q -m gpu -p no:cacheprovider ${K3_GPU_TESTS:-tests/} 2>&1 | tail -60 | tee "$OUT/gputests.log" || rc=1 ;;
       executor) timeout -s TERM "$T" python3 scripts/gpu/decode_executor_check.py 2>&1 | tail -80 | tee "$OUT/executor.log" || rc=1 ;;
       decode) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-quick.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep" 2>&1 | tee "$OUT/decode.log" || rc=1 ;;
+      decodes3) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s3.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s3" 2>&1 | tee "$OUT/decodes3.log" || rc=1 ;;
       decodemini) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-mini.yaml --output "/tmp/bundles/$stamp-h200-decode-mini" 2>&1 | tee "$OUT/decodemini.log" || rc=1 ;;
       sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
       tp2) timeout -s TERM "$T" python3 scripts/gpu/tp2_check.py 2>&1 | tail -60 | tee "$OUT/tp2.log" || rc=1 ;;

@@ -359,7 +359,7 @@ def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, 
             tpm.comm.barrier()
             times[name] = stats(event_times_us(step, params["standard_iters"], 1))
         st = times["unfused"]
-        rows.append({**common, "backend": "standard", **st, "timer": "eager", "allreduce": "nccl (unfused epilogue)",
+        rows.append({**common, "backend": "reference", **st, "timer": "eager", "allreduce": "nccl (unfused epilogue)",
                      **throughput(st["step_us_median"], batch, world),
                      "pct_of_floor": fl["floor_us"] / st["step_us_median"],
                      "x_floor": st["step_us_median"] / fl["floor_us"],
