@@ -5,9 +5,11 @@
   ModelRegistry as our lazy "module:Class" (a subclass of vLLM's K3 model); VLLM_PLUGINS without
   k3_fastpath leaves vLLM's registry and model loader untouched;
 - config plumbing through vLLM's real ``initialize_model`` with a real ``VllmConfig``: the switch off ->
-  vLLM's constructor runs unchanged (stood in for: vLLM's K3 model needs a GPU); on -> a clear
-  ``RoutingUnavailableError`` and a trace line. The served-model end of the plumbing (a real server with
-  ``--additional-config`` on a non-K3 model) is in tests/integration/test_vllm_server.py.
+  vLLM's constructor runs unchanged and nothing route-mode is attached (stood in for: vLLM's K3 model needs
+  a GPU); on without ``enforce_eager`` -> a clear ``RoutingUnavailableError`` before vLLM's constructor; on
+  with it -> vLLM's model plus the route-mode state (executor limits, token ids requested), and a trace
+  line per decision. The served-model end of the plumbing (a real server with ``--additional-config`` on a
+  non-K3 model) is in tests/integration/test_vllm_server.py; the routing itself is tests/test_vllm_routing.py.
 """
 
 from __future__ import annotations
@@ -64,10 +66,10 @@ def test_non_k3_with_switch_is_ignored_and_traced(tmp_path, monkeypatch, caplog)
     assert meta[0]["source"] == "vllm_plugin" and meta[0]["message"] == expected and meta[0]["pid"] == os.getpid()
 
 
-def test_k3_with_switch_routes_and_names_the_missing_adapter(tmp_path, monkeypatch):
+def test_k3_with_switch_routes_to_the_executor(tmp_path, monkeypatch):
     monkeypatch.delenv(TRACE_ENV, raising=False)
     d = plugin.decide(_cfg({"decode_backend": "latency_specialized"}, K3))
-    assert d.action == "route" and "DecodeExecutor" in d.message and "adapter" in d.message
+    assert d.action == "route" and "DecodeExecutor" in d.message and "eligible decode steps" in d.message
     assert plugin.write_trace(d) is None  # no K3_FASTPATH_TRACE: nothing written
 
 
@@ -110,12 +112,22 @@ PLUMBING_PROBE = textwrap.dedent("""
     builtin.KimiK3ForConditionalGeneration.__init__ = stand_in
     for extra in ({}, {"decode_backend": "standard"}):
         model = initialize_model(vllm_config=VllmConfig(additional_config=extra), model_class=cls, prefix="lm")
-        out["off"].append({"type": type(model).__name__, "call": calls[-1]})
-    try:
-        initialize_model(vllm_config=VllmConfig(additional_config={"decode_backend": "latency_specialized"}),
-                         model_class=cls, prefix="lm")
-    except Exception as e:
-        out["on"] = {"error": type(e).__name__, "message": str(e), "base_called": len(calls) > 2}
+        out["off"].append({"type": type(model).__name__, "call": calls[-1], "fast": model._k3_fast is not None,
+                           "raw_tokens": model.requires_raw_input_tokens})
+    out["on"] = []
+    from types import SimpleNamespace
+    for mc in (None, SimpleNamespace(enforce_eager=True, max_model_len=2048, architectures=[cls.__name__])):
+        cfg = VllmConfig(additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 8})
+        if mc is not None:
+            cfg.model_config = mc
+        n = len(calls)
+        try:
+            model = initialize_model(vllm_config=cfg, model_class=cls, prefix="lm")
+            fast = model._k3_fast
+            out["on"].append({"base_called": len(calls) > n, "max_batch": fast.max_batch, "max_len": fast.max_len,
+                              "raw_tokens": model.requires_raw_input_tokens, "executor": fast.executor})
+        except Exception as e:
+            out["on"].append({"error": type(e).__name__, "message": str(e), "base_called": len(calls) > n})
     print("PLUMBING", json.dumps(out))
 """)
 
@@ -158,13 +170,15 @@ def test_additional_config_reaches_the_model_class_through_vllm(with_plugin):
     found, trace = with_plugin
     got = found["PLUMBING"]
     assert got["cls"] == f"k3_fastpath.integrations.vllm_model:{K3}" and got["subclass"]
-    # off: exactly vLLM's constructor, with vLLM's own arguments
+    # off: exactly vLLM's constructor, with vLLM's own arguments, nothing of route mode attached
     assert [o["call"] for o in got["off"]] == [{"additional_config": {}, "prefix": "lm"},
                                               {"additional_config": {"decode_backend": "standard"}, "prefix": "lm"}]
-    assert all(o["type"] == K3 for o in got["off"])
-    # on: refused before vLLM's constructor runs, naming what is missing
-    on = got["on"]
-    assert on and on["error"] == "RoutingUnavailableError" and not on["base_called"]
-    assert "DecodeExecutor" in on["message"] and "adapter" in on["message"] and "builtin:fast" in on["message"]
+    assert all(o["type"] == K3 and not o["fast"] and not o["raw_tokens"] for o in got["off"])
+    # on without enforce_eager: refused before vLLM's constructor runs, with the one-line reason
+    refused, built = got["on"]
+    assert refused["error"] == "RoutingUnavailableError" and not refused["base_called"]
+    assert "needs enforce_eager" in refused["message"] and "\n" not in refused["message"]
+    # on with enforce_eager: vLLM's model, plus route mode (the executor is built by load_weights)
+    assert built == {"base_called": True, "max_batch": 8, "max_len": 2048, "raw_tokens": True, "executor": None}
     meta, _ = read_trace(trace)
-    assert [(m["action"], m["architecture"]) for m in meta] == [("route", K3)]
+    assert [(m["action"], m["architecture"]) for m in meta] == [("route", K3), ("route", K3)]

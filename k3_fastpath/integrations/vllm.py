@@ -18,18 +18,22 @@ The decision (``decide``), per model construction:
 - ``decode_backend`` absent or any value other than ``latency_specialized`` -> ``off``: nothing changes,
   nothing is written (vLLM's K3 class is constructed exactly as without the plugin);
 - ``latency_specialized`` on a non-K3 model -> ``ignored`` (log + trace line), nothing changes;
-- ``latency_specialized`` on Kimi K3 -> ``route``: eligible decode steps are to go to
-  ``k3_fastpath.runtime.executor.DecodeExecutor``. What that needs and this version does not have is an
-  adapter from vLLM's serving state to the executor: vLLM's paged MLA latent cache and KDA state pools
-  (``vllm.models.kimi_k3``) and its weight layout, into the executor's slot-pool ``K3Cache`` and
-  ``K3ForCausalLM`` weights. Without it no step can be routed, so the model class refuses to build
-  with ``RoutingUnavailableError`` naming that gap (after tracing the decision) rather than serve the
-  standard path under the fast path's name. The builtin engine (``--engine builtin:fast``) is where the
-  fast path runs today.
+- ``latency_specialized`` on Kimi K3 -> ``route``: eligible decode steps go to
+  ``k3_fastpath.runtime.executor.DecodeExecutor`` (``vllm_model.py`` for the model class,
+  ``vllm_routing.py`` for which steps and how vLLM's cache state moves, ``vllm_state.py`` for the layouts).
+  Routed: pure non-speculative decode steps of at most ``fastpath_max_batch`` requests with contexts up to
+  ``fastpath_max_len``. Everything else runs vLLM's own forward after the routed requests' state is handed
+  back, and is traced with its reason. A configuration in which no step can be routed (no
+  ``--enforce-eager``, TP/PP > 1, speculative decoding, recoverssm, KDA prefix caching, ``fp8_ds_mla``) is
+  refused at model construction with ``RoutingUnavailableError`` and a one-line reason, never served on the
+  standard path under the fast path's name. Not yet run inside a vLLM server on a GPU (no vLLM on the GPU
+  host); what is tested is listed in tests/test_vllm_routing.py.
 
 Trace: with ``K3_FASTPATH_TRACE=<dir>`` each decision other than ``off`` appends one line to
 ``<dir>/trace-<pid>.jsonl`` (the executor's trace file and format, ``type: "meta"``,
-``source: "vllm_plugin"``), so ``k3_fastpath.runtime.trace.read_trace`` lists it beside executor steps.
+``source: "vllm_plugin"``), so ``k3_fastpath.runtime.trace.read_trace`` lists it beside executor steps; in
+route mode every forward call then adds one step record (a routed step as the executor records it, kernels
+or its own fallback reason; any other as ``fallback: "vllm standard path: <reason>"``).
 """
 
 from __future__ import annotations
@@ -52,15 +56,14 @@ VLLM_K3_MODULE = "vllm.models.kimi_k3"
 TRACE_SOURCE = "vllm_plugin"
 _HOOK_MARK = "_k3_fastpath_decode_backend_hook"
 
-MISSING_ADAPTER = (
-    "routing vLLM decode steps to k3_fastpath.runtime.executor.DecodeExecutor needs an adapter from vLLM's "
-    "paged MLA latent cache, KDA state pools and weight layout (vllm.models.kimi_k3) to the executor's "
-    "slot-pool K3Cache and K3ForCausalLM weights, which k3-verify 0.1.0 does not have"
-)
+ROUTE_MESSAGE = ("eligible decode steps (pure decode, no speculative tokens, within the executor's max_batch / "
+                 "max_len) run on k3_fastpath.runtime.executor.DecodeExecutor; every other step runs vLLM's "
+                 "forward after the routed state is handed back")
 
 
 class RoutingUnavailableError(RuntimeError):
-    """``decode_backend=latency_specialized`` was asked for a K3 model, and routing cannot be done."""
+    """``decode_backend=latency_specialized`` was asked for a K3 model in a configuration where no decode step
+    could be routed (``vllm_routing.config_refusal`` says which)."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +102,7 @@ def decide(vllm_config: Any, architecture: str | None = None) -> Decision:
     if arch not in K3_FAMILY:
         return Decision("ignored", value, arch,
                         f"decode_backend={LATENCY_SPECIALIZED} ignored: model {arch} is not Kimi K3")
-    return Decision("route", value, arch, f"decode_backend={LATENCY_SPECIALIZED} on {arch}: {MISSING_ADAPTER}")
+    return Decision("route", value, arch, f"decode_backend={LATENCY_SPECIALIZED} on {arch}: {ROUTE_MESSAGE}")
 
 
 def write_trace(decision: Decision, **extra: Any) -> Path | None:
@@ -126,7 +129,7 @@ def on_model_init(vllm_config: Any, architecture: str | None = None) -> Decision
     if decision.action == "off":
         return decision
     log = _logger()
-    (log.warning if decision.action == "ignored" else log.error)("k3_fastpath: %s", decision.message)
+    (log.warning if decision.action == "ignored" else log.info)("k3_fastpath: %s", decision.message)
     write_trace(decision)
     return decision
 

@@ -1,20 +1,43 @@
 """The class vLLM builds for a Kimi K3 checkpoint once the ``k3_fastpath`` plugin is loaded.
 
-It is vLLM's own ``KimiK3ForConditionalGeneration`` (``vllm.models.kimi_k3``) with one addition: its
-``__init__`` reads ``vllm_config.additional_config["decode_backend"]`` first
-(``k3_fastpath.integrations.vllm.on_model_init``):
+It is vLLM's own ``KimiK3ForConditionalGeneration`` (``vllm.models.kimi_k3``) with the ``decode_backend``
+switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init``):
 
-- off (absent, or any value but ``latency_specialized``): vLLM's constructor runs unchanged; the
-  model is exactly vLLM's;
-- ``latency_specialized``: refused with ``RoutingUnavailableError`` before anything is allocated, naming
-  what is missing (the vLLM-state -> ``DecodeExecutor`` adapter; see the plugin module), after the
-  decision has been logged and traced. Never a silent standard-path model under the fast path's name.
+- off (absent, or any value but ``latency_specialized``): vLLM's constructor runs unchanged, and
+  ``forward`` / ``compute_logits`` / ``load_weights`` are vLLM's (each override calls straight through);
+- ``latency_specialized``: first ``vllm_routing.config_refusal`` — a configuration in which no step could
+  be routed (no ``enforce_eager``, TP/PP > 1, speculative decoding, recoverssm, KDA prefix caching,
+  ``fp8_ds_mla``) is refused with ``RoutingUnavailableError`` and that one-line reason, before anything is
+  allocated. Otherwise vLLM's model is built normally, plus:
 
-vLLM imports this module itself (lazy ``"module:Class"`` registration), only for K3 checkpoints.
+  * ``load_weights``: after vLLM's loader, the executor's own reference model is loaded from the same
+    checkpoint directory (a second copy of the weights, checked against free device memory; inside vLLM's
+    weight-loading memory accounting, so its KV cache is sized around it) and a ``DecodeExecutor`` built
+    with ``fastpath_max_batch`` (default min(max_num_seqs, 64)) / ``fastpath_max_len`` (default
+    min(max_model_len, 4096)) from ``additional_config``, and its CUDA graphs captured. A later call (a
+    weight update) cannot reach the executor's copy: every step falls back from then on, with that reason;
+  * ``forward``: at the first call with metadata the router binds vLLM's per-layer caches; each call is
+    classified (``VllmDecodeRouter.plan``). A routed step runs on the executor: its logits are stashed and
+    ``forward`` returns ``[num_tokens, hidden]`` placeholder hidden states whose first two columns encode
+    the row number, so ``compute_logits`` (which vLLM calls on ``hidden_states[logits_indices]``) returns
+    exactly the stashed rows it was asked for. Any other step exports the routed requests' state to vLLM
+    (``sync_back``), runs vLLM's forward and is traced as ``fallback: "vllm standard path: <reason>"``;
+  * the runner passes token ids beside the multimodal embeddings (``requires_raw_input_tokens``, set on the
+    instance in route mode only), since the executor embeds tokens itself.
+
+CUDA graphs: vLLM's own graphs are not used with the switch on (``enforce_eager`` is required, checked
+above); the executor replays its own per-bucket graphs inside a routed step.
+
+vLLM imports this module itself (lazy ``"module:Class"`` registration), only for K3 checkpoints. Nothing
+here has run inside a vLLM server on a GPU (the GPU host has no vLLM); see tests/test_vllm_routing.py for
+what is tested on a CPU.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.nn as nn
 
 from k3_fastpath.integrations.vllm import RoutingUnavailableError, on_model_init
@@ -28,19 +51,163 @@ except ImportError as e:  # e.g. a platform for which vLLM exports no K3 impleme
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
+DEFAULT_MAX_BATCH = 64
+DEFAULT_MAX_LEN = 4096
+_ROW_BASE = 256  # row ids are written as (row // 256, row % 256): exact in bf16
+
+
+def encode_rows(num_tokens: int, hidden: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """Placeholder hidden states of a routed step: row ``r`` holds ``(r // 256, r % 256)`` in columns 0, 1."""
+    h = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
+    r = torch.arange(num_tokens, device=device)
+    h[:, 0] = (r // _ROW_BASE).to(dtype)
+    h[:, 1] = (r % _ROW_BASE).to(dtype)
+    return h
+
+
+def decode_rows(hidden: torch.Tensor) -> torch.Tensor:
+    return (hidden[:, 0].float() * _ROW_BASE + hidden[:, 1].float()).round().long()
+
+
+def checkpoint_dir(model_config: Any) -> str:
+    """The local directory of the checkpoint vLLM loaded: ``model_config.model`` itself, or for a Hub id the
+    snapshot vLLM already downloaded (never downloads)."""
+    from pathlib import Path
+
+    if Path(model_config.model).is_dir():
+        return str(model_config.model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(model_config.model, revision=getattr(model_config, "revision", None),
+                                 local_files_only=True)
+    except Exception as e:  # noqa: BLE001 (any failure means: no local copy to load)
+        raise RuntimeError(f"decode_backend=latency_specialized: no local checkpoint for {model_config.model!r} "
+                           f"to load the executor's weights from ({type(e).__name__}: {e})") from e
+
+
+class FastPathState:
+    """The route-mode attachments of one model instance (kept out of ``nn.Module``'s registries)."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        extra = vllm_config.additional_config or {}
+        get = extra.get if hasattr(extra, "get") else (lambda k, d=None: d)
+        sched, mc = vllm_config.scheduler_config, vllm_config.model_config
+        self.max_batch = int(get("fastpath_max_batch", min(int(sched.max_num_seqs), DEFAULT_MAX_BATCH)))
+        self.max_len = int(get("fastpath_max_len", min(int(mc.max_model_len), DEFAULT_MAX_LEN)))
+        self.executor: Any = None
+        self.router: Any = None
+        self.logits: torch.Tensor | None = None  # the last routed step's [B, V]
+        self.stale: str | None = None  # set when vLLM's weights change after the executor's copy was loaded
 
 
 class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-type]
-    """vLLM's Kimi K3 model plus the ``decode_backend`` switch."""
+    """vLLM's Kimi K3 model plus the ``decode_backend`` switch (see the module docstring)."""
 
     def __init__(self, vllm_config, prefix: str = "") -> None:  # noqa: ANN001 (vLLM's signature)
         decision = on_model_init(vllm_config, ARCHITECTURE)
+        fast: FastPathState | None = None
         if decision.action == "route":
-            raise RoutingUnavailableError(
-                f"{decision.message}. Serve Kimi K3 without decode_backend (vLLM's standard path), or run the "
-                "fast path through k3-verify's builtin engine (--engine builtin:fast)")
+            from k3_fastpath.integrations.vllm_routing import config_refusal
+
+            why = config_refusal(vllm_config)
+            if why:
+                raise RoutingUnavailableError(f"decode_backend=latency_specialized on {ARCHITECTURE}: {why}")
+            fast = FastPathState(vllm_config)
         if _IMPORT_ERROR is not None:
             raise RuntimeError(f"vLLM's Kimi K3 implementation ({'vllm.models.kimi_k3'}) cannot be imported on "
                                f"this platform ({_IMPORT_ERROR}); the k3_fastpath plugin only adds decode_backend "
                                "to it, it does not replace it")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self.__dict__["_k3_fast"] = fast  # a plain attribute: not a submodule, not in state_dict
+        if fast is not None:
+            self.requires_raw_input_tokens = True
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, weights):  # noqa: ANN001, ANN201 (vLLM's signature)
+        loaded = super().load_weights(weights)
+        fast = self.__dict__.get("_k3_fast")
+        if fast is not None:
+            if fast.executor is None:
+                fast.executor = self._build_executor(fast)
+            else:  # a weight update reaches vLLM's parameters, not the executor's copy: stop routing
+                fast.stale = "vLLM weights reloaded after the executor loaded its copy of the checkpoint"
+        return loaded
+
+    def _build_executor(self, fast: FastPathState) -> Any:
+        from k3_fastpath.config import load_config
+        from k3_fastpath.integrations.vllm_routing import load_executor_model, pool_bytes
+        from k3_fastpath.runtime.executor import DecodeExecutor
+
+        mc = fast.vllm_config.model_config
+        model_dir = checkpoint_dir(mc)
+        param = next(self.parameters(), None)  # vLLM's weights sit on the device the executor serves on
+        device = param.device if param is not None else torch.device("cpu")
+        cfg = load_config(model_dir)
+        kv_dtype = torch.float8_e4m3fn if fast.vllm_config.cache_config.cache_dtype.startswith("fp8") else mc.dtype
+        model = load_executor_model(model_dir, mc.dtype, device,
+                                    pool_bytes(cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype))
+        kv_scale = None
+        if kv_dtype == torch.float8_e4m3fn:  # the executor's FP8 latents must use vLLM's k_scale
+            mla = next(layer.self_attn for i, layer in enumerate(self._vllm_layers()) if cfg.is_mla_layer(i))
+            kv_scale = float(mla._k_scale)
+        ex = DecodeExecutor(model, max_batch=fast.max_batch, max_len=fast.max_len, kv_dtype=kv_dtype,
+                            kv_scale=kv_scale)
+        ex.warmup_and_capture()
+        return ex
+
+    def _vllm_layers(self) -> list[Any]:
+        return list(self.language_model.model.layers)
+
+    # ------------------------------------------------------------------ steps
+    def _router(self, fast: FastPathState) -> Any:
+        if fast.router is None:
+            from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+            from k3_fastpath.integrations.vllm_routing import VllmDecodeRouter
+            from k3_fastpath.integrations.vllm_state import VllmLayout
+
+            if fast.executor is None:
+                raise RuntimeError("decode_backend=latency_specialized: forward before load_weights built the executor")
+            attn = [layer.self_attn for layer in self._vllm_layers()]
+            cfg = fast.executor.cfg
+            kda = next(a.prefix for i, a in enumerate(attn) if cfg.is_kda_layer(i))
+            mla = next(a.layer_name for i, a in enumerate(attn) if not cfg.is_kda_layer(i))
+            layout = VllmLayout(conv_dim_first=is_conv_state_dim_first(),
+                                block_size=int(fast.vllm_config.cache_config.block_size))
+            fast.router = VllmDecodeRouter(fast.executor, attn, layout, (kda, mla))
+        return fast.router
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]
+                intermediate_tensors: Any = None, inputs_embeds: torch.Tensor | None = None, **kwargs: object):
+        fast = self.__dict__.get("_k3_fast")
+        if fast is None:
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+        from vllm.forward_context import get_forward_context, is_forward_context_available
+
+        meta = get_forward_context().attn_metadata if is_forward_context_available() else None
+        router = self._router(fast)
+        plan = router.plan(meta, positions)
+        if plan.route and (input_ids is None or fast.stale):
+            from k3_fastpath.integrations.vllm_routing import StepPlan
+
+            plan = StepPlan(fast.stale or "no token ids passed (inputs_embeds only)", batch=plan.batch)
+        fast.logits = None
+        if plan.route:
+            fast.logits = router.run(plan, input_ids)
+            hidden = self.config.text_config.hidden_size
+            return encode_rows(int(positions.shape[-1]), hidden, fast.executor.dtype, positions.device)
+        router.sync_back()
+        router.record_fallback(plan)
+        return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
+
+    def compute_logits(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:  # noqa: ANN003
+        fast = self.__dict__.get("_k3_fast")
+        if fast is None or fast.logits is None:
+            return super().compute_logits(hidden_states, **kwargs)
+        rows = decode_rows(hidden_states)
+        if int(rows.max()) >= fast.logits.shape[0] or int(rows.min()) < 0:
+            raise RuntimeError(f"compute_logits asked for rows {rows.tolist()} of a routed step of "
+                               f"{fast.logits.shape[0]} requests")
+        return fast.logits.index_select(0, rows.to(fast.logits.device))
