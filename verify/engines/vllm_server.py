@@ -102,7 +102,10 @@ class VLLMServer:
         self.seed = seed
         self.dtype = dtype
         self.on_cpu = not _has_cuda()
-        self.enforce_eager = self.on_cpu if enforce_eager is None else enforce_eager
+        # the plugin's routed mode (decode_backend=latency_specialized) requires eager vLLM: the executor
+        # replays its own CUDA graphs (k3_fastpath/integrations/vllm_model.py refuses otherwise)
+        routed = (self.additional_config or {}).get("decode_backend") == "latency_specialized"
+        self.enforce_eager = (self.on_cpu or routed) if enforce_eager is None else enforce_eager
         self.structured_outputs_backend = structured_outputs_backend
         self.extra_args = tuple(extra_args)
         self.extra_env = dict(env or {})

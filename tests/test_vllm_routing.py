@@ -1,0 +1,422 @@
+"""Routing vLLM's K3 decode steps to the executor (k3_fastpath.integrations.vllm_routing / vllm_state), on a CPU.
+
+- classification on vLLM's own metadata classes (``KimiK3KDAMetadata``, ``MLACommonMetadata``; constructible
+  on a CPU), every fallback reason;
+- state import / export between caches shaped by vLLM's own ``MambaStateShapeCalculator.kda_state_shape`` /
+  ``MambaStateDtypeCalculator.kda_state_dtype`` (SD and DS conv layouts) plus a paged MLA cache with a random
+  block table, and the executor's pool: bitwise, against an independent per-position implementation
+  (tests/vllm_layout.py); layouts it cannot map (a speculative conv window, a BF16 recurrent state) are a
+  fallback reason;
+- end to end with the k3-tiny reference model: prefill on the reference path laid out the way vLLM does,
+  routed decode steps through ``DecodeExecutor`` (on a CPU it runs its standard path and traces why: asserted)
+  bitwise equal to the reference decode, a fallback step after ``sync_back`` continuing from vLLM's caches
+  bitwise, and the emulated fast step (``Envelope(emulate=True)``) over non-contiguous, reordered pool slots
+  against the same executor driven directly;
+- the model class in route mode (vLLM's base constructor and language model stood in for: they need a GPU):
+  ``forward`` / ``compute_logits`` of a routed step, a fallback step through vLLM's forward, the trace; its
+  ``load_weights`` building the executor from the checkpoint directory vLLM loaded, and the memory check.
+
+vLLM's attention modules are stood in for by objects holding ``kv_cache`` (what the router reads); no vLLM
+model runs here, and nothing here has run inside vLLM on a GPU (the GPU host has no vLLM).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from k3_fastpath.config import preset
+from k3_fastpath.integrations.vllm_model import decode_rows, encode_rows
+from k3_fastpath.integrations.vllm_routing import VLLM_PATH, VllmDecodeRouter, classify_step, config_refusal
+from k3_fastpath.integrations.vllm_state import VllmLayout, export_request, import_request, layout_reason
+from k3_fastpath.reference.model import load_reference
+from k3_fastpath.runtime.envelope import PREFILL_REASON, Envelope
+from k3_fastpath.runtime.executor import DecodeExecutor
+from k3_fastpath.synthetic import synthetic_state_dict
+
+pytest.importorskip("vllm", reason="needs vLLM (scripts/bootstrap --vllm)")
+from vllm_layout import VllmCaches, decode_metadata  # noqa: E402
+
+CFG = preset("k3-tiny").config
+KDA, MLA = "language_model.model.layers.1.self_attn", "language_model.model.layers.3.self_attn"
+BS = 4  # vLLM block size of the paged MLA cache (small: a context spans several random blocks)
+MAX_LEN = 24
+
+
+@pytest.fixture(scope="module")
+def sd():
+    return synthetic_state_dict(CFG, 0, conditioning="stable")
+
+
+@pytest.fixture(scope="module")
+def m16(sd):
+    return load_reference(CFG, sd, dtype=torch.bfloat16)
+
+
+def _block_tables(batch: int, num_blocks: int, g: torch.Generator) -> torch.Tensor:
+    per = -(-MAX_LEN // BS)
+    return torch.randperm(num_blocks - 1, generator=g)[: batch * per].add(1).reshape(batch, per).to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------------ classification
+def _meta(b=3, seq=(5, 9, 2), idx=(4, 1, 7), **kw):
+    return decode_metadata(KDA, MLA, list(idx[:b]), list(seq[:b]), torch.zeros(b, 6, dtype=torch.int32), **kw)
+
+
+def test_pure_decode_is_routed_with_its_per_request_inputs():
+    p = classify_step(_meta(), KDA, MLA, max_batch=4, max_len=16, positions=torch.tensor([4, 8, 1, 0]))
+    assert p.route and p.kind == "decode" and p.batch == 3
+    assert p.state_indices.tolist() == [4, 1, 7] and p.seq_lens.tolist() == [5, 9, 2]
+    assert p.block_table.shape == (3, 6)
+
+
+@pytest.mark.parametrize("kwargs, meta_kw, reason", [
+    ({}, {"num_prefills": 1}, PREFILL_REASON),
+    ({}, {"num_spec": 2}, "speculative decoding (4 tokens of 2 requests)"),
+    ({"max_batch": 2}, {}, "batch 3 > 2 (the executor's max_batch)"),
+    ({"max_len": 8}, {}, "context 9 > 8 (the executor's max_len)"),
+    ({"positions": torch.tensor([4, 8, 2])}, {}, "positions differ from seq_len - 1 (M-RoPE or reordered batch)"),
+])
+def test_ineligible_steps_fall_back_with_their_reason(kwargs, meta_kw, reason):
+    args = {"max_batch": 4, "max_len": 16, **kwargs}
+    p = classify_step(_meta(**meta_kw), KDA, MLA, **args)
+    assert not p.route and p.reason == reason
+    assert p.kind == ("prefill" if meta_kw.get("num_prefills") else "decode")
+
+
+def test_no_metadata_and_bad_state_indices_fall_back():
+    p = classify_step(None, KDA, MLA, max_batch=4, max_len=16)
+    assert p.reason == "no attention metadata (vLLM profile / dummy run)" and p.kind == "profile"
+    for idx in ((4, 0, 7), (4, 4, 7)):  # 0: vLLM's padding / null index; a repeat: two requests, one state
+        assert "not distinct positive indices" in classify_step(_meta(idx=idx), KDA, MLA, max_batch=4,
+                                                                max_len=16).reason
+
+
+def test_config_refusal_reasons():
+    def cfg(eager=True, tp=1, spec=None, recover=False, mode="none", kv="auto"):
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
+                               parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                                               decode_context_parallel_size=1),
+                               cache_config=SimpleNamespace(use_kda_recoverssm=recover, mamba_cache_mode=mode,
+                                                            cache_dtype=kv),
+                               speculative_config=spec)
+
+    assert config_refusal(cfg()) is None and config_refusal(cfg(kv="fp8")) is None
+    assert "enforce_eager" in config_refusal(cfg(eager=False))
+    assert "single-device" in config_refusal(cfg(tp=2))
+    assert "speculative" in config_refusal(cfg(spec=object()))
+    assert "recoverssm" in config_refusal(cfg(recover=True))
+    assert "mamba_cache_mode=align" in config_refusal(cfg(mode="align"))
+    assert "fp8_ds_mla" in config_refusal(cfg(kv="fp8_ds_mla"))
+
+
+def test_row_ids_survive_vllm_selecting_hidden_rows():
+    h = encode_rows(300, 128, torch.bfloat16, "cpu")
+    pick = torch.tensor([299, 0, 257, 3])
+    assert decode_rows(h[pick]).tolist() == pick.tolist()
+
+
+# ------------------------------------------------------------------------------------------ state moves
+@pytest.mark.parametrize("dim_first", [False, True], ids=["SD", "DS"])
+def test_import_export_round_trip_bitwise(m16, dim_first, seed):
+    g = torch.Generator().manual_seed(seed)
+    vc = VllmCaches(CFG, num_indices=9, num_blocks=40, block_size=BS, model_dtype=torch.bfloat16,
+                    dim_first=dim_first, seed=seed)
+    layout = VllmLayout(conv_dim_first=dim_first, block_size=BS)
+    assert layout_reason(CFG, vc.caches(), layout, conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16) is None
+    ex = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN)
+    pool = ex.new_cache(4)
+    bt = _block_tables(1, 40, g)[0]
+    ctx = int(torch.randint(1, MAX_LEN, (1,), generator=g))
+    import_request(CFG, vc.caches(), layout, pool.layers, 2, 6, bt, ctx)
+    # independent read of the same request from vLLM's layout
+    want = m16.new_cache(1, MAX_LEN)
+    vc.load(want, 0, 6, bt, ctx)
+    for got, exp in zip(pool.layers, want.layers, strict=True):
+        if hasattr(got, "state"):
+            for a, b in zip(got.tensors(), exp.tensors(), strict=True):
+                assert torch.equal(a[2], b[0])
+        else:
+            assert torch.equal(got.latent[2, :ctx], exp.latent[0, :ctx]) and not got.latent[2, ctx:].any()
+    # export to another index of fresh caches: vLLM's layout again, bit for bit, and nothing else touched
+    out = VllmCaches(CFG, num_indices=9, num_blocks=40, block_size=BS, model_dtype=torch.bfloat16,
+                     dim_first=dim_first, seed=seed + 1)
+    before = [kv[0].clone() for kv in out.caches() if isinstance(kv, tuple)]
+    export_request(CFG, out.caches(), layout, pool.layers, 2, 3)
+    kda_in, kda_out = [kv for kv in vc.caches() if isinstance(kv, tuple)], [kv for kv in out.caches()
+                                                                                if isinstance(kv, tuple)]
+    for (c_in, r_in), (c_out, r_out), c_before in zip(kda_in, kda_out, before, strict=True):
+        assert torch.equal(c_out[3], c_in[6]) and torch.equal(r_out[3], r_in[6])
+        keep = torch.arange(9) != 3
+        assert torch.equal(c_out[keep], c_before[keep])
+
+
+def test_unmappable_layouts_are_fallback_reasons(m16):
+    layout = VllmLayout(conv_dim_first=False, block_size=BS)
+    spec = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, num_spec=2)
+    why = layout_reason(CFG, spec.caches(), layout, conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    assert why == ("layer 0: KDA conv state (5, 384) per index, executor maps SD (3, 384) (a longer window holds "
+                   "speculative tokens)")
+    bf16_state = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, ssm_dtype="bfloat16")
+    why = layout_reason(CFG, bf16_state.caches(), layout, conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    assert why.startswith("layer 0: KDA recurrent state bfloat16 (mamba_ssm_cache_dtype)")
+    # through the router: a step that classifies as routable still falls back, naming the layout
+    ex = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN)
+    router = VllmDecodeRouter(ex, bf16_state.layers, layout, (KDA, MLA))
+    p = router.plan(_meta(seq=(5, 9, 2)))
+    assert not p.route and p.reason == f"cache layout: {why}"
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def _prefill(model, vc, g, lens, idx):
+    ids = torch.randint(3, CFG.vocab_size, (len(lens), max(lens)), generator=g)
+    ref = model.new_cache(len(lens), MAX_LEN)
+    logits = model.prefill(ids, torch.tensor(lens), ref)[torch.arange(len(lens)), torch.tensor(lens) - 1]
+    bts = _block_tables(len(lens), 40, g)
+    for r, i in enumerate(idx):
+        vc.store(ref, r, i, bts[r])
+    return ref, logits, bts
+
+
+def test_routed_decode_matches_reference_then_fallback_continues(m16, tmp_path, seed):
+    """Standard-path executor (CPU): every routed step bitwise the reference decode; the trace says the
+    executor ran and why it used its standard path; after a fallback step's sync_back vLLM's caches hold the
+    reference state, and vLLM's path continuing from them is bitwise the reference."""
+    g = torch.Generator().manual_seed(seed)
+    lens, idx = [5, 7, 4], [5, 2, 7]
+    vc = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, seed=seed)
+    ref, logits, bts = _prefill(m16, vc, g, lens, idx)
+    ex = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, trace_dir=str(tmp_path))
+    router = VllmDecodeRouter(ex, vc.layers, VllmLayout(False, BS), (KDA, MLA))
+    seq = torch.tensor(lens)
+    for _ in range(3):
+        tok = logits.argmax(-1)
+        seq = seq + 1
+        plan = router.plan(decode_metadata(KDA, MLA, idx, seq.tolist(), bts), positions=seq - 1)
+        assert plan.route
+        got = router.run(plan, tok)
+        logits = m16.decode(tok, ref)
+        assert torch.equal(got, logits)
+        rec = ex.trace.records[-1]
+        assert rec.fallback == ex.model_reason == "device cpu is not sm_90" and rec.kind == "decode"
+    assert router.imports == 3 and router.exports == 0  # imported once, then kept in the pool
+    # the new latents were written through to vLLM's paged cache at each step
+    mla_i = CFG.mla_layer_ids[0]
+    for r in range(3):
+        for p in range(int(ref.lengths[r])):
+            blk = int(bts[r, p // BS])
+            assert torch.equal(vc.layers[mla_i].kv_cache[blk, p % BS], ref.layers[mla_i].latent[r, p])
+    # a step with a prefill in it: state goes back to vLLM, vLLM's forward runs (stood in for by the reference
+    # model reading vLLM's caches), the trace says so
+    plan = router.plan(decode_metadata(KDA, MLA, idx, seq.tolist(), bts, num_prefills=1))
+    assert not plan.route and router.sync_back() == 3 and not router.rows
+    router.record_fallback(plan)
+    assert ex.trace.records[-1].fallback == f"{VLLM_PATH}: {PREFILL_REASON}" and ex.trace.records[-1].kind == "prefill"
+    via_vllm = m16.new_cache(3, MAX_LEN)
+    for r, i in enumerate(idx):
+        vc.load(via_vllm, r, i, bts[r], int(seq[r]))
+    tok = logits.argmax(-1)
+    fell_back = m16.decode(tok, via_vllm)
+    logits = m16.decode(tok, ref)
+    assert torch.equal(fell_back, logits)
+    for r, i in enumerate(idx):  # vLLM's path advances its own caches
+        vc.store(via_vllm, r, i, bts[r])
+    # routed again: re-imported from vLLM's caches, still the reference
+    seq = seq + 1
+    tok = logits.argmax(-1)
+    plan = router.plan(decode_metadata(KDA, MLA, idx, (seq + 1).tolist(), bts), positions=seq)
+    assert torch.equal(router.run(plan, tok), m16.decode(tok, ref)) and router.imports == 6
+
+
+def test_emulated_fast_step_over_reordered_slots(m16, seed):
+    """The executor's fast step structure (``Envelope(emulate=True)``: kernels served by their references)
+    through the router, over pool rows in another order than the batch (a request joins late, the batch is
+    permuted), against the same executor kind driven directly on a contiguous copy of the same state (its
+    own ``new_cache`` / ``copy_cache`` / active mask): the same logits up to BF16 rounding (the buckets differ). The
+    fast step's accuracy itself is tests/test_executor_cpu.py's subject."""
+    g = torch.Generator().manual_seed(seed)
+    lens, idx = [6, 4, 5], [3, 8, 1]
+    vc = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, seed=seed)
+    ref, _, bts = _prefill(m16, vc, g, lens, idx)
+    ex = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True))
+    router = VllmDecodeRouter(ex, vc.layers, VllmLayout(False, BS), (KDA, MLA))
+    direct = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True))
+    cache = direct.copy_cache(direct.new_cache(3), ref)
+
+    def check(out, want):
+        scale = float(want.abs().max())
+        # BF16 GEMMs of another batch bucket round differently (0.6% of scale seen); a wrong slot is O(1)
+        assert float((out - want).abs().max()) <= 2e-2 * scale, f"seed {seed}"
+        rec = ex.trace.records[-1]
+        assert rec.fallback is None and rec.batch == out.shape[0] and rec.kernel_fallbacks  # emulated: no GPU
+
+    seq = torch.tensor(lens)
+    # step 1: only request 2, so it takes pool row 0
+    tok = torch.randint(3, CFG.vocab_size, (3,), generator=g)
+    plan = router.plan(decode_metadata(KDA, MLA, [idx[2]], [lens[2] + 1], bts[2:3]))
+    check(router.run(plan, tok[2:3]), direct.decode(tok, cache, torch.tensor([False, False, True]))[2:3])
+    seq[2] += 1
+    # step 2: all three, permuted: batch rows != pool rows
+    perm = [1, 2, 0]
+    tok = torch.randint(3, CFG.vocab_size, (3,), generator=g)
+    plan = router.plan(decode_metadata(KDA, MLA, [idx[r] for r in perm], (seq[perm] + 1).tolist(), bts[perm]))
+    out = router.run(plan, tok[perm])
+    assert [router.rows[idx[r]] for r in perm] == [1, 0, 2]
+    check(out, direct.decode(tok, cache)[perm])
+    # and the state handed back to vLLM is the direct executor's (up to the bucket's rounding: a wrong row or
+    # orientation would differ by O(1))
+    assert router.sync_back() == 3
+
+    def close(a, b):
+        return torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+    for r, i in enumerate(idx):
+        back, n = m16.new_cache(1, MAX_LEN), int(seq[r]) + 1
+        vc.load(back, 0, i, bts[r], n)
+        for a, b in zip(back.layers, cache.layers, strict=True):
+            if hasattr(a, "state"):
+                assert all(close(x[0], y[r]) for x, y in zip(a.tensors(), b.tensors(), strict=True))
+            else:
+                assert close(a.latent[0, :n], b.latent[r, :n])
+
+
+# ------------------------------------------------------------------------------------------ the model class
+def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatch, seed):
+    """``vllm_model.KimiK3ForConditionalGeneration`` in route mode, its vLLM base constructor / language model
+    stood in for (they need a GPU): a pure decode step's ``forward`` runs on the executor and
+    ``compute_logits`` on any selection of its placeholder rows returns the reference logits of those rows; a
+    step with prefill tokens hands the state back and calls vLLM's forward; both traced."""
+    import vllm.forward_context as fc
+    from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration as Base
+
+    from k3_fastpath.integrations import vllm_model
+
+    g = torch.Generator().manual_seed(seed)
+    lens, idx = [5, 3], [2, 6]
+    vc = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, seed=seed)
+    ref, logits, bts = _prefill(m16, vc, g, lens, idx)
+    for i, layer in enumerate(vc.layers):  # the names vLLM's layers carry
+        layer.prefix = layer.layer_name = f"language_model.model.layers.{i}.self_attn"
+    calls = []
+
+    class LanguageModel(torch.nn.Module):  # stands in for vLLM's KimiLinearForCausalLM
+        def __init__(self):
+            super().__init__()
+            self.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=a) for a in vc.layers])
+
+        def forward(self, **kw):
+            calls.append(kw)
+            return "vllm hidden"
+
+        def compute_logits(self, hidden):
+            return f"vllm logits of {hidden}"
+
+    def stand_in(self, vllm_config, prefix=""):
+        torch.nn.Module.__init__(self)
+        self.language_model = LanguageModel()
+        self.config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=CFG.hidden_size))
+
+    monkeypatch.setattr(Base, "__init__", stand_in)
+    monkeypatch.setenv("K3_FASTPATH_TRACE", str(tmp_path))
+    cfg = SimpleNamespace(
+        additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 4},
+        model_config=SimpleNamespace(enforce_eager=True, max_model_len=MAX_LEN,
+                                     architectures=["KimiK3ForConditionalGeneration"]),
+        scheduler_config=SimpleNamespace(max_num_seqs=16),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS), speculative_config=None)
+    model = vllm_model.KimiK3ForConditionalGeneration(cfg)
+    fast = model._k3_fast
+    assert fast.max_batch == 4 and fast.max_len == MAX_LEN and model.requires_raw_input_tokens
+    fast.executor = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN)  # what load_weights builds from the checkpoint
+    context = SimpleNamespace(attn_metadata=None)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: context)
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+
+    seq = torch.tensor(lens) + 1
+    context.attn_metadata = decode_metadata(vc.layers[0].prefix, vc.layers[3].prefix, idx, seq.tolist(), bts)
+    tok = logits.argmax(-1)
+    hidden = model.forward(torch.cat([tok, torch.zeros(2, dtype=torch.long)]), torch.cat([seq - 1, torch.zeros(2,
+                                                                                         dtype=torch.long)]))
+    assert hidden.shape == (4, CFG.hidden_size) and not calls  # padded to 4 tokens, vLLM's forward not run
+    want = m16.decode(tok, ref)
+    assert torch.equal(model.compute_logits(hidden[[1, 0]]), want[[1, 0]])
+    assert fast.executor.trace.records[-1].fallback == "device cpu is not sm_90"
+    # a step with a prefill: the routed state goes back, vLLM's forward runs, compute_logits is vLLM's
+    context.attn_metadata = decode_metadata(vc.layers[0].prefix, vc.layers[3].prefix, idx, (seq + 1).tolist(), bts,
+                                            num_prefills=1)
+    assert model.forward(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)) == "vllm hidden"
+    assert len(calls) == 1 and not fast.router.rows and fast.router.exports == 2
+    assert model.compute_logits("h") == "vllm logits of h"
+    from k3_fastpath.runtime.trace import read_trace
+
+    _, steps = read_trace(tmp_path)
+    assert [(s["kind"], s["fallback"]) for s in steps] == [
+        ("decode", "device cpu is not sm_90"), ("prefill", f"{VLLM_PATH}: {PREFILL_REASON}")]
+
+
+def test_load_weights_builds_the_executor_from_the_checkpoint_vllm_loaded(tmp_path, monkeypatch, seed):
+    """Route mode's ``load_weights``: vLLM's loader (stood in for) then the executor's own model from the same
+    checkpoint directory with our loader: the reference model of that checkpoint (same logits). The memory
+    check refuses with the numbers when the device cannot hold the second copy."""
+    from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration as Base
+
+    from k3_fastpath.integrations import vllm_model, vllm_routing
+    from k3_fastpath.weights import describe, write_synthetic_checkpoint
+
+    ckpt = write_synthetic_checkpoint(CFG, tmp_path / "ckpt", seed=3)
+    monkeypatch.setattr(Base, "__init__", lambda self, vllm_config, prefix="": torch.nn.Module.__init__(self))
+    monkeypatch.setattr(Base, "load_weights", lambda self, weights: {"vllm's names"})
+    cfg = SimpleNamespace(
+        additional_config={"decode_backend": "latency_specialized"},
+        model_config=SimpleNamespace(enforce_eager=True, max_model_len=100_000, model=str(ckpt), dtype=torch.bfloat16,
+                                     architectures=["KimiK3ForConditionalGeneration"]),
+        scheduler_config=SimpleNamespace(max_num_seqs=2),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS), speculative_config=None)
+    model = vllm_model.KimiK3ForConditionalGeneration(cfg)
+    assert model.load_weights(iter(())) == {"vllm's names"}
+    ex = model._k3_fast.executor
+    assert ex.max_batch == 2 and ex.max_len == vllm_model.DEFAULT_MAX_LEN and ex.kv_dtype == torch.bfloat16
+    ids = torch.randint(3, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(seed))
+    want = load_reference(CFG, synthetic_state_dict(CFG, 3), dtype=torch.bfloat16)(ids)
+    assert torch.equal(ex.model(ids), want)
+    assert model._k3_fast.stale is None
+    model.load_weights(iter(()))  # a weight update: vLLM's parameters change, the executor's copy cannot
+    assert model._k3_fast.executor is ex and "weights reloaded" in model._k3_fast.stale
+    # not enough device memory for the second copy: refused before anything is read, with the numbers
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 80 << 30))
+    with pytest.raises(RuntimeError, match=r"needs .* GiB on cuda:0 .* 0\.0 GiB of 80\.0 GiB free: lower "
+                                           r"--gpu-memory-utilization"):
+        vllm_routing.load_executor_model(str(ckpt), torch.bfloat16, torch.device("cuda:0"), 0)
+    assert describe(ckpt).total_bytes > 1 << 20
+
+
+def test_plain_fp8_mla_cache_maps_bytes_and_ds_mla_does_not(m16, seed):
+    """vLLM stores a plain FP8 MLA cache as uint8 (``latent / k_scale`` in e4m3, the executor's convention
+    too): imported byte for byte into an FP8 executor pool; an ``fp8_ds_mla``-shaped cache (656 bytes per
+    token) or an FP8 cache against a BF16 executor is a layout reason."""
+    from k3_fastpath.reference.mla import FP8
+
+    g = torch.Generator().manual_seed(seed)
+    vc = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, seed=seed)
+    for i in CFG.mla_layer_ids:
+        vc.layers[i].kv_cache = torch.randint(0, 120, (40, BS, CFG.mla_latent_dim), generator=g, dtype=torch.uint8)
+    layout = VllmLayout(False, BS)
+    assert layout_reason(CFG, vc.caches(), layout, conv_dtype=torch.bfloat16, kv_dtype=FP8) is None
+    assert "MLA cache uint8, executor keeps bfloat16" in layout_reason(CFG, vc.caches(), layout,
+                                                                       conv_dtype=torch.bfloat16,
+                                                                       kv_dtype=torch.bfloat16)
+    ex = DecodeExecutor(m16, max_batch=2, max_len=MAX_LEN, kv_dtype=FP8, kv_scale=0.5)
+    pool = ex.new_cache(2)
+    bt = _block_tables(1, 40, g)[0]
+    import_request(CFG, vc.caches(), layout, pool.layers, 1, 4, bt, 10)
+    for i in CFG.mla_layer_ids:
+        got = pool.layers[i].latent[1, :10].view(torch.uint8)
+        want = torch.stack([vc.layers[i].kv_cache[int(bt[p // BS]), p % BS] for p in range(10)])
+        assert torch.equal(got, want)
+    ds = vc.caches()
+    ds[CFG.mla_layer_ids[0]] = torch.zeros(40, BS, 656, dtype=torch.uint8)
+    assert "fp8_ds_mla" in layout_reason(CFG, ds, layout, conv_dtype=torch.bfloat16, kv_dtype=FP8)

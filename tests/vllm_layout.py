@@ -1,0 +1,103 @@
+"""Test helpers: vLLM's Kimi K3 cache layout for the reference model's caches, and vLLM's step metadata.
+
+``VllmCaches`` allocates per-layer caches the way vLLM 0.32 does for K3 (shapes and dtypes from vLLM's own
+``MambaStateShapeCalculator.kda_state_shape`` / ``MambaStateDtypeCalculator.kda_state_dtype``; MLA as a
+paged ``[num_blocks, block_size, rank + rope]`` cache), and ``store`` / ``load`` move a reference ``K3Cache``
+row into / out of them position by position, written independently of ``k3_fastpath.integrations.
+vllm_state`` (per-position loops over the block table, explicit q|k|v packing), so the tests compare the
+router's conversions against a second implementation. ``decode_metadata`` / ``prefill_metadata`` build the
+per-layer metadata dict vLLM's forward context holds, from vLLM's real metadata classes.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from k3_fastpath.reference.kda import KDACache
+from k3_fastpath.reference.mla import MLACache
+
+
+class VllmCaches:
+    """vLLM-layout caches for ``num_indices`` KDA state indices and ``num_blocks`` MLA blocks."""
+
+    def __init__(self, cfg, num_indices: int, num_blocks: int, block_size: int, model_dtype: torch.dtype, *,
+                 num_spec: int = 0, ssm_dtype: str = "auto", dim_first: bool = False, seed: int = 0) -> None:
+        from vllm.model_executor.layers.mamba import mamba_utils
+
+        lac = cfg.linear_attn_config
+        orig = mamba_utils.is_conv_state_dim_first
+        mamba_utils.is_conv_state_dim_first = lambda: dim_first  # the VLLM_SSM_CONV_STATE_LAYOUT switch
+        try:
+            conv_shape, rec_shape = mamba_utils.MambaStateShapeCalculator.kda_state_shape(
+                1, lac.num_heads, lac.head_dim, conv_kernel_size=lac.short_conv_kernel_size, num_spec=num_spec)
+        finally:
+            mamba_utils.is_conv_state_dim_first = orig
+        conv_dt, rec_dt = mamba_utils.MambaStateDtypeCalculator.kda_state_dtype(model_dtype, "auto", ssm_dtype)
+        g = torch.Generator().manual_seed(seed)
+        self.cfg, self.block_size, self.dim_first = cfg, block_size, dim_first
+        self.layers = []  # stand-ins for vLLM's attention modules: what the router reads is ``kv_cache``
+        for i in range(cfg.num_hidden_layers):
+            if cfg.is_kda_layer(i):  # garbage everywhere: a row the router does not own must not matter
+                kv = (torch.randn((num_indices, *conv_shape), generator=g).to(conv_dt),
+                      torch.randn((num_indices, *rec_shape), generator=g).to(rec_dt))
+            else:
+                kv = torch.randn((num_blocks, block_size, cfg.mla_latent_dim), generator=g).to(model_dtype)
+            self.layers.append(SimpleNamespace(kv_cache=kv))
+
+    def caches(self) -> list:
+        return [layer.kv_cache for layer in self.layers]
+
+    def store(self, ref, row: int, state_index: int, block_table: torch.Tensor) -> None:
+        """Reference cache row ``row`` -> vLLM's layout at ``state_index`` / through ``block_table``."""
+        n = int(ref.lengths[row])
+        for layer, src in zip(self.layers, ref.layers, strict=True):
+            if isinstance(src, KDACache):
+                conv, rec = layer.kv_cache
+                packed = torch.cat([src.conv_q[row], src.conv_k[row], src.conv_v[row]], dim=1)  # [W-1, 3C]
+                conv[state_index] = packed.t() if self.dim_first else packed
+                for h in range(rec.shape[1]):  # vLLM holds [V, K] per head, the reference [K, V]
+                    rec[state_index, h] = src.state[row, h].t()
+            else:
+                for p in range(n):
+                    blk = int(block_table[p // self.block_size])
+                    layer.kv_cache[blk, p % self.block_size] = src.latent[row, p]
+
+    def load(self, ref, row: int, state_index: int, block_table: torch.Tensor, length: int) -> None:
+        """vLLM's layout -> reference cache row ``row`` (the inverse of ``store``), ``length`` tokens."""
+        c = self.cfg.linear_attn_config.projection_dim
+        for layer, dst in zip(self.layers, ref.layers, strict=True):
+            if isinstance(dst, KDACache):
+                conv, rec = layer.kv_cache
+                packed = conv[state_index].t() if self.dim_first else conv[state_index]
+                dst.conv_q[row], dst.conv_k[row], dst.conv_v[row] = packed[:, :c], packed[:, c:2 * c], packed[:, 2 * c:]
+                for h in range(rec.shape[1]):
+                    dst.state[row, h] = rec[state_index, h].t()
+            else:
+                assert isinstance(dst, MLACache)
+                dst.latent[row].zero_()
+                for p in range(length):
+                    dst.latent[row, p] = layer.kv_cache[int(block_table[p // self.block_size]), p % self.block_size]
+        ref.lengths[row] = length
+
+
+def decode_metadata(kda_name: str, mla_name: str, state_indices, seq_lens, block_table: torch.Tensor, *,
+                    num_prefills: int = 0, num_spec: int = 0) -> dict:
+    """The forward context's ``attn_metadata`` of a decode step (plus ``num_prefills`` prefill requests of one
+    token each, or ``num_spec`` speculative requests), built from vLLM's metadata classes."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata, MLACommonMetadata
+    from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata
+
+    b = len(state_indices)
+    n = b + num_prefills + num_spec
+    seq = torch.as_tensor(seq_lens, dtype=torch.int32)
+    kda = KimiK3KDAMetadata(num_prefills=num_prefills, num_prefill_tokens=num_prefills, num_decodes=b,
+                            num_decode_tokens=b, num_spec_decodes=num_spec, num_spec_decode_tokens=2 * num_spec,
+                            num_actual_tokens=n, non_spec_state_indices_tensor=torch.as_tensor(state_indices))
+    mla = MLACommonMetadata(num_reqs=n, max_query_len=1, max_seq_len=int(seq.max()), num_actual_tokens=n,
+                            query_start_loc=torch.arange(n + 1, dtype=torch.int32), slot_mapping=torch.zeros(n),
+                            num_decodes=b, num_decode_tokens=b, num_prefills=num_prefills,
+                            decode=MLACommonDecodeMetadata(block_table=block_table, seq_lens=seq,
+                                                           dcp_tot_seq_lens=None))
+    return {kda_name: kda, mla_name: mla}
