@@ -166,7 +166,8 @@ def test_linear_standard_residual_forms(seed):
 @torch.no_grad()
 def test_standard_graph_shares_the_fast_pool(sd_stable, seed):
     """``pool_from``: the standard path steps the fast executor's caches (the sweep times both on one cache)
-    with no fallback, and the two backends' logits agree within BF16; a mismatched pool is refused."""
+    with no fallback and stays within the BF16 rule of the FP64 oracle; a mismatched pool is refused. (Fast
+    vs standard directly differ by two BF16 paths' errors, up to ~10% of the scale on k3-tiny.)"""
     m16 = load_reference(CFG, sd_stable, dtype=torch.bfloat16)
     fast = DecodeExecutor(m16, max_len=24, max_batch=4, envelope=Envelope(emulate=True))
     std = DecodeExecutor(m16, backend="standard_graph", max_len=24, max_batch=4, envelope=Envelope(emulate=True),
@@ -177,7 +178,13 @@ def test_standard_graph_shares_the_fast_pool(sd_stable, seed):
     g = torch.Generator().manual_seed(seed)
     tok = torch.randint(3, CFG.vocab_size, (2,), generator=g)
     a, b = fast.new_cache(2), fast.new_cache(2)
-    la = fast.decode(tok, a)
+    fast.decode(tok, a)
     lb = std.decode(tok, b)
-    assert std.trace.records[-1].fallback is None
-    assert float((la - lb).abs().max()) <= 0.05 * float(la.abs().max())
+    assert std.trace.records[-1].fallback is None and std.trace.records[-1].kernels == {}
+    assert torch.equal(b.slots, torch.tensor([3, 4], dtype=b.slots.dtype))  # the shared pool's next slots
+    m64 = load_reference(CFG, sd_stable, dtype=torch.float64)
+    l64 = m64.decode(tok, m64.new_cache(2, 24))
+    ref = m16.decode(tok, m16.new_cache(2, 24))
+    scale = float(l64.abs().max())
+    e_std, e_ref = float((lb.double() - l64).abs().max()), float((ref.double() - l64).abs().max())
+    assert e_std <= 2 * e_ref + 0.01 * scale, f"seed {seed}: standard {e_std:.4g} vs BF16 ref {e_ref:.4g}"
