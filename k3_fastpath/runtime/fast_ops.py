@@ -121,10 +121,9 @@ def _moe_router_kernel(x, gate_w, bias, top_k, renormalize, scale):
 
 
 # ------------------------------------------------------------------------------------ standard ops
-def moe_router_standard(x, gate_w, bias, top_k, renormalize, scale):
-    """The reference router (``reference.moe.route``) with its FP32 logits from the skinny GEMM: sigmoid,
-    + bias, stable descending sort (lower expert index wins exact ties), top-k, renormalised weights."""
-    logits = _linear(x, gate_w, out_dtype=torch.float32)
+def route_from_logits(logits, bias, top_k, renormalize, scale):
+    """The reference router's selection (``reference.moe.route``) from FP32 logits: sigmoid, + bias, stable
+    descending sort (lower expert index wins exact ties), top-k, renormalised weights. Capturable."""
     scores = torch.sigmoid(logits)
     order = torch.sort(scores + bias.to(scores.dtype), dim=-1, descending=True, stable=True).indices
     ids = order[:, :top_k]
@@ -132,6 +131,11 @@ def moe_router_standard(x, gate_w, bias, top_k, renormalize, scale):
     if renormalize:
         w = w / w.sum(dim=-1, keepdim=True)
     return ids, w * scale
+
+
+def moe_router_standard(x, gate_w, bias, top_k, renormalize, scale):
+    """``route_from_logits`` with its FP32 logits from the skinny GEMM."""
+    return route_from_logits(_linear(x, gate_w, out_dtype=torch.float32), bias, top_k, renormalize, scale)
 
 
 def moe_experts_kernel(z, ids, weights, bank, norm_w=None, eps=1e-5):

@@ -38,7 +38,7 @@ from ..kernels.kda_decode.reference import _conv_w3
 from ..kernels.rmsnorm_residual.reference import rmsnorm_residual_ref
 from ..reference.common import compute_dtype, rms_norm, situ_glu
 from ..reference.kda import kda_gate, kda_recurrent_step, l2_normalize
-from .fast_ops import OpImpl, write_mla_latent
+from .fast_ops import OpImpl, route_from_logits, write_mla_latent
 
 CUBLAS = "standard path: cuBLAS (torch.nn.functional.linear)"
 TORCH = "standard path: PyTorch ops in the CUDA graph"
@@ -274,19 +274,12 @@ def mm_out_dtype_works(device: str) -> bool:
 
 
 def moe_router_standard_lib(x, gate_w, bias, top_k, renormalize, scale):
-    """The reference router with cuBLAS FP32-output logits: sigmoid, + bias, stable descending sort (lower
-    expert index wins exact ties), top-k, renormalised weights."""
+    """The reference router's selection (``fast_ops.route_from_logits``) on cuBLAS FP32-output logits."""
     if mm_out_dtype_works(str(x.device)) and x.dtype == gate_w.dtype:
         logits = torch.mm(x, gate_w.t(), out_dtype=torch.float32)
     else:
         logits = torch.nn.functional.linear(x.float(), gate_w.float())
-    scores = torch.sigmoid(logits)
-    order = torch.sort(scores + bias.to(scores.dtype), dim=-1, descending=True, stable=True).indices
-    ids_ = order[:, :top_k]
-    w = scores.gather(-1, ids_)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return ids_, w * scale
+    return route_from_logits(logits, bias, top_k, renormalize, scale)
 
 
 __all__ = ["StandardExperts", "grouped_mm_works", "kda_step_standard", "linear_standard", "mla_attention_standard",
