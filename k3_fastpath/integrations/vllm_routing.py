@@ -216,7 +216,7 @@ class VllmDecodeRouter:
         dev = self.ex.device
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
         context = (plan.seq_lens - 1).to(dev)
-        step = self._step_cache(rows_t, context)
+        step = self._step_cache(rows_t, context, int(plan.seq_lens.max()) - 1)
         gathered = not self.pooled or self.ex.step_reason(b, step) is not None
         if gathered:  # the executor's standard path runs model.decode on cache.layers: give it these rows
             step.layers = [layer.index_select(rows_t) if hasattr(layer, "index_select")
@@ -236,13 +236,11 @@ class VllmDecodeRouter:
             self.lengths[int(i)] = int(n)
         return logits
 
-    def _step_cache(self, rows: torch.Tensor, context: torch.Tensor) -> Any:
-        """A ``PooledCache`` over exactly ``rows`` of the router's pool range (any order, not contiguous)."""
+    def _step_cache(self, rows: torch.Tensor, context: torch.Tensor, bound: int) -> Any:
+        """A cache over exactly ``rows`` of the router's pool range (any order, not contiguous)."""
         base = self.pool_cache
         if self.pooled:
-            return PooledCache(layers=list(base.layers), lengths=context.clone(), max_len=base.max_len,
-                               first_slot=base.first_slot, slots=(rows + base.first_slot).to(torch.int32),
-                               length_bound=int(context.max()), pool_id=base.pool_id, _finalizer=base._finalizer)
+            return base.select(rows, context, bound)
         return type(base)(layers=list(base.layers), lengths=context.clone(), max_len=base.max_len)
 
     def record_fallback(self, plan: StepPlan) -> None:

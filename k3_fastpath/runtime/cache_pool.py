@@ -46,6 +46,14 @@ class PooledCache(K3Cache):
         if self._finalizer is not None:
             self._finalizer()
 
+    def select(self, rows: torch.Tensor, lengths: torch.Tensor, length_bound: int) -> PooledCache:
+        """A cache over this cache's sequences ``rows`` (device long, distinct, any order) holding ``lengths``
+        tokens, for one decode step of the executor (which reads only ``slots`` / ``lengths``; ``layers`` stay
+        this cache's views). It borrows this cache's slots: valid while this cache is, never released itself."""
+        return PooledCache(layers=list(self.layers), lengths=lengths.clone(), max_len=self.max_len,
+                           first_slot=self.first_slot, slots=self.slots.index_select(0, rows),
+                           length_bound=int(length_bound), pool_id=self.pool_id, _finalizer=self._finalizer)
+
 
 MLA_PAGE = 64  # kernels/mla_decode's page size (api.PAGE_SIZE): MLA pool lengths are multiples of it
 
