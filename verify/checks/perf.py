@@ -18,20 +18,9 @@ MAX_SPREAD = 0.10
 
 
 def _time_ms(fn, warmup: int = 3, repeats: int = 20) -> list[float]:
-    import torch
+    from verify.checks.perf_sweep import event_times_us
 
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return times
+    return [t / 1e3 for t in event_times_us(fn, repeats, warmup)]
 
 
 def measure_read_bandwidth(nbytes: int = 4 << 30) -> dict[str, Any]:
