@@ -14,6 +14,12 @@ Presets (``preset(name)``):
 * ``k3-mini``      full per-layer shapes, 8 layers and a reduced expert pool (64): fits one H200.
 * ``k3-tiny``      the same structure at toy sizes: a whole prefill + decode runs in seconds on a CPU.
 
+A preset spec (``preset_spec``, ``get_config``) is a preset name with overrides, ``NAME[:key=value[,...]]``:
+``experts`` (the expert pool, ``num_experts``), ``layers`` (``num_hidden_layers``, K3's KDA/MLA cadence
+re-derived) and ``tp`` (the tensor-parallel size the preset stands for), e.g. ``k3-tp8-rank:experts=128``:
+the rank emulation of ``runtime/rank_emulation.py`` (a full TP8 rank does not fit one H200). The config's
+``name`` is the canonical spec, so a bundle says what ran.
+
 An invalid config raises ``ConfigError`` whose message names the offending field.
 """
 
@@ -604,8 +610,89 @@ def preset(name: str) -> Preset:
     raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESET_NAMES)}")
 
 
+# ---------------------------------------------------------------------------------------------- preset specs
+SPEC_KEYS = ("experts", "layers", "tp")  # the overrides a preset spec takes, in their canonical order
+
+
+def is_preset_spec(name_or_path: str) -> bool:
+    """True for ``NAME`` or ``NAME:overrides`` with ``NAME`` a preset (the rest of ``get_config``'s inputs are
+    paths)."""
+    return name_or_path.split(":", 1)[0] in PRESET_NAMES
+
+
+def _parse_overrides(spec: str, text: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in text.split(","):
+        key, eq, value = (x.strip() for x in item.partition("="))
+        if not eq or not key:
+            raise ConfigError(f"preset spec {spec!r}: override {item.strip()!r} is not key=value "
+                              f"(keys: {', '.join(SPEC_KEYS)})")
+        if key not in SPEC_KEYS:
+            raise ConfigError(f"preset spec {spec!r}: unknown key {key!r} (keys: {', '.join(SPEC_KEYS)})")
+        if key in out:
+            raise ConfigError(f"preset spec {spec!r}: key {key!r} is given twice")
+        if not value.isdigit():
+            raise ConfigError(f"preset spec {spec!r}: {key} must be a positive integer, got {value!r}")
+        out[key] = int(value)
+    return out
+
+
+def spec_name(base: str, overrides: dict[str, int | str]) -> str:
+    """The canonical spec of preset ``base`` with ``overrides`` (keys in ``SPEC_KEYS`` order; none: ``base``)."""
+    items = [f"{k}={overrides[k]}" for k in SPEC_KEYS if k in overrides]
+    return f"{base}:{','.join(items)}" if items else base
+
+
+def preset_spec(spec: str) -> Preset:
+    """A preset with overrides: ``NAME[:key=value[,key=value]]`` (see the module docstring), e.g.
+    ``k3-tp8-rank:experts=128`` or ``k3-tp16-rank:layers=24``. ``experts`` must be at least
+    ``num_experts_per_token``; ``layers`` at least 2 (K3's cadence re-derived with ``_k3_layers``); ``tp``
+    must divide the heads, widths and vocabulary. The result's ``name`` (and its config's) is the canonical
+    spec. A bad spec raises a one-line ``ConfigError`` naming the key."""
+    base, colon, rest = spec.strip().partition(":")
+    p = preset(base)
+    if not colon:
+        return p
+    if not rest.strip():
+        raise ConfigError(f"preset spec {spec!r}: no overrides after ':' (keys: {', '.join(SPEC_KEYS)})")
+    ov = _parse_overrides(spec, rest)
+    cfg, tp = p.config, p.tp_size
+    changes: dict[str, Any] = {}
+    if "experts" in ov:
+        k = cfg.num_experts_per_token
+        if ov["experts"] < k:
+            raise ConfigError(f"preset spec {spec!r}: experts={ov['experts']} is below num_experts_per_token ({k})")
+        changes["num_experts"] = ov["experts"]
+    if "layers" in ov:
+        n = ov["layers"]
+        if n < 2:
+            raise ConfigError(f"preset spec {spec!r}: layers={n} must be at least 2")
+        kda, full = _k3_layers(n)
+        changes["num_hidden_layers"] = n
+        changes["linear_attn_config"] = dataclasses.replace(cfg.linear_attn_config, kda_layers=kda,
+                                                            full_attn_layers=full)
+        changes["first_k_dense_replace"] = min(cfg.first_k_dense_replace, n)
+    name = spec_name(base, ov)
+    try:
+        cfg = cfg.replace(name=name, **changes)
+    except ConfigError as e:
+        raise ConfigError(f"preset spec {spec!r}: {e}") from None
+    if "tp" in ov:
+        tp = ov["tp"]
+        if tp < 1:
+            raise ConfigError(f"preset spec {spec!r}: tp={tp} must be at least 1")
+        try:
+            rank_shapes(cfg, tp)
+        except ConfigError as e:
+            raise ConfigError(f"preset spec {spec!r}: tp={tp}: {e}") from None
+    desc = f"{p.description}; overrides {', '.join(f'{k}={v}' for k, v in ov.items())}"
+    return Preset(name, cfg, tp, desc)
+
+
 def get_config(name_or_path: str) -> K3Config:
-    """A preset name, or a path to a config.json / checkpoint directory."""
+    """A preset name or spec (``preset_spec``), or a path to a config.json / checkpoint directory."""
     if name_or_path in PRESET_NAMES:
         return preset(name_or_path).config
+    if is_preset_spec(name_or_path) or (":" in name_or_path and not Path(name_or_path).exists()):
+        return preset_spec(name_or_path).config  # "k4:experts=8" says "unknown preset", not "no config.json"
     return load_config(name_or_path)
