@@ -256,3 +256,31 @@ def test_state_dict_names_and_dtypes():
     assert names["gate.weight"][1] == torch.bfloat16
     bf = LatentMoE(CFG.replace(expert_format="bf16")).state_dict()
     assert bf["experts.3.w2.weight"].shape == (CFG.routed_expert_hidden_size, CFG.moe_intermediate_size)
+
+
+def test_cache_dense_experts_is_bitwise_and_invalidates(seed):
+    """``cache_dense_experts``: the reference decodes bitwise the same with its experts kept dequantised, and a
+    packed weight modified in place (or re-pointed) is dequantised afresh, never served stale."""
+    from k3_fastpath.reference.model import load_reference
+    from k3_fastpath.reference.moe import MXFP4Weight, cache_dense_experts, mxfp4_expert_dense_bytes
+    from k3_fastpath.synthetic import synthetic_state_dict
+
+    cfg = preset("k3-tiny").config
+    m = load_reference(cfg, synthetic_state_dict(cfg, seed % 1000), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, cfg.vocab_size, (3, 5), generator=g)
+
+    def run() -> torch.Tensor:
+        c = m.new_cache(3, 8)
+        return m.prefill(ids, None, c)
+
+    want = run()
+    kept = cache_dense_experts(m)
+    assert kept == mxfp4_expert_dense_bytes(m) > 0
+    assert torch.equal(run(), want)
+    w = next(x for x in m.modules() if isinstance(x, MXFP4Weight))
+    before = w.dense(torch.bfloat16).clone()
+    w.weight_packed.bitwise_xor_(0x11)  # in place: the kept copy is stale now
+    assert not torch.equal(w.dense(torch.bfloat16), before)
+    w.weight_packed.bitwise_xor_(0x11)
+    assert torch.equal(w.dense(torch.bfloat16), before)

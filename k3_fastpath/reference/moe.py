@@ -83,7 +83,38 @@ class MXFP4Weight(nn.Module):
                                                         dtype=torch.uint8, device=device))
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        c = self.__dict__.get("_dense")
+        if c is not None and c[0] == self._key(dtype):
+            return c[1]
         return mxfp4.dequantize(self.weight_packed, self.weight_scale, dtype)
+
+    def _key(self, dtype: torch.dtype) -> tuple:
+        p, s = self.weight_packed, self.weight_scale
+        return (dtype, p.data_ptr(), p._version, s.data_ptr(), s._version)
+
+    def keep_dense(self, dtype: torch.dtype) -> int:
+        """Keep this matrix dequantised to ``dtype`` for later ``dense`` calls (the same values: the
+        dequantisation is exact and deterministic; re-pointed or modified packed / scale tensors invalidate
+        it). Returns the bytes kept. ``cache_dense_experts`` does it for a whole model."""
+        self.__dict__["_dense"] = (self._key(dtype), mxfp4.dequantize(self.weight_packed, self.weight_scale, dtype))
+        return self.__dict__["_dense"][1].numel() * self.__dict__["_dense"][1].element_size()
+
+    def drop_dense(self) -> None:
+        self.__dict__.pop("_dense", None)
+
+
+def cache_dense_experts(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Dequantise every MXFP4 routed expert of ``model`` once and keep it: the reference then runs its routed
+    experts without dequantising per call, with bitwise the same results (a long reference run, e.g.
+    ``equivalence.decode`` over 256 steps, is otherwise dominated by dequantisation). Returns the bytes kept
+    (4x the MXFP4 bytes for BF16); ``drop_dense`` on each weight (or a new model) gives them back."""
+    return sum(m.keep_dense(dtype) for m in model.modules() if isinstance(m, MXFP4Weight))
+
+
+def mxfp4_expert_dense_bytes(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> int:
+    """What ``cache_dense_experts`` would keep."""
+    bits = torch.finfo(dtype).bits
+    return sum(m.out_features * m.in_features * bits // 8 for m in model.modules() if isinstance(m, MXFP4Weight))
 
 
 class DenseWeight(nn.Module):
