@@ -409,3 +409,31 @@ def test_pdl_skinny_gemm_waits_before_reading_activations(M, N, K, residual, tmp
             assert 0 <= text.find("cp.async.bulk.prefetch.L2") < wait
         else:
             assert wait == -1 and "cp.async.bulk.prefetch" not in text
+
+
+def test_step_sections_follow_the_layers(sd_stable, seed):
+    """``fast_step.step_sections``: head.in, attention + MLP per layer typed by the layer, head.out; running
+    them in order is the step the executor runs (here: equal logits to ``decode`` from a copied cache)."""
+    from k3_fastpath.runtime.fast_step import OpCalls, step_sections
+
+    cfg = preset("k3-tiny").config
+    m = load_reference(cfg, sd_stable, dtype=torch.bfloat16)
+    ex = DecodeExecutor(m, max_len=16, max_batch=4, buckets=(2, 4), envelope=Envelope(emulate=True))
+    plan, pool = ex._plan_or_build(), ex._ensure_pool()
+    io = ex._io_for(2)
+    secs = step_sections(plan, OpCalls(ex.ops), io, pool)
+    want = ["head"] + [t for i in range(cfg.num_hidden_layers) for t in
+                       ("kda" if cfg.is_kda_layer(i) else "mla", "moe" if cfg.is_moe_layer(i) else "dense_mlp")]
+    assert [s.layer_type for s in secs] == want + ["head"]
+    assert secs[1].name == "L0.attn" and secs[-1].name == "head.out"
+    cache = ex.new_cache(2)
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.randint(3, cfg.vocab_size, (2,), generator=g)
+    twin = ex.new_cache(2)
+    ex.copy_cache(twin, cache)
+    want_logits = ex.decode(tok, cache)
+    io.load(tok, None, twin.slots, twin.lengths)
+    io.logits.fill_(float("nan"))
+    for s in step_sections(plan, OpCalls(ex.ops), io, pool):
+        s.run()
+    assert torch.equal(io.logits[:2], want_logits)

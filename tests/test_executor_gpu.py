@@ -217,3 +217,51 @@ def test_outside_the_envelope_falls_back_with_reason(seed):
     assert ex.trace.records[-1].fallback == "batch 3 > 2"
     m32 = build_synthetic_model(_cfg("k3-tiny"), 0, "stable", "cuda").float()
     assert DecodeExecutor(m32, max_len=8).model_reason == "dtype float32 (fast path needs bfloat16)"
+
+
+@pytest.mark.parametrize("backend", ["latency_specialized", "standard_graph"])
+def test_section_graphs_are_the_step(backend, seed):
+    """The per-layer-type timer's section graphs (runtime/section_timing.py) replayed in order are one step:
+    the same logits and cache updates as the bucket's own graph from the same state (bit for bit on our
+    kernels; to FP32-atomic order on the standard path); its times
+    cover every layer type of the model and add up to about the step's."""
+    from k3_fastpath.runtime.section_timing import SectionGraphs, time_sections
+
+    model = _model("k3-tiny")
+    ex = DecodeExecutor(model, backend=backend, max_len=48, max_batch=4, buckets=(4,))
+    ex.warmup_and_capture()
+    ref, cache, first = _filled(model, ex, 4, 10, seed, 48)
+    tok = first.argmax(-1)
+    ex.decode(tok, cache)  # one real step; the next one is replayed both ways from the same state
+    io = ex._io_for(4)
+    sg = SectionGraphs(ex, tok, cache)
+    saved = [t.clone() for c in ex.pool.layers for t in (c.tensors() if hasattr(c, "tensors") else [c.latent])]
+    io.logits.fill_(float("nan"))
+    sg.replay_all()
+    torch.cuda.synchronize()
+    by_sections = io.logits.clone()
+    after_sections = [t.clone() for c in ex.pool.layers for t in (c.tensors() if hasattr(c, "tensors") else [c.latent])]
+    live = [t for c in ex.pool.layers for t in (c.tensors() if hasattr(c, "tensors") else [c.latent])]
+    for t, s in zip(live, saved, strict=True):
+        t.copy_(s)
+    io.logits.fill_(float("nan"))
+    ex.graphs.replay(4)
+    torch.cuda.synchronize()
+    assert torch.isfinite(by_sections).all()
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        if backend == "latency_specialized":  # our kernels are deterministic: bit for bit
+            return torch.equal(a, b)
+        # the standard experts' combine (index_add_) adds with FP32 atomics in any order
+        return float((a.double() - b.double()).norm()) <= 1e-3 * float(b.double().norm()) + 1e-6
+
+    assert same(by_sections, io.logits), f"seed {seed}"
+    for t, s in zip(live, after_sections, strict=True):
+        assert same(t.float() if t.dtype == torch.float8_e4m3fn else t, s.float() if s.dtype == torch.float8_e4m3fn
+                    else s)
+    del sg
+    t = time_sections(ex, tok, cache, rounds=5)
+    assert set(t["by_layer_type_us"]) == {"head", "kda", "mla", "moe", "dense_mlp"}, t["by_layer_type_us"]
+    assert all(v > 0 for v in t["section_us"].values())
+    assert t["sections"] == 2 + 2 * model.cfg.num_hidden_layers
+    assert 0.5 < t["sections_total_us"] / t["step_graph_us"] < 5, t

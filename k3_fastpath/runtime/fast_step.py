@@ -352,39 +352,73 @@ def run_step(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: A
     """One decode step for the bucket of ``io``: reads io.tokens/slot/pos/active and the caches of ``pool``,
     updates the caches of the non-empty slots, writes ``io.logits``. Capturable in a CUDA graph. ``side``:
     the stream the shared experts overlap the routed experts on (None: in order on the current stream)."""
-    mla = [c for c in pool.layers if hasattr(c, "latent")]
-    io.mla_index = mla_step_index(io.slot, io.pos, mla[0].latent.shape[1]) if mla else None
     try:
-        _run_layers(plan, ops, io, pool, prefetcher, side)
+        for sec in step_sections(plan, ops, io, pool, prefetcher, side):
+            sec.run()
     finally:
         io.mla_index = None
 
 
-def _run_layers(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: Any,
-                side: SideStream | None) -> None:
+@dataclass
+class Section:
+    """One contiguous piece of a step: ``name`` (e.g. ``L3.attn``), its layer type (``head`` / ``kda`` /
+    ``mla`` / ``moe`` / ``dense_mlp``, floor.py's ``LAYER_TYPES``) and the work. Running a step's sections
+    in order IS the step; ``section_timing`` captures each into its own graph to time layer types."""
+
+    name: str
+    layer_type: str
+    run: Any
+
+
+def step_sections(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: Any = None,
+                  side: SideStream | None = None, src: torch.Tensor | None = None) -> list[Section]:
+    """The step of ``run_step`` as ordered sections: ``head.in`` (MLA step index, embedding), per layer
+    ``L{n}.attn`` (AttnRes mix + norm, attention, o_proj + residual) and ``L{n}.mlp`` (mix + norm, MLP or
+    LatentMoE + residual), ``head.out`` (final mix + norm, lm_head, inactive rows zeroed). The residual
+    stream ``src`` (``[S_max, Bk, H]``) is allocated by the first section unless given (a caller that runs
+    the sections as separate graphs passes a static one). Block bookkeeping is host-side and static."""
     bk = io.tokens.shape[0]
     embed = plan.embed
-    src = torch.empty(plan.num_sources, bk, embed.shape[1], dtype=embed.dtype, device=embed.device)
-    torch.index_select(embed, 0, io.tokens, out=src[0])
-    src[0].mul_(io.active.to(embed.dtype)[:, None])  # inactive rows carry a zero stream, as in the reference
-    nb = 0
     eps = plan.eps
     layers = plan.layers
-    for n, L in enumerate(layers):
-        x = _mix(ops, src, nb, L.attn_res_norm, L.attn_res_proj, L.input_norm, eps)
-        if L.closes_block:
-            nb += 1  # the incoming stream becomes block nb-1; the prefix restarts at the attention output
-            residual = None
-        else:
-            residual = src[nb]
+    state: dict[str, Any] = {"src": src}
+
+    def head_in() -> None:
+        mla = [c for c in pool.layers if hasattr(c, "latent")]
+        io.mla_index = mla_step_index(io.slot, io.pos, mla[0].latent.shape[1]) if mla else None
+        if state["src"] is None:
+            state["src"] = torch.empty(plan.num_sources, bk, embed.shape[1], dtype=embed.dtype, device=embed.device)
+        s = state["src"]
+        torch.index_select(embed, 0, io.tokens, out=s[0])
+        s[0].mul_(io.active.to(embed.dtype)[:, None])  # inactive rows carry a zero stream, as in the reference
+
+    def attn(n: int, L: LayerPlan, nb: int) -> None:
+        s = state["src"]
+        x = _mix(ops, s, nb - 1 if L.closes_block else nb, L.attn_res_norm, L.attn_res_proj, L.input_norm, eps)
+        residual = None if L.closes_block else s[nb]  # closing a block: the prefix restarts at the output
         if prefetcher is not None and n + 1 < len(layers):
             prefetcher.issue(layers[n + 1].weights())  # next layer's weights into L2 while this one attends
-        attend = _kda if L.kind == "kda" else _mla
-        attend(ops, L.attn, x, io, pool.layers[L.idx], eps, residual, src[nb])
-        x = _mix(ops, src, nb, L.mlp_res_norm, L.mlp_res_proj, L.post_norm, eps)
-        _mlp(ops, L.mlp, x, eps, src[nb], plan.cfg, side)
-    x = _mix(ops, src, nb, plan.out_res_norm, plan.out_res_proj, plan.final_norm, eps)
-    ops("linear", x, plan.lm_head, out=io.logits, out_dtype=torch.float32)
-    io.logits.masked_fill_(~io.active[:, None], 0.0)
-    if prefetcher is not None:
-        prefetcher.join()
+        (_kda if L.kind == "kda" else _mla)(ops, L.attn, x, io, pool.layers[L.idx], eps, residual, s[nb])
+
+    def mlp(L: LayerPlan, nb: int) -> None:
+        s = state["src"]
+        x = _mix(ops, s, nb, L.mlp_res_norm, L.mlp_res_proj, L.post_norm, eps)
+        _mlp(ops, L.mlp, x, eps, s[nb], plan.cfg, side)
+
+    def head_out(nb: int) -> None:
+        s = state["src"]
+        x = _mix(ops, s, nb, plan.out_res_norm, plan.out_res_proj, plan.final_norm, eps)
+        ops("linear", x, plan.lm_head, out=io.logits, out_dtype=torch.float32)
+        io.logits.masked_fill_(~io.active[:, None], 0.0)
+        if prefetcher is not None:
+            prefetcher.join()
+
+    out = [Section("head.in", "head", head_in)]
+    nb = 0
+    for n, L in enumerate(layers):
+        if L.closes_block:
+            nb += 1  # the incoming stream becomes block nb-1
+        out.append(Section(f"L{n}.attn", L.kind, lambda n=n, L=L, nb=nb: attn(n, L, nb)))
+        out.append(Section(f"L{n}.mlp", "moe" if L.moe else "dense_mlp", lambda L=L, nb=nb: mlp(L, nb)))
+    out.append(Section("head.out", "head", lambda nb=nb: head_out(nb)))
+    return out
