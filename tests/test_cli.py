@@ -186,3 +186,15 @@ def test_a_failing_check_fails_the_run(tmp_path, monkeypatch):
                         standalone_mode=False)
     assert isinstance(res.exception, cli_mod._Exit) and res.exception.code == 1
     assert json.loads((tmp_path / "b" / "manifest.json").read_text())["verdict"] == "fail"
+
+
+def test_gpu_run_tiers_load():
+    """Every tier file the GPU driver script runs (scripts/gpu/*.yaml) names known checks and parameters."""
+    from pathlib import Path
+
+    from verify.tiers import load_tier
+
+    files = sorted((Path(__file__).parent.parent / "scripts" / "gpu").glob("*.yaml"))
+    assert len(files) >= 5
+    for f in files:
+        assert load_tier(str(f)).checks, f

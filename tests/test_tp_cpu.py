@@ -183,7 +183,8 @@ def test_device_synthetic_shards_equal_the_sharded_full_draw(seed, monkeypatch):
 
 
 @pytest.mark.slow  # two spawned processes
-def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed):
+@pytest.mark.parametrize("backend", ["latency_specialized", "standard_graph"])
+def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed, backend):
     """The TP fast step (runtime/tp_fast.py) on two gloo ranks, every kernel served by its BF16-rounding
     reference: both ranks hold the same logits, and the TP2 logits' relative RMS error against the FP64
     oracle (over all steps) stays within 3x the larger of two BF16 baselines' (the TP1 fast step, i.e. the
@@ -193,7 +194,9 @@ def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed):
     seed to seed, and TP2 rounds each rank's partial sums once more (its partials can exceed their sum);
     a per-step max-error ratio was flaky for that reason (seed 474 failed with and without the kernel
     wiring of the executor, bitwise the same numbers). A structural bug (a wrong shard, a missing or double
-    reduction, a rank's expert slice dropped) moves the logits by O(1), far above this bound."""
+    reduction, a rank's expert slice dropped) moves the logits by O(1), far above this bound.
+    ``standard_graph``: the TP2 standard path (library op table, unfused communicator) under the same bound,
+    every op listed as a standard op."""
     from k3_fastpath.runtime.envelope import Envelope
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.tp_fast import fast_equivalence_worker
@@ -201,8 +204,11 @@ def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed):
     cfg = preset(PRESET).config
     s = seed % 997
     batch, steps = 3, 4
-    r0, r1 = launch(fast_equivalence_worker, 2, (PRESET, s, batch, steps), backend="gloo", timeout_s=300)
+    r0, r1 = launch(fast_equivalence_worker, 2, (PRESET, s, batch, steps, backend), backend="gloo", timeout_s=300)
     assert torch.equal(r0["logits"], r1["logits"])
+    std_ops = {o["op"] for o in r0["standard_ops"]}
+    if backend == "standard_graph":
+        assert {"linear", "kda_step", "mla_attention", "moe_router", "moe_experts"} <= std_ops, std_ops
     sd = synthetic_state_dict(cfg, s, conditioning="stable")
     oracle_m = load_reference(cfg, sd, dtype=torch.float64)
     ref16 = load_reference(cfg, sd, dtype=torch.bfloat16)

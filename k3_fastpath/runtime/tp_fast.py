@@ -96,16 +96,26 @@ def run_tp_step(plan: Any, ops: Any, io: Any, pool: Any, comm: Communicator, voc
 
 class TPFastDecoder:
     """``DecodeExecutor.decode`` for one TP rank (see the module docstring). All ranks call ``decode`` with the
-    same batch at the same time; ``graphs`` holds one captured step per bucket once ``decode`` saw it."""
+    same batch at the same time; ``graphs`` holds one captured step per bucket once ``decode`` saw it.
+
+    ``backend="standard_graph"`` is the strong standard path at TP > 1: the same step and graphs with
+    ``standard_ops``' library op table (cuBLAS, fla, ``torch._grouped_mm`` over the rank's BF16 expert slices)
+    and, given ``TorchComm``, NCCL all-reduces followed by separate PyTorch ops (captured too). ``pool_from``
+    shares another decoder's slot pool, so both backends time the same cache."""
 
     def __init__(self, cfg: Any, model: Any, comm: Communicator, *, max_batch: int = 64, max_len: int,
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
-                 kv_dtype: torch.dtype | None = None, stacked_experts: bool | str = "auto") -> None:
+                 kv_dtype: torch.dtype | None = None, stacked_experts: bool | str = "auto",
+                 backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None) -> None:
         from .cache_pool import CachePool
-        from .executor import _buckets
+        from .executor import STEP_BACKENDS, _buckets
         from .fast_ops import op_table
         from .fast_step import ExpertBank, ModelPlan
         from .graphs import BucketGraphs
+        from .standard_ops import standard_op_table
+
+        if backend not in STEP_BACKENDS:
+            raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
 
         if model.cfg != rank_config(cfg, comm.world):
             raise ValueError(f"model config {model.cfg.name!r} is not rank_config({cfg.name!r}, {comm.world})")
@@ -117,9 +127,18 @@ class TPFastDecoder:
             free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 1 << 30
             stacked_experts = ExpertBank.stacked_bytes(model.cfg, model.dtype) < free // 2
         self.plan = ModelPlan.build(model, stacked_experts=bool(stacked_experts))
-        self.ops = op_table()
+        self.backend = backend
+        self.ops = standard_op_table() if backend == "standard_graph" else op_table()
         self.kv_dtype = kv_dtype or model.dtype
-        self.pool = CachePool(model.cfg, max_batch + 1, max_len, model.dtype, self.device, kv_dtype=self.kv_dtype)
+        if pool_from is not None:  # e.g. the standard path timed on the fast decoder's caches
+            if (pool_from.model is not model or pool_from.max_len != max_len or pool_from.kv_dtype != self.kv_dtype
+                    or pool_from.pool.slots < max_batch + 1):
+                raise ValueError("pool_from must be a decoder over the same rank model with the same max_len and "
+                                 "kv_dtype and at least as many slots")
+            self.pool = pool_from.pool
+        else:
+            self.pool = CachePool(model.cfg, max_batch + 1, max_len, model.dtype, self.device,
+                                  kv_dtype=self.kv_dtype)
         self.graphs = BucketGraphs(self.device) if use_graphs and self.device.type == "cuda" else None
         self._io: dict[int, Any] = {}
         self.vocab_per_rank = cfg.vocab_size // comm.world
@@ -181,8 +200,8 @@ class TPFastDecoder:
         return io.logits[:b].clone()
 
 
-def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch: int, steps: int
-                            ) -> dict[str, Any]:
+def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch: int, steps: int,
+                            backend: str = "latency_specialized") -> dict[str, Any]:
     """One rank of ``TPFastDecoder`` on CPU (gloo, kernels served by their references) over the stable
     synthetic weights: ``steps`` decode steps from an empty cache on seeded tokens (the last sequence inactive
     on the last step). Returns the tokens, the active masks and the logits. (For ``tp_launch.launch``.)"""
@@ -193,7 +212,7 @@ def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, 
     cfg = preset(preset_name).config
     comm = TorchComm()
     model = rank_model(cfg, synthetic_state_dict(cfg, seed, conditioning="stable"), world, rank)
-    dec = TPFastDecoder(cfg, model, comm, max_batch=batch, max_len=steps + 2, use_graphs=False)
+    dec = TPFastDecoder(cfg, model, comm, max_batch=batch, max_len=steps + 2, use_graphs=False, backend=backend)
     cache = dec.new_cache(batch)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, cfg.vocab_size, (steps, batch), generator=g)

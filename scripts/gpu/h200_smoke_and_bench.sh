@@ -13,6 +13,10 @@
 #             TP2 points too when two GPUs are visible: the nvidia-h200-x2 kind)
 #   decodes3  k3-verify run --tier scripts/gpu/decode-sweep-s3.yaml (batch 1/8/64 x 1K/32K/128K x TP1/TP2)
 #   decodemini  the same on the smallest grid (scripts/gpu/decode-sweep-mini.yaml, ~5 min)
+#   equiv     k3-verify run --tier scripts/gpu/equivalence-grid.yaml (batch 1/2/8/64 x short/32K/128K, 256 steps)
+#   decodes4  k3-verify run --tier scripts/gpu/decode-sweep-s4.yaml (batch 1..64 x 1K/32K/128K x TP1/TP2,
+#             fast vs standard at both TP sizes, per-layer-type times of both graph paths)
+#   rankemu   k3-verify run --tier scripts/gpu/rank-emulation.yaml (k3-tp16-rank / k3-tp8-rank:experts=N points)
 #   sanitizer k3-verify run --tier scripts/gpu/sanitizer.yaml (4 tools: kernels + an executor step's two streams)
 #   tp2       python scripts/gpu/tp2_check.py                   (TP2 vs TP1, fused vs unfused all-reduce + norm)
 # Usage on the GPU host, from the repo root:  bash scripts/gpu/h200_smoke_and_bench.sh STEP [STEP ...]
@@ -53,6 +57,9 @@ for what in "$@"; do
       decode) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-quick.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep" 2>&1 | tee "$OUT/decode.log" || rc=1 ;;
       decodes3) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s3.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s3" 2>&1 | tee "$OUT/decodes3.log" || rc=1 ;;
       decodemini) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-mini.yaml --output "/tmp/bundles/$stamp-h200-decode-mini" 2>&1 | tee "$OUT/decodemini.log" || rc=1 ;;
+      equiv) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-grid.yaml --output "/tmp/bundles/$stamp-h200-equivalence-grid" 2>&1 | tee "$OUT/equiv.log" || rc=1 ;;
+      decodes4) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s4.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s4" 2>&1 | tee "$OUT/decodes4.log" || rc=1 ;;
+      rankemu) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/rank-emulation.yaml --output "/tmp/bundles/$stamp-h200-rank-emulation" 2>&1 | tee "$OUT/rankemu.log" || rc=1 ;;
       sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
       tp2) timeout -s TERM "$T" python3 scripts/gpu/tp2_check.py 2>&1 | tail -60 | tee "$OUT/tp2.log" || rc=1 ;;
       *) echo "unknown step $s"; rc=2 ;;

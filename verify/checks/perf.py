@@ -142,11 +142,15 @@ def _sweep_targets(points: list[dict], allreduce: list[dict]) -> tuple[dict[str,
     if std_x:
         targets["standard_x_floor"] = {"target": "information only: the standard path's step / the HBM floor",
                                        "by_point": std_x}
-    std = [p for p in points if p["backend"] in ("standard", "reference") and p.get("pct_of_floor_by_layer_type")]
-    if std:
-        targets["standard_pct_of_floor_by_layer_type"] = {
-            f"b{p['batch']} ctx{p['context']} {p['routing']}": {k: round(v, 3) for k, v in
-                                                                p["pct_of_floor_by_layer_type"].items()} for p in std}
+    typed = [p for p in points if p.get("pct_of_floor_by_layer_type")]
+    if typed:  # the issue asks for the standard path's % of floor next to the fast path's, per layer type
+        by_point: dict[str, dict[str, Any]] = {}
+        for p in typed:
+            by_point.setdefault(f"tp{p['tp']} b{p['batch']} ctx{p['context']} {p['routing']}", {})[p["backend"]] = {
+                k: round(v, 3) for k, v in p["pct_of_floor_by_layer_type"].items()}
+        targets["pct_of_floor_by_layer_type"] = {
+            "target": "information only: floor / measured time per layer type (fast and standard: section graphs; "
+                      "reference: eager module events)", "by_point": by_point}
     return targets, problems
 
 
@@ -154,9 +158,12 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                  routing: list[str] = ("uniform", "real"), mixed: bool = True, preset: str = SWEEP_PRESET,
                  iters: int = 20, standard_iters: int = 5, warmup: int = 3, kv_cache: str = "bf16",
                  mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
-                 standard_graph: bool = True) -> Any:
+                 standard_graph: bool = True, reference_batches: list[int] | None = None,
+                 layer_times: bool = True) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
-    measured in this run (verify/checks/perf_sweep.py says how each number is taken)."""
+    measured in this run (verify/checks/perf_sweep.py says how each number is taken). ``reference_batches``:
+    the batches that also time the eager reference model (information only, slow at long context; default
+    all); ``layer_times``: per-layer-type times of the fast and standard graph paths."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
@@ -212,7 +219,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                     try:
                         emit(S.run_point(model, fast, std, batch, context, r, bw=bw, iters=iters,
                                          standard_iters=standard_iters, warmup=warmup, seed=ctx.seed,
-                                         strong=strong))
+                                         strong=strong, layer_times=layer_times,
+                                         reference=reference_batches is None or batch in reference_batches))
                     except torch.cuda.OutOfMemoryError as e:
                         notes.append(f"tp=1 batch={batch} context={context} {r}: out of memory "
                                      f"({str(e).splitlines()[0][:120]})")
@@ -246,7 +254,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
         from k3_fastpath.runtime.tp_launch import launch
 
         params = {"preset": preset, "batches": sorted(batches), "contexts": sorted(contexts), "routing": routing,
-                  "iters": iters, "standard_iters": standard_iters, "seed": ctx.seed, "bw": bw}
+                  "iters": iters, "standard_iters": standard_iters, "seed": ctx.seed, "bw": bw,
+                  "reference_batches": sorted(reference_batches or batches)}
         merged = S.merge_ranks(launch(S.tp_worker, size, (params,), backend="nccl",
                                       timeout_s=max(60.0, ctx.budget_s - ctx.elapsed())))
         emit(merged["rows"])

@@ -17,16 +17,18 @@ Per TP1 point (batch x context x routing), in ONE process, on ONE cache:
 4. fast and standard: one ``decode`` captures the bucket's CUDA graph, then ``iters`` timed graph replays
    (CUDA events around each; decode only, no prefill). Reference: ``standard_iters`` eager steps (it has
    host synchronisation and cannot be captured), plus one step with CUDA events at every attention / MLP
-   module (per-layer-type time, the only per-layer split: a graph replay has no per-layer hook);
+   module (its per-layer-type time). Fast and standard per-layer-type times come from the same step captured
+   as one graph per section (``runtime/section_timing.py``, ``layer_times``), next to each type's floor;
 5. cold L2 without weight copies: a step streams its whole weight set (GBs for k3-mini) through the 60 MB
    L2 once per replay, so every weight is evicted before its next read; a point whose weight bytes are under
    3x the L2 says so in ``cold_l2``.
 
 TP > 1 points run in one spawned process per GPU (``tp_worker``): ``backend: fast`` is the TP fast step
 (``runtime/tp_fast.py``: the executor's kernels on the rank's shards, the fused symmetric-memory all-reduce +
-Triton epilogue, CUDA-graph replays); ``backend: standard`` is the TP model of reference modules
-(``runtime/tp.py``) with the unfused NCCL communicator, eager; the same model with the fused communicator
-is recorded beside it as ``tp_step_fused_us``. The isolated op (all-reduce + residual + AttnRes + RMSNorm,
+Triton epilogue, CUDA-graph replays); ``backend: standard`` is the same TP step with the standard op table and
+the unfused NCCL communicator (NCCL all-reduce, then separate PyTorch ops), CUDA-graph replays on the same
+cache; ``backend: reference`` is the TP model of reference modules (``runtime/tp.py``) with the unfused
+communicator, eager, with the same model on the fused communicator beside it as ``tp_step_fused_us``. The isolated op (all-reduce + residual + AttnRes + RMSNorm,
 fused vs unfused, CUDA-graph medians) goes to the ``.allreduce`` stream. Every rank times its own steps;
 the slowest rank's numbers are kept.
 """
@@ -182,7 +184,8 @@ def _graph_row(ex: Any, tokens: torch.Tensor, cache: Any, out: torch.Tensor, ite
 
 
 def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
-              standard_iters: int, warmup: int, seed: int, strong: Any = None) -> list[dict[str, Any]]:
+              standard_iters: int, warmup: int, seed: int, strong: Any = None, layer_times: bool = True,
+              reference: bool = True) -> list[dict[str, Any]]:
     """The backends at one (batch, context, routing) on one cache: fast, standard (``strong``, the
     graph-captured library path, when given; it shares ``fast``'s slot pool) and the eager reference
     (``std``); one record each."""
@@ -214,6 +217,11 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
                          "expert_format_note": "torch has no MXFP4 grouped GEMM on sm_90: the standard path's "
                                                "experts are dequantised to BF16 once (4x the fast path's expert "
                                                "bytes); floor_us is the model's (MXFP4) floor for both"})
+        if layer_times:  # per-layer-type times of both graph paths (section graphs, runtime/section_timing.py)
+            for row, ex in zip(rows, (fast, strong), strict=False):
+                row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
+        if not reference:
+            return rows
         s_samples = event_times_us(lambda: std.decode(tokens, cache), standard_iters, 1)
         layer_us = per_layer_type_us(model, lambda: std.decode(tokens, cache))
         ss = stats(s_samples)
@@ -223,13 +231,28 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
                      "x_floor": ss["step_us_median"] / fl["floor_us"], "per_layer_type_us": layer_us,
                      "pct_of_floor_by_layer_type": {k: floor_t[k] / v for k, v in layer_us.items()
                                                     if k in floor_t and v > 0}})
-        rows[0]["per_layer_type_us"] = None
-        rows[0]["per_layer_type_reason"] = ("not measurable inside a CUDA graph replay: the fast step exposes no "
-                                            "per-layer hook (fast_step.run_step)")
         return rows
     finally:
         if hasattr(cache, "release"):
             cache.release()
+
+
+def graph_layer_times(ex: Any, tokens: torch.Tensor, cache: Any, floor_by_type: dict[str, float],
+                      rounds: int) -> dict[str, Any]:
+    """``per_layer_type_us`` and ``pct_of_floor_by_layer_type`` of a graph-captured backend's step (one graph per
+    section, ``section_timing.time_sections``), or the reason they are missing."""
+    from k3_fastpath.runtime.section_timing import pct_of_floor_by_type, time_sections
+
+    try:
+        t = time_sections(ex, tokens, cache, rounds=rounds)
+    except (ValueError, RuntimeError) as e:
+        return {"per_layer_type_us": None, "per_layer_type_reason": str(e).splitlines()[0][:200]}
+    return {"per_layer_type_us": t["by_layer_type_us"],
+            "pct_of_floor_by_layer_type": pct_of_floor_by_type(t["by_layer_type_us"], floor_by_type),
+            "section_us": {k: round(v, 2) for k, v in t["section_us"].items()},
+            "sections_total_us": t["sections_total_us"], "sections_step_graph_us": t["step_graph_us"],
+            "per_layer_type_timer": "one CUDA graph per section replayed in step order, events between "
+                                    f"(sections add {t['section_overhead']:+.1%} over the step graph)"}
 
 
 def run_mixed(model: Any, fast: Any, std: Any, batch: int, context: int, prefill_tokens: int, *, bw: float,
@@ -313,25 +336,39 @@ def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
     for context in params["contexts"]:
         fast = TPFastDecoder(cfg, model, comms["fused"], max_batch=max(params["batches"]),
                              max_len=context + CONTEXT_SLACK)
+        strong = TPFastDecoder(cfg, model, comms["unfused"], max_batch=max(params["batches"]),
+                               max_len=context + CONTEXT_SLACK, backend="standard_graph", pool_from=fast)
         for batch in params["batches"]:
             for routing in params["routing"]:
                 try:
-                    rows += tp_point(cfg, model, tps, world, batch, context, routing, params, fast=fast)
+                    rows += tp_point(cfg, model, tps, world, batch, context, routing, params, fast=fast,
+                                     strong=strong)
                 except torch.cuda.OutOfMemoryError as e:
                     notes.append(f"tp={world} batch={batch} context={context} {routing}: out of memory "
                                  f"({str(e).splitlines()[0][:120]})")
                     torch.cuda.empty_cache()
-        del fast
+        del fast, strong
         torch.cuda.empty_cache()
     return {"rank": rank, "rows": rows, "allreduce": ar, "notes": notes}
 
 
-def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, context: int, routing: str,
-             params: dict[str, Any], fast: Any = None) -> list[dict[str, Any]]:
-    """One TP point on this rank: the fast TP step (CUDA-graph replays, fused all-reduce) when ``fast`` is
-    given, and the TP model's eager step with the unfused (NCCL, standard) and the fused comm."""
+def _tp_graph_row(dec: Any, tokens: torch.Tensor, cache: Any, iters: int) -> tuple[list[float], dict[str, Any]]:
+    """One ``decode`` of a TP decoder (captures the bucket's graph on every rank), then timed replays."""
     from k3_fastpath.runtime.graphs import bucket_for
 
+    dec.decode(tokens, cache)
+    bucket = bucket_for(int(tokens.shape[0]), dec.buckets)
+    dec.comm.barrier()
+    return (event_times_us(lambda: dec.graphs.replay(bucket), iters, 2),
+            {"timer": "cuda_graph_replay", "bucket": bucket, "allreduce": dec.comm.name,
+             "standard_ops": dec.last_calls.standard_ops()})
+
+
+def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, context: int, routing: str,
+             params: dict[str, Any], fast: Any = None, strong: Any = None) -> list[dict[str, Any]]:
+    """One TP point on this rank: the fast TP step (CUDA-graph replays, fused all-reduce) when ``fast`` is
+    given, the standard TP step (``strong``: library ops + NCCL + separate epilogue ops, CUDA-graph replays,
+    same cache) when given, and the TP model's eager step with the unfused and the fused comm (``reference``)."""
     dev = model.device
     cache = fast.new_cache(batch) if fast is not None else model.new_cache(batch, context + CONTEXT_SLACK)
     try:
@@ -341,16 +378,19 @@ def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, 
         fl = floor_for(cfg, world, batch, context, kv_bytes_of(cache), "uniform", None, params["bw"])
         common = {"variant": "decode", "batch": batch, "context": context, "tp": world, "routing": routing, **fl}
         rows = []
-        if fast is not None:
-            fast.decode(tokens, cache)  # captures the bucket's graph on every rank
-            bucket = bucket_for(batch, fast.buckets)
-            fast.comm.barrier()
-            st = stats(event_times_us(lambda: fast.graphs.replay(bucket), params["iters"], 2))
-            rows.append({**common, "backend": "fast", **st, "timer": "cuda_graph_replay", "bucket": bucket,
-                         "allreduce": fast.comm.name, "standard_ops": fast.last_calls.standard_ops(),
-                         **throughput(st["step_us_median"], batch, world),
+        for name, dec in (("fast", fast), ("standard", strong)):
+            if dec is None:
+                continue
+            cache.lengths = base.clone()
+            samples, extra = _tp_graph_row(dec, tokens, cache, params["iters"])
+            st = stats(samples)
+            rows.append({**common, "backend": name, **st, **extra, **throughput(st["step_us_median"], batch, world),
                          "pct_of_floor": fl["floor_us"] / st["step_us_median"],
-                         "x_floor": st["step_us_median"] / fl["floor_us"]})
+                         "x_floor": st["step_us_median"] / fl["floor_us"],
+                         "expert_format": cfg.expert_format if name == "fast" else "bf16"})
+        cache.lengths = base.clone()
+        if batch not in params.get("reference_batches", [batch]):
+            return rows
         times = {}
         for name, tpm in tps.items():
             def step(tpm=tpm):
