@@ -180,7 +180,19 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
     kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(kv_cache)
     if kv_dtype is None:
         return ctx.failed(f"kv_cache must be bf16 or fp8, got {kv_cache!r}")
-    cfg = get_config(preset)
+    from k3_fastpath.config import is_preset_spec, preset_spec
+    from k3_fastpath.runtime.rank_emulation import (
+        RankEmulationError,
+        cache_pool_bytes,
+        emulation_model,
+        emulation_record,
+    )
+
+    spec = preset_spec(preset) if is_preset_spec(preset) else None
+    rank_tp = spec.tp_size if spec is not None else 1
+    cfg = spec.config if spec is not None else get_config(preset)
+    if rank_tp > 1 and list(tp) != [1]:
+        return ctx.failed(f"preset {preset} is one emulated rank of TP{rank_tp} on one GPU: tp must be [1], got {tp}")
     bw = read_bandwidth_gbs() * 1e9
     ctx.record({"probe": "read_bandwidth", "read_bytes_per_s": bw, "preset": preset})
     points: list[dict] = []
@@ -201,8 +213,22 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
             return True
         return False
 
-    if 1 in tp:
+    if 1 in tp and rank_tp > 1:  # one TP rank's shards as a TP1 model, no communication (rank_emulation.py)
+        max_len = max(contexts) + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
+        try:
+            model, spec = emulation_model(preset, ctx.seed, "cuda", standard=standard_graph,
+                                          cache_bytes=cache_pool_bytes(cfg, rank_tp, slots=max(batches) + 1,
+                                                                       max_len=max_len,
+                                                                       kv_bytes=1 if kv_cache == "fp8" else 2))
+        except RankEmulationError as e:
+            return ctx.failed(str(e))
+        ctx.record({"probe": "rank_emulation", **emulation_record(spec, standard=standard_graph, batch=max(batches))})
+        mixed = False
+        notes.append(f"{spec.name}: rank 0 of TP{rank_tp} emulated on one GPU (no all-reduce; TP2 rows measure "
+                     f"communication); mixed variant off")
+    elif 1 in tp:
         model = device_model(cfg, ctx.seed, "cuda")
+    if 1 in tp:
         for context in sorted(contexts):
             if over_budget(f"tp=1 context={context}"):
                 continue
@@ -220,7 +246,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                         emit(S.run_point(model, fast, std, batch, context, r, bw=bw, iters=iters,
                                          standard_iters=standard_iters, warmup=warmup, seed=ctx.seed,
                                          strong=strong, layer_times=layer_times,
-                                         reference=reference_batches is None or batch in reference_batches))
+                                         reference=reference_batches is None or batch in reference_batches,
+                                         floor_cfg=cfg, rank_tp=rank_tp))
                     except torch.cuda.OutOfMemoryError as e:
                         notes.append(f"tp=1 batch={batch} context={context} {r}: out of memory "
                                      f"({str(e).splitlines()[0][:120]})")

@@ -185,10 +185,11 @@ def _graph_row(ex: Any, tokens: torch.Tensor, cache: Any, out: torch.Tensor, ite
 
 def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
               standard_iters: int, warmup: int, seed: int, strong: Any = None, layer_times: bool = True,
-              reference: bool = True) -> list[dict[str, Any]]:
+              reference: bool = True, floor_cfg: Any = None, rank_tp: int = 1) -> list[dict[str, Any]]:
     """The backends at one (batch, context, routing) on one cache: fast, standard (``strong``, the
     graph-captured library path, when given; it shares ``fast``'s slot pool) and the eager reference
-    (``std``); one record each."""
+    (``std``); one record each. ``rank_tp > 1``: ``model`` is one emulated rank of TP ``rank_tp`` of
+    ``floor_cfg`` (the floor is that rank's share; rows say ``tp: rank_tp, emulated_rank: true``)."""
     from k3_fastpath.runtime.routing import touched_in_step
 
     cfg = model.cfg
@@ -199,9 +200,11 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
         tokens, source = tokens_for(cfg, routing, batch, seed)
         tokens = tokens.to(dev)
         touched = touched_in_step(model, lambda: std.decode(tokens, cache))
-        fl = floor_for(cfg, 1, batch, context, kv_bytes_of(cache), routing, touched, bw)
-        common = {"variant": "decode", "batch": batch, "context": context, "tp": 1, "routing": routing,
+        fl = floor_for(floor_cfg or cfg, rank_tp, batch, context, kv_bytes_of(cache), routing, touched, bw)
+        common = {"variant": "decode", "batch": batch, "context": context, "tp": rank_tp, "routing": routing,
                   "token_source": source, "touched_measured": touched, **fl}
+        if rank_tp > 1:
+            common.update(emulated_rank=True, preset=(floor_cfg or cfg).name)
         out = torch.empty(batch, cfg.vocab_size, dtype=torch.float32, device=dev)
         samples, f_extra = _graph_row(fast, tokens, cache, out, iters, warmup, standard_iters)
         st = stats(samples)
