@@ -12,8 +12,9 @@ static buffers, one graph per bucket, shared experts on a side stream) with this
 | ``kda_step``    | conv update in PyTorch on the pools + fla's ``fused_recurrent_kda_fwd`` (gate, beta,   |
 |                 | q/k L2 norm in kernel, state updated in place through ``ssm_state_indices``) + fla's   |
 |                 | ``rms_norm_gated``; without fla (a CPU) the same math in PyTorch                       |
-| ``mla_attention`` | absorbed attention in PyTorch over the pool (online softmax over fixed chunks of the |
-|                 | pool length: static shapes, the pool sized to the context measured)                   |
+| ``mla_attention`` | absorbed attention as cuBLAS batched GEMMs (BF16 latents gathered per chunk, FP32 |
+|                 | out) + PyTorch online softmax over fixed chunks of the pool (static shapes, the pool  |
+|                 | sized to the context measured)                                                        |
 | ``moe_router``  | cuBLAS logits (FP32 out) + ``torch.sort`` top-k                                       |
 | ``moe_experts`` | rows sorted by expert + ``torch._grouped_mm`` (cuBLAS-class grouped GEMM, sm_90) over |
 |                 | BF16 experts dequantised once at build (``StandardExperts``); FP32 weighted combine    |
@@ -124,18 +125,84 @@ def kda_step_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, 
 
 
 # ------------------------------------------------------------------------------------------ MLA
-def _latent_chunk(bk: int, max_len: int) -> int:
-    """Context positions per attention chunk: Bk x chunk <= 2^18 rows (~0.6 GB of FP32 latents)."""
-    return max(128, min(max_len, (1 << 18) // max(bk, 1)))
+_CHUNK_BYTES = 1 << 29  # per-chunk temporaries of mla_attention_standard (~0.5 GiB; see _latent_chunk)
+
+
+def _latent_chunk(bk: int, max_len: int, heads: int = 1, width: int = 576, fp8: bool = False) -> int:
+    """Context positions per attention chunk of ``mla_attention_standard``.
+
+    Per (row, position) one chunk holds: the gathered latent in BF16 (``2 * width`` bytes, plus the
+    ``width`` FP8 bytes it was converted from), the FP32 scores and probabilities and the BF16
+    probabilities (``10 * heads``) and the indices / mask (~24). The chunk is the most positions whose
+    temporaries stay within ``_CHUNK_BYTES`` (0.5 GiB), spread evenly over the pool (no tiny last chunk),
+    a multiple of 128, at least 128. Why that size: every chunk costs ~20 launches whatever its size
+    (a dozen of them tiny: indices, max, rescale), while its bytes are what the step must move anyway; at
+    batch 64 x 128K positions x 12 heads (TP8) that is 21 chunks of ~0.5 GB each (launch gaps well under
+    1% of the time), and one chunk at batch 1. Smaller, L2-resident chunks (<= ~2^14 rows, 19 MB) would
+    save re-reading the gathered copy from HBM but cost ~25x the launches; ``_CHUNK_BYTES`` is the knob
+    to sweep on the GPU."""
+    per_row = (2 + fp8) * width + 10 * heads + 24
+    most = max(128, _CHUNK_BYTES // per_row // max(bk, 1))
+    n_chunks = -(-max_len // most)
+    even = -(-max_len // n_chunks)
+    return min(max_len, -(-even // 128) * 128)
+
+
+@functools.lru_cache(maxsize=8)
+def bmm_out_dtype_works(device: str) -> bool:
+    """Whether ``torch.bmm(bf16, bf16, out_dtype=torch.float32)`` (cuBLAS, FP32 output) exists here; probed
+    once per device outside capture (the executor's eager warm-up step calls the op first)."""
+    try:
+        a = torch.ones(2, 2, 8, dtype=torch.bfloat16, device=device)
+        return torch.bmm(a, a.transpose(1, 2), out_dtype=torch.float32).dtype == torch.float32
+    except Exception:
+        return False
+
+
+def _bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` batched, accumulated and returned in ``out_dtype``: BF16/FP16 inputs straight into cuBLAS
+    with an FP32 output where torch has it (no FP32 copy of the inputs); elsewhere (a CPU) the inputs are
+    upcast first, which gives the same numbers up to the summation order."""
+    if a.dtype == b.dtype == out_dtype:
+        return torch.bmm(a, b)
+    if (a.dtype == b.dtype and a.dtype in (torch.bfloat16, torch.float16) and out_dtype == torch.float32
+            and bmm_out_dtype_works(str(a.device))):
+        return torch.bmm(a, b, out_dtype=out_dtype)
+    return torch.bmm(a.to(out_dtype), b.to(out_dtype))
+
+
+def _latent_rows(latent: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    """The pool ``[N, L, D]`` as one row per (slot, position), ``[rows, D]`` (FP8 as its bytes), and the
+    row stride between slots: ``row = slot * stride + position``. One index tensor on dim 0 is the gather
+    torch serves with its vectorised 16-byte copy kernel. None when the strides do not allow the view."""
+    words = latent.view(torch.uint8) if latent.dtype.itemsize == 1 else latent
+    s0, s1, s2 = words.stride()
+    if s2 != 1 or s1 <= 0 or s0 % s1:
+        return None
+    n, length, width = words.shape
+    per = s0 // s1
+    return words.as_strided(((n - 1) * per + length, width), (s1, 1)), per
 
 
 def mla_attention_standard(q, kv, kv_norm_w, eps, latent, scale, slot, pos, block_table, ctx_len, w_uk, w_uv,
                            softmax_scale, gate=None):
-    """``fast_ops.mla_attention_kernel``'s contract in PyTorch: write the latent, absorb q through W_UK,
-    attend over positions ``0..pos`` of the row's slot with an online softmax over fixed chunks of the pool
-    (static shapes), W_UV, the sigmoid gate. ``block_table`` / ``ctx_len`` are the kernel's view of the
-    same pool and unused here (``pos`` says the same)."""
-    del block_table, ctx_len
+    """``fast_ops.mla_attention_kernel``'s contract in library code: writes the new latent
+    (``write_mla_latent``), absorbs q through W_UK, attends over positions ``0..pos`` of the row's slot,
+    applies W_UV and the sigmoid gate; returns ``[Bk, heads * v_dim]`` in ``q.dtype``. ``block_table`` /
+    ``ctx_len`` are the kernel's view of the same pool and unused here (``pos`` says the same).
+
+    The FlashMLA / FlashInfer recipe with cuBLAS batched GEMMs, over fixed chunks of the pool (static
+    shapes: capturable, the pool sized to the context): per chunk, one gather of ``latent[slot, s0:s1]``
+    in its stored dtype (FP8 converted to BF16 exactly; its scale folded into the FP32 scores and the
+    output instead of rounding ``c * scale`` to BF16); scores ``[q_lat | q_pe] . c`` as ONE GEMM over all
+    576 dims, BF16 in, FP32 out; online softmax in FP32; P rounded to BF16 for the P.V GEMM against the
+    first ``rank`` dims of the same gathered chunk, FP32 out. No FP32 copy of a latent is made.
+
+    Masking: positions past ``pos`` (and every position of a padded slot-0 row) are gathered from
+    position ``pos`` instead (the latent this step just wrote), so a stale slot's bytes are never read,
+    not even to be multiplied by 0; those duplicates are valid scores of the row, so the raw chunk max is
+    a safe stabiliser, and their probabilities are zeroed by the mask in the same pass that casts P to
+    BF16. A row with nothing visible (slot 0) gets P = 0 everywhere and outputs 0, never 0/0."""
     from ..reference.mla import FP8
 
     write_mla_latent(kv, kv_norm_w, eps, latent, scale, slot, pos)
@@ -143,32 +210,48 @@ def mla_attention_standard(q, kv, kv_norm_w, eps, latent, scale, slot, pos, bloc
     nope, rank = w_uk.shape[1], w_uk.shape[2]
     dt = q.dtype
     cdt = compute_dtype(dt)
+    mdt = dt if dt in (torch.bfloat16, torch.float16) else cdt  # GEMM input dtype of the latents and P
     fp8 = latent.dtype == FP8
+    dev = q.device
     rows = slot.long()
-    q_lat = torch.einsum("bhd,hdr->bhr", q[..., :nope].to(cdt), w_uk.to(cdt)).to(dt).to(cdt)
-    q_pe = q[..., nope:].to(cdt)
-    m = torch.full((bk, heads), float("-inf"), dtype=cdt, device=q.device)
-    denom = torch.zeros(bk, heads, dtype=cdt, device=q.device)
-    acc = torch.zeros(bk, heads, rank, dtype=cdt, device=q.device)
-    max_len = latent.shape[1]
-    chunk = _latent_chunk(bk, max_len)
+    pos = pos.long()
+    lim = torch.where(rows == 0, -1, pos)  # last visible position; -1: none (padded rows)
+    q_nope = q[..., :nope].transpose(0, 1)  # [heads, Bk, nope]
+    q_lat = (torch.bmm(q_nope, w_uk) if w_uk.dtype == dt else _bmm(q_nope, w_uk, cdt)).to(dt)
+    q_cat = torch.cat([q_lat.transpose(0, 1), q[..., nope:]], dim=-1).to(mdt)  # [Bk, heads, rank + rope]
+    # score scale: softmax_scale, times the FP8 dequantisation scale (exact in FP32); the output takes it too
+    s = scale.to(device=dev, dtype=cdt).reshape(()) * softmax_scale if fp8 else softmax_scale
+    m = torch.full((bk, heads, 1), torch.finfo(cdt).min, dtype=cdt, device=dev)  # finite: no inf - inf
+    denom = torch.zeros(bk, heads, 1, dtype=cdt, device=dev)
+    acc = torch.zeros(bk, heads, rank, dtype=cdt, device=dev)
+    max_len, width = latent.shape[1], latent.shape[2]
+    chunk = _latent_chunk(bk, max_len, heads, width, fp8)
+    flat = _latent_rows(latent)
     for s0 in range(0, max_len, chunk):
         s1 = min(max_len, s0 + chunk)
-        lat = latent[rows, s0:s1]
-        lat = ((lat.float() * scale).to(dt) if fp8 else lat.to(dt)).to(cdt)
-        ok = torch.arange(s0, s1, device=q.device)[None, :] <= pos[:, None]
-        lat = torch.where(ok[..., None], lat, 0.0)  # a stale slot never enters, not even as NaN * 0
-        sc = (torch.einsum("bhr,bsr->bhs", q_lat, lat[..., :rank])
-              + torch.einsum("bhd,bsd->bhs", q_pe, lat[..., rank:])) * softmax_scale
-        sc = sc.masked_fill(~ok[:, None, :], float("-inf"))
-        m_new = torch.maximum(m, sc.amax(dim=-1))
+        t = torch.arange(s0, s1, device=dev)
+        ok = t[None, :] <= lim[:, None]  # [Bk, C]
+        tpos = torch.where(ok, t[None, :], pos[:, None])
+        if flat is not None:
+            lat = flat[0][(rows[:, None] * flat[1] + tpos).reshape(-1)].view(bk, s1 - s0, width)
+        else:
+            src = latent.view(torch.uint8) if fp8 else latent
+            lat = src[rows[:, None], tpos]
+        lat = (lat.view(FP8) if fp8 else lat).to(mdt)  # [Bk, C, D]: FP8 -> BF16 is exact
+        sc = _bmm(q_cat, lat.transpose(1, 2), cdt)  # [Bk, heads, C] raw scores
+        m_new = torch.maximum(m, sc.amax(dim=-1, keepdim=True) * s)
+        p = (torch.addcmul(-m_new, sc, s) if torch.is_tensor(s) else torch.add(-m_new, sc, alpha=s)).exp_()
+        pm = torch.mul(p, ok[:, None, :].to(cdt), out=torch.empty(p.shape, dtype=mdt, device=dev))
         alpha = torch.exp(m - m_new)
-        p = torch.exp(sc - m_new[..., None])
-        denom = denom * alpha + p.sum(dim=-1)
-        acc = acc * alpha[..., None] + torch.einsum("bhs,bsr->bhr", p, lat[..., :rank])
+        denom = torch.addcmul(pm.sum(dim=-1, keepdim=True, dtype=cdt), denom, alpha)
+        acc = torch.addcmul(_bmm(pm, lat[..., :rank], cdt), acc, alpha)
         m = m_new
-    o_lat = (acc / denom[..., None]).to(dt)
-    o = torch.einsum("bhr,hdr->bhd", o_lat.to(cdt), w_uv.to(cdt)).to(dt).reshape(bk, heads * w_uv.shape[1])
+    if fp8:
+        acc = acc * scale.to(device=dev, dtype=cdt).reshape(())
+    o_lat = (acc / denom.clamp_min(torch.finfo(cdt).tiny)).to(dt).transpose(0, 1)  # [heads, Bk, rank]
+    w_v = w_uv.transpose(1, 2)  # [heads, rank, v]
+    o = (torch.bmm(o_lat, w_v) if w_uv.dtype == dt else _bmm(o_lat, w_v, cdt)).to(dt)
+    o = o.transpose(0, 1).reshape(bk, heads * w_uv.shape[1])
     if gate is not None:
         o = (o.float() * torch.sigmoid(gate.float())).to(dt)
     return o
@@ -256,7 +339,8 @@ def standard_op_table() -> dict[str, OpImpl]:
         "rmsnorm": (rmsnorm_standard, TORCH),
         "attn_res": (attn_res_standard, TORCH),
         "kda_step": (kda_step_standard, kda_lib),
-        "mla_attention": (mla_attention_standard, "standard path: absorbed MLA attention in PyTorch (chunked)"),
+        "mla_attention": (mla_attention_standard,
+                          "standard path: absorbed MLA as cuBLAS bmm (BF16 latent chunks, FP32 out)"),
         "moe_router": (moe_router_standard_lib, "standard path: cuBLAS FP32 logits + torch.sort top-k"),
         "moe_experts": (moe_experts_standard, experts_lib),
     }
