@@ -63,6 +63,7 @@ def test_mismatch_inside_top5_passes_outside_fails(seed):
     assert r["mismatches"] == 2
     assert [(v["step"], v["seq"]) for v in r["topk_violations"]] == [(3, 0)]
     assert not r["topk_violations"][0]["fast_in_ref_topk"]
+    assert r["first_divergence_violations"] == r["topk_violations"] and r["later_violation_rate"] == 0.0
     assert r["kl_max"] > 1.0
     for a, b in zip(rs.fed, fs.fed, strict=True):  # both sides are always fed the reference's token
         assert torch.equal(a, b)
@@ -132,3 +133,19 @@ def test_check_runs_emulated_on_a_cpu(seed, tmp_path):
     kfb = point["trace"]["kernel_fallbacks"]  # emulated: each kernel api served the call from its reference
     assert kfb["mla_decode: no cuda device"] == 2 * len(CFG.mla_layer_ids)
     assert kfb["moe_experts: no cuda device"] == 2 * n_moe
+
+
+def test_violation_after_the_first_divergence_counts_as_later():
+    """A top-5 violation after a sequence's first divergence is a 'later' one (rate-bounded by the check), not
+    a first-divergence one (which fails it)."""
+    g = torch.Generator().manual_seed(3)
+    ref = [torch.randn(2, 40, generator=g) for _ in range(4)]
+    fast = [x.clone() for x in ref]
+    top = ref[1][0].topk(5).indices
+    fast[1][0, top[1]] = ref[1][0].max() + 1.0  # step 1, row 0: first divergence, inside the top-5
+    low = ref[2][0].argmin()
+    fast[2][0, low] = ref[2][0].max() + 50.0  # step 2, row 0: a later mismatch outside the top-5
+    r = compare_greedy(_Scripted(ref), _Scripted(fast), ref[0], 3, top_k=5)
+    assert r["first_divergence"] == [1, None]
+    assert [(v["step"], v["first"]) for v in r["topk_violations"]] == [(2, False)]
+    assert r["first_divergence_violations"] == [] and r["later_violation_rate"] == 1 / 6

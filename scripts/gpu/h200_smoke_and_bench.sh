@@ -14,6 +14,7 @@
 #   decodes3  k3-verify run --tier scripts/gpu/decode-sweep-s3.yaml (batch 1/8/64 x 1K/32K/128K x TP1/TP2)
 #   decodemini  the same on the smallest grid (scripts/gpu/decode-sweep-mini.yaml, ~5 min)
 #   equiv     k3-verify run --tier scripts/gpu/equivalence-grid.yaml (batch 1/2/8/64 x short/32K/128K, 256 steps)
+#   equiv128  the same at 128K then 32K, batch 64 first (scripts/gpu/equivalence-grid-128k.yaml)
 #   decodes4  k3-verify run --tier scripts/gpu/decode-sweep-s4.yaml (batch 1..64 x 1K/32K/128K x TP1/TP2,
 #             fast vs standard at both TP sizes, per-layer-type times of both graph paths)
 #   rankemu   k3-verify run --tier scripts/gpu/rank-emulation.yaml (k3-tp16-rank / k3-tp8-rank:experts=N points)
@@ -58,6 +59,7 @@ for what in "$@"; do
       decodes3) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s3.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s3" 2>&1 | tee "$OUT/decodes3.log" || rc=1 ;;
       decodemini) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-mini.yaml --output "/tmp/bundles/$stamp-h200-decode-mini" 2>&1 | tee "$OUT/decodemini.log" || rc=1 ;;
       equiv) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-grid.yaml --output "/tmp/bundles/$stamp-h200-equivalence-grid" 2>&1 | tee "$OUT/equiv.log" || rc=1 ;;
+      equiv128) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-grid-128k.yaml --output "/tmp/bundles/$stamp-h200-equivalence-grid-128k" 2>&1 | tee "$OUT/equiv128.log" || rc=1 ;;
       decodes4) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s4.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s4" 2>&1 | tee "$OUT/decodes4.log" || rc=1 ;;
       rankemu) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/rank-emulation.yaml --output "/tmp/bundles/$stamp-h200-rank-emulation" 2>&1 | tee "$OUT/rankemu.log" || rc=1 ;;
       sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
