@@ -279,7 +279,12 @@ def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: in
                 ctx.record({"kind": "step", "batch": batch, "context": context, **step})
 
             t0 = time.monotonic()
-            r = run_point(model, ex, batch, context, steps, prompt_len, top_k, ctx.seed, record)
+            try:
+                r = run_point(model, ex, batch, context, steps, prompt_len, top_k, ctx.seed, record)
+            except torch.cuda.OutOfMemoryError as e:  # the point is reported as not run; the grid goes on
+                problems.append(f"{where}: out of memory ({str(e).splitlines()[0][:100]})")
+                torch.cuda.empty_cache()
+                continue
             r["seconds"] = round(time.monotonic() - t0, 1)
             summary = {k: v for k, v in r.items() if k not in ("mismatch_list",)}
             ctx.record({"kind": "point", "batch": batch, "context": context, "preset": preset, **summary,
