@@ -217,6 +217,16 @@ def _keep_reference_experts_dense(model: Any, when: Any) -> int:
     return cache_dense_experts(model) if when else 0
 
 
+def _drop_reference_experts_dense(model: Any) -> int:
+    """Undo ``cache_dense_experts`` (returns 0, the bytes now kept)."""
+    from k3_fastpath.reference.moe import MXFP4Weight
+
+    for m in model.modules():
+        if isinstance(m, MXFP4Weight):
+            m.drop_dense()
+    return 0
+
+
 def _kv_dtype(kv_cache: str) -> torch.dtype:
     kinds = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
     if kv_cache not in kinds:
@@ -234,14 +244,16 @@ def run_point(model: Any, executor: Any, batch: int, context: Any, steps: int, p
     ref_cache = model.new_cache(batch, max_len, kv_dtype=executor.kv_dtype, kv_scale=executor.kv_scale)
     first = fill_reference(model, ref_cache, n, prompt_len, seed * 1000 + batch)
     fast_cache = executor.new_cache(batch, max_len)
-    executor.copy_cache(fast_cache, ref_cache)
-    out = torch.empty(batch, model.cfg.vocab_size, dtype=torch.float32, device=model.device)
-    start = len(executor.trace)
-    result = compare_greedy(lambda t: model.decode(t, ref_cache), lambda t: executor.decode(t, fast_cache, out=out),
-                            first, steps, top_k, record)
-    result["trace"] = summarize(executor.trace.since(start))
-    if hasattr(fast_cache, "release"):
-        fast_cache.release()
+    try:
+        executor.copy_cache(fast_cache, ref_cache)
+        out = torch.empty(batch, model.cfg.vocab_size, dtype=torch.float32, device=model.device)
+        start = len(executor.trace)
+        result = compare_greedy(lambda t: model.decode(t, ref_cache),
+                                lambda t: executor.decode(t, fast_cache, out=out), first, steps, top_k, record)
+        result["trace"] = summarize(executor.trace.since(start))
+    finally:  # also when a step runs out of memory: the executor's slots go back for the next point
+        if hasattr(fast_cache, "release"):
+            fast_cache.release()
     return result
 
 
@@ -279,11 +291,20 @@ def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: in
                 ctx.record({"kind": "step", "batch": batch, "context": context, **step})
 
             t0 = time.monotonic()
-            try:
-                r = run_point(model, ex, batch, context, steps, prompt_len, top_k, ctx.seed, record)
-            except torch.cuda.OutOfMemoryError as e:  # the point is reported as not run; the grid goes on
-                problems.append(f"{where}: out of memory ({str(e).splitlines()[0][:100]})")
-                torch.cuda.empty_cache()
+            r = None
+            for attempt in (1, 2):
+                try:
+                    r = run_point(model, ex, batch, context, steps, prompt_len, top_k, ctx.seed, record)
+                    break
+                except torch.cuda.OutOfMemoryError as e:
+                    torch.cuda.empty_cache()
+                    if attempt == 1 and dense_kept:  # give the reference's dequantised experts back, retry
+                        dense_kept = _drop_reference_experts_dense(model)
+                        ctx.note(f"{where}: out of memory with the reference's experts kept dequantised; "
+                                 f"dropped them (the reference dequantises per step from here) and retried")
+                        continue
+                    problems.append(f"{where}: out of memory ({str(e).splitlines()[0][:100]})")
+            if r is None:  # the point is reported as not run; the grid goes on
                 continue
             r["seconds"] = round(time.monotonic() - t0, 1)
             summary = {k: v for k, v in r.items() if k not in ("mismatch_list",)}
