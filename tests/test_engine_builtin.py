@@ -165,3 +165,12 @@ def test_pool_builds_lazily_shares_and_remembers_failures():
         bad.get("engine_under_test")
     assert e1.value is e2.value
     assert isinstance(build_engine("builtin:reference", preset="k3-tiny", max_model_len=16, other=2), BuiltinEngine)
+
+
+def test_weights_from_a_preset_spec():
+    """A preset spec with overrides (config.preset_spec) loads synthetic weights of the overridden model."""
+    from verify.engines.builtin import _load_weights
+
+    cfg, sd, source, path = _load_weights("k3-tiny:experts=8,layers=4", 3)
+    assert (cfg.num_experts, cfg.num_hidden_layers, path) == (8, 4, None) and source.startswith("synthetic")
+    assert sd["model.layers.1.block_sparse_moe.gate.weight"].shape[0] == 8

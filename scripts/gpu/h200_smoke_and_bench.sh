@@ -14,7 +14,7 @@
 #   decodes3  k3-verify run --tier scripts/gpu/decode-sweep-s3.yaml (batch 1/8/64 x 1K/32K/128K x TP1/TP2)
 #   decodemini  the same on the smallest grid (scripts/gpu/decode-sweep-mini.yaml, ~5 min)
 #   equiv     k3-verify run --tier scripts/gpu/equivalence-grid.yaml (batch 1/2/8/64 x short/32K/128K, 256 steps)
-#   equiv128  the same at 128K then 32K, batch 64 first (scripts/gpu/equivalence-grid-128k.yaml)
+#   equiv32 / equiv128  the same at 32K / 128K only (scripts/gpu/equivalence-{32k,128k}.yaml), one call each
 #   decodes4  k3-verify run --tier scripts/gpu/decode-sweep-s4.yaml (batch 1..64 x 1K/32K/128K x TP1/TP2,
 #             fast vs standard at both TP sizes, per-layer-type times of both graph paths)
 #   rankemu   k3-verify run --tier scripts/gpu/rank-emulation.yaml (k3-tp16-rank / k3-tp8-rank:experts=N points)
@@ -29,6 +29,9 @@
 #   call 3 (same warm machine): as call 2 with the next steps.
 # The copied tree has no .git: pass K3_SOURCE_COMMIT=<sha> in the command (the bundle also records
 # source_tree_sha256, a hash of the package sources, either way).
+# Keep K3_STEP_TIMEOUT (default 520 s per step) at least 30 s under the call's limit_s (which shrinks with
+# the session's device time left): a call killed by the device tool returns nothing. On SIGTERM the bundles
+# written so far are still packed into $OUT.
 set -uo pipefail
 [ $# -eq 0 ] && set -- all
 : "${OUT:?OUT must point at the folder whose files come back}"
@@ -40,6 +43,8 @@ stamp=$(date -u +%Y%m%dT%H%M%SZ)
 mkdir -p /tmp/bundles
 rc=0
 T=${K3_STEP_TIMEOUT:-520}
+pack() { tar -C /tmp/bundles -czf "$OUT/bundles-$stamp.tar.gz" . 2>/dev/null; }
+trap 'echo "terminated: packing what was written"; pack; exit 143' TERM INT
 for what in "$@"; do
   case "$what" in
     all) steps="smoke bench" ;;
@@ -59,7 +64,8 @@ for what in "$@"; do
       decodes3) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s3.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s3" 2>&1 | tee "$OUT/decodes3.log" || rc=1 ;;
       decodemini) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-mini.yaml --output "/tmp/bundles/$stamp-h200-decode-mini" 2>&1 | tee "$OUT/decodemini.log" || rc=1 ;;
       equiv) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-grid.yaml --output "/tmp/bundles/$stamp-h200-equivalence-grid" 2>&1 | tee "$OUT/equiv.log" || rc=1 ;;
-      equiv128) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-grid-128k.yaml --output "/tmp/bundles/$stamp-h200-equivalence-grid-128k" 2>&1 | tee "$OUT/equiv128.log" || rc=1 ;;
+      equiv32) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-32k.yaml --output "/tmp/bundles/$stamp-h200-equivalence-32k" 2>&1 | tee "$OUT/equiv32.log" || rc=1 ;;
+      equiv128) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-128k.yaml --output "/tmp/bundles/$stamp-h200-equivalence-128k" 2>&1 | tee "$OUT/equiv128.log" || rc=1 ;;
       decodes4) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s4.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s4" 2>&1 | tee "$OUT/decodes4.log" || rc=1 ;;
       rankemu) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/rank-emulation.yaml --output "/tmp/bundles/$stamp-h200-rank-emulation" 2>&1 | tee "$OUT/rankemu.log" || rc=1 ;;
       sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
@@ -68,6 +74,6 @@ for what in "$@"; do
     esac
   done
 done
-tar -C /tmp/bundles -czf "$OUT/bundles-$stamp.tar.gz" .
+pack
 ls -la /tmp/bundles
 exit $rc

@@ -39,9 +39,9 @@ def fast_path_unavailable_reason(device: str) -> str | None:
 
 
 def _load_weights(preset: str, seed: int) -> tuple[Any, dict[str, torch.Tensor], str, Path | None]:
-    from k3_fastpath.config import PRESET_NAMES, get_config
+    from k3_fastpath.config import get_config, is_preset_spec
 
-    if preset in PRESET_NAMES:
+    if is_preset_spec(preset):  # a preset or a preset spec with overrides (e.g. k3-tiny:experts=8)
         from k3_fastpath.synthetic import synthetic_state_dict
 
         cfg = get_config(preset)
