@@ -149,3 +149,28 @@ def test_violation_after_the_first_divergence_counts_as_later():
     assert r["first_divergence"] == [1, None]
     assert [(v["step"], v["first"]) for v in r["topk_violations"]] == [(2, False)]
     assert r["first_divergence_violations"] == [] and r["later_violation_rate"] == 1 / 6
+
+
+def test_reference_dense_experts_survive_the_executor(monkeypatch, seed):
+    """The reference's kept dense experts are still the ones served after a DecodeExecutor was built over the
+    same model (its ExpertBank re-points the expert tensors: a copy made before that would be invalidated and
+    every step would dequantise again). Counts mxfp4.dequantize calls during a reference decode."""
+    import k3_fastpath.mxfp4 as mxfp4
+    from k3_fastpath.config import preset
+    from k3_fastpath.runtime.envelope import Envelope
+    from k3_fastpath.runtime.executor import DecodeExecutor
+    from k3_fastpath.runtime.fast_step import ModelPlan
+    from verify.checks.equivalence import _keep_reference_experts_dense, build_synthetic_model
+
+    cfg = preset("k3-tiny").config
+    model = build_synthetic_model(cfg, seed % 1000, "stable", "cpu")
+    ModelPlan.build(model)
+    assert _keep_reference_experts_dense(model, True) > 0
+    DecodeExecutor(model, max_len=16, max_batch=2, envelope=Envelope(emulate=True))
+    calls = []
+    real = mxfp4.dequantize
+    monkeypatch.setattr(mxfp4, "dequantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache = model.new_cache(2, 8)
+    g = torch.Generator().manual_seed(seed)
+    model.prefill(torch.randint(3, cfg.vocab_size, (2, 4), generator=g), None, cache)
+    assert calls == []

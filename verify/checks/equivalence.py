@@ -272,6 +272,9 @@ def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: in
         preset = "k3-mini" if ctx.device == "cuda" else ctx.preset
     kv_dtype = _kv_dtype(kv_cache)
     model = _model(preset, ctx.seed, conditioning, ctx.device)
+    from k3_fastpath.runtime.fast_step import ModelPlan
+
+    ModelPlan.build(model)  # re-points the experts at their stacked tensors once, before their dense copies
     dense_kept = _keep_reference_experts_dense(model, reference_dense_experts)
     problems: list[str] = []
     points = []
