@@ -3,14 +3,18 @@
     y = skinny_gemm(x, w)                                # x [M, K] bf16, w [N, K] bf16 -> [M, N] bf16
     y = skinny_gemm(x, w, residual=h, out_dtype=torch.float32)
 
-The config (variant, M bucket, split-K) comes from ``SkinnyGemmConfig.from_heuristic(M, N, K)``; the
-compiled kernel serves every M of its bucket. ``precompile(preset)`` compiles every
-``rank_shapes(...).gemm_shapes()`` shape for every bucket. Outside the envelope the call is served by
-``reference.py`` and counted as a fallback with the reason.
+The config (variant, M bucket, split-K) comes from ``SkinnyGemmConfig.select(M, N, K)``: the heuristic
+(fma / mma.sync, kernel.py), or, where ``K3_SKINNY_GEMM_WGMMA`` opts in, the TMA + wgmma variant
+(kernel_wgmma.py) for M in its range. The compiled kernel serves every M of its bucket.
+``precompile(preset)`` compiles every ``rank_shapes(...).gemm_shapes()`` shape for every bucket (under the
+same environment). Outside the envelope the call is served by ``reference.py`` and counted as a fallback
+with the reason. Launches count under one kernel name, ``skinny_gemm``; ``VARIANT_LAUNCHES`` splits them
+by variant (the trace counters have no sub-keys).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -21,6 +25,7 @@ from .config import MAX_M, SkinnyGemmConfig, m_buckets
 from .reference import skinny_gemm_ref
 
 NAME = "skinny_gemm"
+VARIANT_LAUNCHES: Counter[str] = Counter()  # launches per config.variant, host-side like counters
 
 
 def compile_skinny_gemm(dtype: str, N: int, K: int, config: SkinnyGemmConfig) -> Any:
@@ -35,6 +40,7 @@ def compile_skinny_gemm(dtype: str, N: int, K: int, config: SkinnyGemmConfig) ->
 
         from ..._lib.tensor import fake_stream, fake_tensor
         from .kernel import SkinnyGemmKernel
+        from .kernel_wgmma import SkinnyGemmWgmmaKernel
 
         bf, f32 = cutlass.BFloat16, cutlass.Float32
         c = config
@@ -45,7 +51,8 @@ def compile_skinny_gemm(dtype: str, N: int, K: int, config: SkinnyGemmConfig) ->
         args = (fake_tensor(bf, (None, K)), fake_tensor(bf, (N, K)),
                 fake_tensor(f32 if c.out_fp32 else bf, (None, N)),
                 fake_tensor(bf, (None, N)) if c.residual else None, ws, cnt)
-        return cute.compile(SkinnyGemmKernel(N, K, config), *args, fake_stream(), options=options)
+        kernel_cls = SkinnyGemmWgmmaKernel if c.variant == "wgmma" else SkinnyGemmKernel
+        return cute.compile(kernel_cls(N, K, config), *args, fake_stream(), options=options)
 
     return compile_cache.get_or_compile(key, build)
 
@@ -74,7 +81,7 @@ def compile_variants(preset_name: str) -> list[dict[str, Any]]:
         for out_fp32, residual in ((False, False),) + EXTRA_EPILOGUES.get(name, ()):
             for M in m_buckets():
                 try:
-                    cfg = SkinnyGemmConfig.from_heuristic(M, N, K, out_fp32=out_fp32, residual=residual)
+                    cfg = SkinnyGemmConfig.select(M, N, K, out_fp32=out_fp32, residual=residual)
                 except ValueError:
                     continue
                 if (N, K, cfg) in seen:
@@ -106,7 +113,7 @@ def is_supported(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None
     if out_dtype not in (torch.bfloat16, torch.float32):
         return no(f"out dtype {out_dtype}")
     try:
-        SkinnyGemmConfig.from_heuristic(M, N, K)
+        SkinnyGemmConfig.select(M, N, K)
     except ValueError as e:
         return no(str(e))
     for name, t, dt in (("residual", residual, torch.bfloat16), ("out", out, out_dtype)):
@@ -151,8 +158,8 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
 
     M, K = x.shape
     N = w.shape[0]
-    cfg = config or SkinnyGemmConfig.from_heuristic(M, N, K, out_fp32=out_dtype == torch.float32,
-                                                    residual=residual is not None)
+    cfg = config or SkinnyGemmConfig.select(M, N, K, out_fp32=out_dtype == torch.float32,
+                                            residual=residual is not None)
     if cfg.m_max < M or cfg.out_fp32 != (out_dtype == torch.float32) or cfg.residual != (residual is not None):
         raise ValueError(f"config {cfg} does not fit M={M}, out {out_dtype}, residual={residual is not None}")
     fn = compile_skinny_gemm("bf16", N, K, cfg)
@@ -165,4 +172,5 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     fn(to_cute(x), to_cute(w, dynamic_dims=()), to_cute(out),
        to_cute(residual) if residual is not None else None, ws, cnt, current_stream(x.device))
     counters.count_launch(NAME)
+    VARIANT_LAUNCHES[cfg.variant] += 1
     return out

@@ -9,6 +9,7 @@ heuristic returns it; the rules below serve every other shape.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 VEC = 8  # bf16 per 16-byte load
@@ -25,6 +26,14 @@ FMA_MAX_M = 4
 NUM_SMS_H200 = 132
 PDL_PREFETCH_BYTES = 16 << 20  # per GEMM, before griddepcontrol.wait (L2 is 60 MB). TO BE MEASURED
 
+# wgmma variant (kernel_wgmma.py): TMA + wgmma, swap-AB. Opt-in only (WGMMA_ENV); from_heuristic never picks it.
+WGMMA_BUCKETS = (16, 32, 64)  # m_max = the wgmma N extent
+WGMMA_BLOCK_K = 64  # bf16 per 128-byte swizzle row: one pipeline stage holds k_unroll of these along K
+WGMMA_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
+SMEM_PER_SM_H200 = 228 * 1024  # of which 1 KB per resident CTA is reserved by the driver
+WGMMA_ENV = "K3_SKINNY_GEMM_WGMMA"  # "1"/"on": wgmma for M >= WGMMA_MIN_M; an integer 9..64: for M >= it
+WGMMA_MIN_M = 17  # default opt-in range 17..64. TO BE MEASURED (bench --wgmma): may extend down to 9
+
 
 @dataclass(frozen=True)
 class SkinnyGemmConfig:
@@ -35,6 +44,11 @@ class SkinnyGemmConfig:
     variant "mma": m_max in (8, 16, 32, 64); each warp owns ``rows_per_warp`` 16-row tiles and runs
       mma.sync m16n8k16 (BF16 in, FP32 accumulate) with the weights as the A operand (swap-AB),
       ``m_max / 8`` n-tiles of the batch.
+    variant "wgmma" (kernel_wgmma.py): m_max in (16, 32, 64) is the wgmma N extent; ``warps_n`` / 4
+      warpgroups each own ``rows_per_warp`` 64-row wgmma tiles (rows_per_cta = 16 * warps_n *
+      rows_per_warp); W and x tiles arrive by TMA through a ``stages``-deep mbarrier pipeline, each stage
+      ``k_unroll`` x 64 wide in K. ``split_k`` works as for mma. Never picked by ``from_heuristic``:
+      ``wgmma_for`` builds one, ``select`` returns it when the environment opts in (WGMMA_ENV).
     A CTA has ``warps_n`` x ``warps_k`` warps: warps_n split the CTA's rows, warps_k split K (reduced
     through shared memory). ``split_k`` CTAs split K further (mma only); each writes FP32 partials to a
     workspace and the last CTA to arrive sums them in split order (deterministic) and runs the epilogue.
@@ -58,6 +72,8 @@ class SkinnyGemmConfig:
     # then waits (griddepcontrol.wait) for its predecessor before it reads x / residual, then lets its
     # successor launch. Weights are never written by a step, so reading them early cannot race.
     pdl: bool = False
+    # wgmma only: TMA pipeline depth (K stages of W and x in flight per CTA); the other variants keep 4.
+    stages: int = 4
 
     def __post_init__(self) -> None:
         if self.variant == "fma":
@@ -68,14 +84,33 @@ class SkinnyGemmConfig:
         elif self.variant == "mma":
             if self.m_max not in MMA_BUCKETS:
                 raise ValueError(f"mma variant needs m_max in {MMA_BUCKETS}, got {self.m_max}")
+        elif self.variant == "wgmma":
+            self._check_wgmma()
         else:
             raise ValueError(f"unknown variant {self.variant!r}")
+        if self.variant != "wgmma" and self.stages != 4:
+            raise ValueError(f"stages is a wgmma knob; {self.variant} keeps the default 4")
         if self.rows_per_warp < 1 or self.warps_n < 1 or self.warps_k < 1 or self.split_k < 1:
             raise ValueError("rows_per_warp, warps_n, warps_k, split_k must be >= 1")
         if self.threads > 1024:
             raise ValueError(f"{self.threads} threads per CTA > 1024")
-        if self.smem_bytes > SMEM_LIMIT:
-            raise ValueError(f"needs {self.smem_bytes} B of shared memory > {SMEM_LIMIT}")
+        limit = WGMMA_SMEM_LIMIT if self.variant == "wgmma" else SMEM_LIMIT
+        if self.smem_bytes > limit:
+            raise ValueError(f"needs {self.smem_bytes} B of shared memory > {limit}")
+
+    def _check_wgmma(self) -> None:
+        if self.m_max not in WGMMA_BUCKETS:
+            raise ValueError(f"wgmma variant needs m_max in {WGMMA_BUCKETS}, got {self.m_max}")
+        if self.warps_n not in (4, 8) or self.warps_k != 1:
+            raise ValueError("wgmma variant needs warps_n in (4, 8) (one or two warpgroups) and warps_k == 1")
+        if self.rows_per_warp not in (1, 2):
+            raise ValueError("wgmma variant needs rows_per_warp in (1, 2) (64-row wgmma tiles per warpgroup)")
+        if self.k_unroll not in (1, 2, 4):
+            raise ValueError("wgmma variant needs k_unroll in (1, 2, 4) (64-wide K blocks per stage)")
+        if not 2 <= self.stages <= 12:
+            raise ValueError(f"wgmma variant needs 2 <= stages <= 12, got {self.stages}")
+        if self.m_max * (self.rows_per_cta + 4) * 4 > self.stages * self.stage_bytes:
+            raise ValueError("wgmma epilogue tile does not fit the pipeline slots it reuses")
 
     # ---------------------------------------------------------------- derived
     @property
@@ -84,22 +119,37 @@ class SkinnyGemmConfig:
 
     @property
     def rows_per_cta(self) -> int:
-        return self.warps_n * self.rows_per_warp * (16 if self.variant == "mma" else 1)
+        return self.warps_n * self.rows_per_warp * (1 if self.variant == "fma" else 16)
 
     @property
     def k_granule(self) -> int:
-        """K must be a multiple of this."""
+        """K must be a multiple of this (wgmma: 16-byte TMA row stride; the K tail is zero-filled)."""
         return MMA_K if self.variant == "mma" else VEC
 
     @property
+    def block_k(self) -> int:
+        """wgmma: K extent of one pipeline stage."""
+        return WGMMA_BLOCK_K * self.k_unroll
+
+    @property
     def acc_per_thread(self) -> int:
-        """FP32 accumulators per thread (mma: tiles x n-tiles x 4; fma: rows x m_max)."""
+        """FP32 accumulators per thread (mma: tiles x n-tiles x 4; wgmma: the CTA tile over its threads;
+        fma: rows x m_max)."""
         if self.variant == "mma":
             return self.rows_per_warp * (self.m_max // 8) * 4
+        if self.variant == "wgmma":
+            return self.rows_per_cta * self.m_max // self.threads
         return self.rows_per_warp * self.m_max
 
     @property
+    def stage_bytes(self) -> int:
+        """wgmma: bytes one pipeline stage brings in (the W tile and the x tile)."""
+        return (self.rows_per_cta + self.m_max) * self.block_k * 2
+
+    @property
     def smem_bytes(self) -> int:
+        if self.variant == "wgmma":  # pipeline slots (1 KB aligned; the epilogue tile reuses them), mbarriers
+            return self.stages * self.stage_bytes + 1024 + 256
         if self.variant == "mma":
             red = self.acc_per_thread * 32 * self.warps_n * self.warps_k * 4 if self.warps_k > 1 else 0
             staging = self.m_max * (self.rows_per_cta + 4) * 4  # epilogue tile, padded rows
@@ -114,6 +164,48 @@ class SkinnyGemmConfig:
         if self.split_k == 1:
             return 0
         return self.split_k * self.num_blocks(N) * self.acc_per_thread * 32 * self.warps_n
+
+    def ctas_per_sm(self) -> int:
+        """wgmma: CTAs that fit one SM by shared memory (the register file never limits it first)."""
+        return max(1, SMEM_PER_SM_H200 // (self.smem_bytes + 1024))
+
+    # ---------------------------------------------------------------- wgmma (opt-in)
+    @classmethod
+    def wgmma_for(cls, M: int, N: int, K: int, *, out_fp32: bool = False, residual: bool = False,
+                  num_sms: int = NUM_SMS_H200) -> SkinnyGemmConfig:
+        """A wgmma config for one (M, N, K). First guesses, TO BE MEASURED (``bench --wgmma``):
+        - 64 weight rows per CTA (one warpgroup); 128 (two warpgroups, x read half as often from L2) once
+          64-row CTAs would not fit one wave at 2 CTAs per SM (N > 64 * 2 * num_sms, e.g. lm_head);
+        - 64-wide K stages, as many as fit 2 CTAs per SM (at most 8): 6 stages at m_max = 64, i.e.
+          ~48 KB of W in flight per CTA, ~96 KB per SM (Little's law at ~4.4 TB/s over 132 SMs and
+          ~1.5 us loaded latency asks for >= 50 KB);
+        - split-K as the mma heuristic does: double it until the grid covers the SMs, keeping >= 4 K
+          stages per split."""
+        if not 1 <= M <= MAX_M:
+            raise ValueError(f"M = {M} outside 1..{MAX_M}")
+        if K % VEC or N % VEC:
+            raise ValueError(f"wgmma needs K and N multiples of {VEC}, got N={N}, K={K}")
+        m_max = next(b for b in WGMMA_BUCKETS if b >= M)
+        warps_n = 8 if -(-N // 64) > 2 * num_sms else 4
+        stage = (16 * warps_n + m_max) * WGMMA_BLOCK_K * 2
+        stages = max(3, min(8, (SMEM_PER_SM_H200 // 2 - 1024 - 1280) // stage))
+        blocks = -(-N // (16 * warps_n))
+        k_stages = -(-K // WGMMA_BLOCK_K)
+        split = 1
+        while blocks * split < num_sms and split < 16 and k_stages // (2 * split) >= 4:
+            split *= 2
+        return cls("wgmma", m_max=m_max, rows_per_warp=1, warps_n=warps_n, warps_k=1, split_k=split,
+                   k_unroll=1, stages=stages, out_fp32=out_fp32, residual=residual)
+
+    @classmethod
+    def select(cls, M: int, N: int, K: int, *, out_fp32: bool = False, residual: bool = False,
+               num_sms: int = NUM_SMS_H200) -> SkinnyGemmConfig:
+        """The config ``api.skinny_gemm`` launches: ``from_heuristic``, except where the environment opts
+        into the wgmma variant (``K3_SKINNY_GEMM_WGMMA``) and M is in its range."""
+        lo = wgmma_min_m()
+        if lo is not None and lo <= M <= MAX_M and K % VEC == 0:
+            return cls.wgmma_for(M, N, K, out_fp32=out_fp32, residual=residual, num_sms=num_sms)
+        return cls.from_heuristic(M, N, K, out_fp32=out_fp32, residual=residual, num_sms=num_sms)
 
     # ---------------------------------------------------------------- heuristic
     @classmethod
@@ -160,6 +252,27 @@ class SkinnyGemmConfig:
                    k_unroll=4 if m_max <= 32 else 2, out_fp32=out_fp32, residual=residual)
 
 
+def wgmma_min_m() -> int | None:
+    """The smallest M the environment sends to the wgmma variant, or None (off, the default)."""
+    raw = os.environ.get(WGMMA_ENV, "").strip().lower()
+    if raw in ("", "0", "off", "false", "no"):
+        return None
+    if raw in ("1", "on", "true", "yes"):
+        return WGMMA_MIN_M
+    if raw.isdigit() and 9 <= int(raw) <= MAX_M:
+        return int(raw)
+    raise ValueError(f"{WGMMA_ENV}={raw!r}: expected 0/1/on/off or an M threshold in 9..{MAX_M}")
+
+
 def m_buckets() -> tuple[int, ...]:
-    """Representative M per compiled variant: every config from_heuristic can return for M in 1..64."""
-    return tuple(range(1, FMA_MAX_M + 1)) + MMA_BUCKETS
+    """Representative M per compiled variant: every config ``select`` can return for M in 1..64 (with
+    the wgmma opt-in, its buckets replace the mma buckets they cover)."""
+    base = tuple(range(1, FMA_MAX_M + 1)) + MMA_BUCKETS
+    lo = wgmma_min_m()
+    if lo is None:
+        return base
+    keep = {m for m in base if m < lo} | {lo} | {b for b in WGMMA_BUCKETS if b >= lo}
+    for prev, b in zip((FMA_MAX_M,) + MMA_BUCKETS[:-1], MMA_BUCKETS, strict=True):
+        if prev + 1 < lo <= b:  # the mma bucket cut by lo still serves M in (prev, lo)
+            keep.add(lo - 1)
+    return tuple(sorted(keep))
