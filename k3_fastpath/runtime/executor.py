@@ -71,7 +71,8 @@ class DecodeExecutor:
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
                  envelope: Envelope | None = None, prefetch: bool = False,
                  prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = False,
-                 shared_stream: bool = True, pool_from: DecodeExecutor | None = None) -> None:
+                 shared_stream: bool = True, pool_from: DecodeExecutor | None = None,
+                 standard_compiled_glue: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -94,7 +95,9 @@ class DecodeExecutor:
         self.fast = backend in STEP_BACKENDS and self.model_reason is None
         self.use_graphs = bool(use_graphs and self.fast and self.device.type == "cuda")
         self.pdl = pdl
-        self.ops = standard_op_table() if backend == "standard_graph" else op_table()
+        # standard_compiled_glue: the standard path's glue through torch.compile, compiled at warm-up (standard_ops)
+        self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
+                    if backend == "standard_graph" else op_table())
         if pdl and self.ops["linear"].kernel == "skinny_gemm":
             self.ops["linear"] = OpImpl("linear", linear_pdl, kernel="skinny_gemm")
         self.side = SideStream(self.device, enabled=shared_stream and self.fast)
@@ -119,7 +122,8 @@ class DecodeExecutor:
                 "glue_ops": list(GLUE_OPS), "pdl": {"requested": pdl, "effect": pdl_support()},
                 "l2_prefetch": {"enabled": self.prefetcher.enabled, "budget_bytes": prefetch_budget},
                 "mla_pool_len": CachePool.latent_length(max_len),
-                "shared_experts_stream": self.side.stream is not None}
+                "shared_experts_stream": self.side.stream is not None,
+                "standard_compiled_glue": bool(standard_compiled_glue and backend == "standard_graph")}
         self.trace = ExecutionTrace(trace_dir if trace_dir is not None else trace_dir_from_env(), meta)
         if self.fast:  # the routed experts' kernel weights (and W_UK / W_UV) once, here, never per step
             self._plan = ModelPlan.build(model)

@@ -19,6 +19,13 @@ static buffers, one graph per bucket, shared experts on a side stream) with this
 | ``moe_experts`` | rows sorted by expert + ``torch._grouped_mm`` (cuBLAS-class grouped GEMM, sm_90) over |
 |                 | BF16 experts dequantised once at build (``StandardExperts``); FP32 weighted combine    |
 
+``standard_op_table(compiled_glue=True)`` (``DecodeExecutor(..., standard_compiled_glue=True)``; default off)
+serves the PyTorch glue above through ``torch.compile`` on CUDA tensors (``compiled_glue.py`` says how it stays
+capture-safe): ``GLUE_FNS`` (RMSNorm, the AttnRes mix + norm, the KDA conv update + row mask, the router's
+selection after the cuBLAS logits, the experts' sort / offsets / gather, SiTU-GLU between the grouped GEMMs
+and FP32 combine + latent norm), and ``linear`` becomes ``linear_standard_fused`` (the residual added in
+cuBLAS's epilogue by ``addmm``, FP32 logits straight from the GEMM). MLA's chunked attention stays eager.
+
 What it is for: ``perf.decode_sweep``'s fast-vs-standard ratio (issue #5 asks for a standard path at least
 as strong as cuBLAS + fla + grouped GEMM + compiled glue, graph-captured). Expert format: torch has no
 MXFP4 grouped GEMM for sm_90, so this path's experts are BF16 (4x the bytes of the fast path's MXFP4);
@@ -39,6 +46,7 @@ from ..kernels.kda_decode.reference import _conv_w3
 from ..kernels.rmsnorm_residual.reference import rmsnorm_residual_ref
 from ..reference.common import compute_dtype, rms_norm, situ_glu
 from ..reference.kda import kda_gate, kda_recurrent_step, l2_normalize
+from .compiled_glue import GLUE_COMPILED, GLUE_EAGER, GlueSet, compile_unavailable
 from .fast_ops import OpImpl, route_from_logits, write_mla_latent
 
 CUBLAS = "standard path: cuBLAS (torch.nn.functional.linear)"
@@ -57,6 +65,31 @@ def linear_standard(x, w, *, residual=None, out=None, out_dtype=None):
     if out is not None:
         return out.copy_(y)
     return y
+
+
+def linear_standard_fused(x, w, *, residual=None, out=None, out_dtype=None):
+    """``linear_standard``'s contract with the epilogue in cuBLAS (compiled-glue tables): the residual added by
+    ``addmm`` (beta = 1, in place when ``out`` is the residual: FP32 accumulate, ONE rounding, as the fast
+    path's fused residual), an FP32 output straight from ``mm(out_dtype=float32)``, ``mm(out=)`` instead of
+    a copy. Anything else (a CPU tensor, mixed dtypes) is ``linear_standard``."""
+    dt = x.dtype
+    want = out_dtype or (out.dtype if out is not None else dt)
+    if not x.is_cuda or x.dim() != 2 or w.dtype != dt or (out is not None and out.dtype != want):
+        return linear_standard(x, w, residual=residual, out=out, out_dtype=out_dtype)
+    if residual is not None:
+        if residual.dtype != dt or want != dt:
+            return linear_standard(x, w, residual=residual, out=out, out_dtype=out_dtype)
+        if out is None:
+            return torch.addmm(residual, x, w.t())
+        if out.data_ptr() == residual.data_ptr() and out.stride() == residual.stride():
+            return out.addmm_(x, w.t())
+        return torch.addmm(residual, x, w.t(), out=out)
+    if want == dt:
+        return torch.mm(x, w.t(), out=out) if out is not None else torch.mm(x, w.t())
+    if want == torch.float32 and dt in (torch.bfloat16, torch.float16) and mm_out_dtype_works(str(x.device)):
+        y = torch.mm(x, w.t(), out_dtype=torch.float32)
+        return out.copy_(y) if out is not None else y
+    return linear_standard(x, w, out=out, out_dtype=out_dtype)
 
 
 def rmsnorm_standard(x, w, eps):
@@ -84,24 +117,39 @@ def _conv_standard(x, w, pool, idx):
     win = torch.cat([pool.index_select(0, idx), x[:, None, :].to(pool.dtype)], dim=1)  # [B, W, C]
     wt = _conv_w3(w)[:, 0, :].t().float()  # [W, C]
     y = torch.nn.functional.silu((win.float() * wt[None]).sum(dim=1))
-    pool.index_copy_(0, idx, win[:, 1:])
+    pool.index_copy_(0, idx, win[:, 1:])  # inductor writes the rows in place (no copy of the pool)
     return y
 
 
+def kda_conv_standard(q, k, v, conv_q_w, conv_k_w, conv_v_w, conv_q, conv_k, conv_v, idx, out_dtype):
+    """Glue: the q, k, v conv updates of one KDA step (their pools updated in place), outputs in ``out_dtype``."""
+    qc = _conv_standard(q, conv_q_w, conv_q, idx).to(out_dtype)
+    kc = _conv_standard(k, conv_k_w, conv_k, idx).to(out_dtype)
+    vc = _conv_standard(v, conv_v_w, conv_v, idx).to(out_dtype)
+    return qc, kc, vc
+
+
+def kda_zero_empty_standard(y, idx, dtype):
+    """Glue: rows of slot 0 (padded / inactive) zeroed, the output rounded to ``dtype``."""
+    return (y * (idx != 0).to(y.dtype)[:, None]).to(dtype)
+
+
 def kda_step_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
-                      conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0, out=None):
+                      conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0, out=None,
+                      glue=None):
     """``kernels.kda_decode``'s op contract in library code. Rows of slot 0 compute on slot 0's (scratch)
-    state like any row and are zeroed on output; real slots are distinct within a step."""
+    state like any row and are zeroed on output; real slots are distinct within a step. ``glue``: the
+    table's ``GlueSet`` (None: eager) for the conv update and the row mask."""
     B, C = q.shape
     _, H, D, _ = state.shape
     idx = slot.long()
-    qc, kc, vc = (_conv_standard(x, w, p, idx) for x, w, p in
-                  ((q, conv_q_w, conv_q), (k, conv_k_w, conv_k), (v, conv_v_w, conv_v)))
     fla = fla_kda() if q.is_cuda else None
+    qc, kc, vc = _glue(glue, "kda_conv", q, k, v, conv_q_w, conv_k_w, conv_v_w, conv_q, conv_k, conv_v, idx,
+                       q.dtype if fla is not None else torch.float32)
     if fla is not None:
         fused_recurrent_kda_fwd, rms_norm_gated = fla
         o, _ = fused_recurrent_kda_fwd(
-            qc.to(q.dtype).view(B, 1, H, D), kc.to(q.dtype).view(B, 1, H, D), vc.to(q.dtype).view(B, 1, H, D),
+            qc.reshape(B, 1, H, D), kc.reshape(B, 1, H, D), vc.reshape(B, 1, H, D),
             a.view(B, 1, H, D), beta_logits.view(B, 1, H), A_log=A_log[:H].contiguous(),
             dt_bias=dt_bias.reshape(H, D).contiguous(), scale=D ** -0.5, initial_state=state,
             output_final_state=True, inplace_final_state=True, ssm_state_indices=idx,
@@ -118,7 +166,7 @@ def kda_step_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, 
                                       torch.sigmoid(beta_logits.to(cdt)), state.index_select(0, idx))
         state.index_copy_(0, idx, s_new.to(state.dtype))
         y = (rms_norm(o, o_norm_w.to(cdt), eps) * torch.sigmoid(g.to(cdt).view(B, H, D))).reshape(B, C)
-    y = (y * (idx != 0).to(y.dtype)[:, None]).to(q.dtype)
+    y = _glue(glue, "kda_zero_empty", y, idx, q.dtype)
     if out is not None:
         return out.copy_(y)
     return y
@@ -302,49 +350,103 @@ def _grouped(x: torch.Tensor, w: torch.Tensor, expert_of_row: torch.Tensor, offs
     return torch.bmm(x[:, None, :], w.index_select(0, expert_of_row).transpose(1, 2))[:, 0]  # CPU
 
 
-def moe_experts_standard(z, ids, weights, bank, norm_w=None, eps=1e-5):
-    """The routed experts as a grouped GEMM: the Bk x k (row, expert) pairs sorted by expert, offsets from a
-    device-side count, w1 / w3 grouped GEMMs, SiTU-GLU (FP32 math), w2 grouped GEMM, weighted FP32 combine
-    (``index_add_``), optionally the latent RMSNorm. Same math as ``moe_experts_ref`` (bf16 h and y)."""
-    E = bank.num_experts
-    st = StandardExperts.of(bank)
-    bk, k = ids.shape
+def experts_dispatch_standard(z, ids, num_experts, dtype):
+    """Glue: the Bk x k (row, expert) pairs sorted by expert -> (order, expert of each sorted pair, grouped-GEMM
+    offsets from a device-side count, source row of each pair, the gathered rows in ``dtype``)."""
+    k = ids.shape[1]
     flat = ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
     e_sorted = flat.index_select(0, order)
-    counts = torch.zeros(E, dtype=torch.int32, device=z.device).scatter_add_(
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=z.device).scatter_add_(
         0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     row = order // k
-    xs = z.index_select(0, row).to(st.w1.dtype)
-    h = situ_glu(_grouped(xs, st.w1, e_sorted, offs), _grouped(xs, st.w3, e_sorted, offs), bank.beta,
-                 bank.linear_beta).to(st.w2.dtype)
-    y = _grouped(h, st.w2, e_sorted, offs)
+    return order, e_sorted, offs, row, z.index_select(0, row).to(dtype)
+
+
+def experts_glu_standard(g, u, beta, linear_beta, dtype):
+    """Glue: SiTU-GLU (FP32 math) between the w1 / w3 and the w2 grouped GEMMs, rounded to ``dtype``."""
+    return situ_glu(g, u, beta, linear_beta).to(dtype)
+
+
+def experts_combine_standard(y, weights, order, row, norm_w, eps, dtype):
+    """Glue: the FP32 weighted sum of each row's expert outputs (``index_add_``), or with ``norm_w`` its latent
+    RMSNorm rounded to ``dtype``."""
     wt = weights.reshape(-1).float().index_select(0, order)
-    acc = torch.zeros(bk, z.shape[1], dtype=torch.float32, device=z.device)
+    acc = torch.zeros(weights.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
     acc.index_add_(0, row, y.float() * wt[:, None])
     if norm_w is None:
         return acc
-    return rms_norm(acc, norm_w, eps).to(z.dtype)
+    return rms_norm(acc, norm_w, eps).to(dtype)
 
 
-def standard_op_table() -> dict[str, OpImpl]:
-    """The op table of ``backend="standard_graph"`` (see the module docstring); each entry names its library."""
+def moe_experts_standard(z, ids, weights, bank, norm_w=None, eps=1e-5, *, glue=None):
+    """The routed experts as a grouped GEMM: the Bk x k (row, expert) pairs sorted by expert, offsets from a
+    device-side count, w1 / w3 grouped GEMMs, SiTU-GLU (FP32 math), w2 grouped GEMM, weighted FP32 combine
+    (``index_add_``), optionally the latent RMSNorm. Same math as ``moe_experts_ref`` (bf16 h and y).
+    ``glue``: the table's ``GlueSet`` (None: eager) for everything between the grouped GEMMs."""
+    st = StandardExperts.of(bank)
+    order, e_sorted, offs, row, xs = _glue(glue, "experts_dispatch", z, ids, bank.num_experts, st.w1.dtype)
+    h = _glue(glue, "experts_glu", _grouped(xs, st.w1, e_sorted, offs), _grouped(xs, st.w3, e_sorted, offs),
+              bank.beta, bank.linear_beta, st.w2.dtype)
+    y = _grouped(h, st.w2, e_sorted, offs)
+    return _glue(glue, "experts_combine", y, weights, order, row, norm_w, eps, z.dtype)
+
+
+def standard_op_table(compiled_glue: bool = False, device: torch.device | str | None = None) -> dict[str, OpImpl]:
+    """The op table of ``backend="standard_graph"`` (see the module docstring); each entry names its library.
+
+    ``compiled_glue``: the glue through ``torch.compile`` on CUDA tensors (``compiled_glue.py``); ``device``:
+    the tensors the table will serve (None: the first glue call says). On a CPU, or where torch.compile is
+    unusable or raises, the glue runs eagerly and the op's ``standard_reason`` says why (updated when a
+    compile fails at warm-up, so the steps' trace records say what served them)."""
     kda_lib = ("standard path: PyTorch conv update + fla fused_recurrent_kda_fwd + fla rms_norm_gated"
                if fla_kda() is not None else "standard path: PyTorch KDA step (fla not importable)")
     experts_lib = ("standard path: torch._grouped_mm over BF16 experts (sorted rows), FP32 combine"
                    if hasattr(torch, "_grouped_mm") else "standard path: gathered bmm over BF16 experts")
-    table = {
-        "linear": (linear_standard, CUBLAS),
-        "rmsnorm": (rmsnorm_standard, TORCH),
-        "attn_res": (attn_res_standard, TORCH),
-        "kda_step": (kda_step_standard, kda_lib),
-        "mla_attention": (mla_attention_standard,
-                          "standard path: absorbed MLA as cuBLAS bmm (BF16 latent chunks, FP32 out)"),
-        "moe_router": (moe_router_standard_lib, "standard path: cuBLAS FP32 logits + torch.sort top-k"),
-        "moe_experts": (moe_experts_standard, experts_lib),
-    }
-    return {n: OpImpl(n, fn, standard_reason=why) for n, (fn, why) in table.items()}
+    libs = {"linear": CUBLAS, "rmsnorm": TORCH, "attn_res": TORCH, "kda_step": kda_lib,
+            "mla_attention": "standard path: absorbed MLA as cuBLAS bmm (BF16 latent chunks, FP32 out)",
+            "moe_router": "standard path: cuBLAS FP32 logits + torch.sort top-k", "moe_experts": experts_lib}
+    if not compiled_glue:
+        fns = {"linear": linear_standard, "rmsnorm": rmsnorm_standard, "attn_res": attn_res_standard,
+               "kda_step": kda_step_standard, "mla_attention": mla_attention_standard,
+               "moe_router": moe_router_standard_lib, "moe_experts": moe_experts_standard}
+        return {n: OpImpl(n, fn, standard_reason=libs[n]) for n, fn in fns.items()}
+    glue = GlueSet(GLUE_FNS, compiled=True, device=device)
+    fns = {"linear": linear_standard_fused, "rmsnorm": functools.partial(glue, "rmsnorm"),
+           "attn_res": functools.partial(glue, "attn_res"),
+           "kda_step": functools.partial(kda_step_standard, glue=glue), "mla_attention": mla_attention_standard,
+           "moe_router": functools.partial(moe_router_standard_lib, glue=glue),
+           "moe_experts": functools.partial(moe_experts_standard, glue=glue)}
+    table: dict[str, OpImpl] = {}
+
+    def reasons() -> None:  # (re)written in place: the executor's OpCalls read this very dict
+        for n, fn in fns.items():
+            if n == "linear" and glue.device is None:
+                why = f"{CUBLAS}; on CUDA tensors {CUBLAS_FUSED.removeprefix('standard path: ')}"
+            elif n == "linear":
+                why = CUBLAS_FUSED if glue.device.type == "cuda" else \
+                    f"{CUBLAS}; {GLUE_EAGER} ({compile_unavailable(glue.device)})"
+            elif n in OP_GLUE:
+                why = f"{libs[n]}; {glue.status(OP_GLUE[n])}"
+            else:
+                why = f"{libs[n]}; {GLUE_EAGER} (not in the compiled glue)"
+            table[n] = OpImpl(n, fn, standard_reason=why)
+
+    glue.on_change = reasons
+    reasons()
+    return table
+
+
+def glue_summary(ops: dict[str, OpImpl]) -> str:
+    """What served a standard op table's glue, from its reasons: ``torch.compile``, ``eager`` or
+    ``torch.compile (partly eager)`` (for the sweep's rows)."""
+    why = [ops[n].standard_reason or "" for n in OP_GLUE if n in ops]
+    compiled = [GLUE_COMPILED in w for w in why]
+    eager = [GLUE_EAGER in w or "+ eager (" in w or GLUE_COMPILED not in w for w in why]
+    if all(compiled) and not any(eager):
+        return "torch.compile"
+    return "torch.compile (partly eager)" if any(compiled) else "eager"
 
 
 @functools.lru_cache(maxsize=8)
@@ -357,14 +459,33 @@ def mm_out_dtype_works(device: str) -> bool:
         return False
 
 
-def moe_router_standard_lib(x, gate_w, bias, top_k, renormalize, scale):
-    """The reference router's selection (``fast_ops.route_from_logits``) on cuBLAS FP32-output logits."""
+def moe_router_standard_lib(x, gate_w, bias, top_k, renormalize, scale, *, glue=None):
+    """The reference router's selection (``fast_ops.route_from_logits``) on cuBLAS FP32-output logits;
+    ``glue``: the table's ``GlueSet`` (None: eager) for the selection."""
     if mm_out_dtype_works(str(x.device)) and x.dtype == gate_w.dtype:
         logits = torch.mm(x, gate_w.t(), out_dtype=torch.float32)
     else:
         logits = torch.nn.functional.linear(x.float(), gate_w.float())
-    return route_from_logits(logits, bias, top_k, renormalize, scale)
+    return _glue(glue, "router_select", logits, bias, top_k, renormalize, scale)
 
 
-__all__ = ["StandardExperts", "grouped_mm_works", "kda_step_standard", "linear_standard", "mla_attention_standard",
-           "moe_experts_standard", "moe_router_standard_lib", "standard_op_table"]
+# ------------------------------------------------------------------------------------------ glue
+CUBLAS_FUSED = ("standard path: cuBLAS addmm / mm (the residual added in the GEMM epilogue, one rounding; FP32 "
+                "logits straight from the GEMM)")
+# the pure-tensor glue functions compiled_glue=True serves through torch.compile (on CUDA tensors)
+GLUE_FNS = {"rmsnorm": rmsnorm_standard, "attn_res": attn_res_standard, "kda_conv": kda_conv_standard,
+            "kda_zero_empty": kda_zero_empty_standard, "router_select": route_from_logits,
+            "experts_dispatch": experts_dispatch_standard, "experts_glu": experts_glu_standard,
+            "experts_combine": experts_combine_standard}
+OP_GLUE = {"rmsnorm": ("rmsnorm",), "attn_res": ("attn_res",), "kda_step": ("kda_conv", "kda_zero_empty"),
+           "moe_router": ("router_select",), "moe_experts": ("experts_dispatch", "experts_glu", "experts_combine")}
+
+
+def _glue(glue: GlueSet | None, name: str, *args: Any) -> Any:
+    """Glue function ``name`` of ``GLUE_FNS``: eager without a ``GlueSet``, else as the set routes it."""
+    return GLUE_FNS[name](*args) if glue is None else glue(name, *args)
+
+
+__all__ = ["GLUE_FNS", "OP_GLUE", "StandardExperts", "glue_summary", "grouped_mm_works", "kda_step_standard",
+           "linear_standard", "linear_standard_fused", "mla_attention_standard", "moe_experts_standard",
+           "moe_router_standard_lib", "standard_op_table"]

@@ -106,7 +106,8 @@ class TPFastDecoder:
     def __init__(self, cfg: Any, model: Any, comm: Communicator, *, max_batch: int = 64, max_len: int,
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
                  kv_dtype: torch.dtype | None = None, stacked_experts: bool | str = "auto",
-                 backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None) -> None:
+                 backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None,
+                 standard_compiled_glue: bool = False) -> None:
         from .cache_pool import CachePool
         from .executor import STEP_BACKENDS, _buckets
         from .fast_ops import op_table
@@ -128,7 +129,8 @@ class TPFastDecoder:
             stacked_experts = ExpertBank.stacked_bytes(model.cfg, model.dtype) < free // 2
         self.plan = ModelPlan.build(model, stacked_experts=bool(stacked_experts))
         self.backend = backend
-        self.ops = standard_op_table() if backend == "standard_graph" else op_table()
+        self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
+                    if backend == "standard_graph" else op_table())  # compiled glue: compiled at the warm-up run
         self.kv_dtype = kv_dtype or model.dtype
         if pool_from is not None:  # e.g. the standard path timed on the fast decoder's caches
             if (pool_from.model is not model or pool_from.max_len != max_len or pool_from.kv_dtype != self.kv_dtype

@@ -159,11 +159,12 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                  iters: int = 20, standard_iters: int = 5, warmup: int = 3, kv_cache: str = "bf16",
                  mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
-                 layer_times: bool = True) -> Any:
+                 layer_times: bool = True, standard_compiled_glue: bool = False) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
     measured in this run (verify/checks/perf_sweep.py says how each number is taken). ``reference_batches``:
     the batches that also time the eager reference model (information only, slow at long context; default
-    all); ``layer_times``: per-layer-type times of the fast and standard graph paths."""
+    all); ``layer_times``: per-layer-type times of the fast and standard graph paths;
+    ``standard_compiled_glue``: the standard path's glue through torch.compile (rows say ``standard_glue``)."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
@@ -237,7 +238,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                                   kv_dtype=kv_dtype)
             std = DecodeExecutor(model, backend="standard", max_batch=max(batches), max_len=max_len, kv_dtype=kv_dtype)
             strong = DecodeExecutor(model, backend="standard_graph", max_batch=max(batches), max_len=max_len,
-                                    kv_dtype=kv_dtype, pool_from=fast) if standard_graph else None
+                                    kv_dtype=kv_dtype, pool_from=fast,
+                                    standard_compiled_glue=standard_compiled_glue) if standard_graph else None
             for batch in sorted(batches):
                 for r in routing:
                     if over_budget(f"tp=1 batch={batch} context={context} {r}"):
@@ -282,7 +284,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
 
         params = {"preset": preset, "batches": sorted(batches), "contexts": sorted(contexts), "routing": routing,
                   "iters": iters, "standard_iters": standard_iters, "seed": ctx.seed, "bw": bw,
-                  "reference_batches": sorted(reference_batches or batches)}
+                  "reference_batches": sorted(reference_batches or batches),
+                  "standard_compiled_glue": standard_compiled_glue}
         merged = S.merge_ranks(launch(S.tp_worker, size, (params,), backend="nccl",
                                       timeout_s=max(60.0, ctx.budget_s - ctx.elapsed())))
         emit(merged["rows"])

@@ -6,7 +6,8 @@ Per TP1 point (batch x context x routing), in ONE process, on ONE cache:
    slack`` (the standard MLA op reads the whole pool length, so the pool is sized to the point):
    ``latency_specialized`` (row ``backend: fast``), ``standard_graph`` (row ``backend: standard``: the
    strong standard path of the targets, cuBLAS + fla + ``torch._grouped_mm`` over BF16 experts + PyTorch
-   glue in the same CUDA graphs, ``runtime/standard_ops.py``) and ``standard`` (row ``backend:
+   glue in the same CUDA graphs, ``runtime/standard_ops.py``; ``standard_compiled_glue``: that glue through
+   torch.compile, the row's ``standard_glue`` says which served) and ``standard`` (row ``backend:
    reference``: the eager PyTorch reference model, information only);
 2. the cache (from the fast executor's slot pool; the standard backend runs the reference model on the same
    views) is filled to ``context`` positions cheaply and never with zeros: MLA latents ~ N(0, 1), KDA state
@@ -183,6 +184,13 @@ def _graph_row(ex: Any, tokens: torch.Tensor, cache: Any, out: torch.Tensor, ite
              "not_fast": "the executor did not run this step as a captured step"})
 
 
+def _glue_of(ex: Any) -> str:
+    """What served a standard_graph executor's glue: ``torch.compile``, ``eager`` or partly both."""
+    from k3_fastpath.runtime.standard_ops import glue_summary
+
+    return glue_summary(ex.ops)
+
+
 def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
               standard_iters: int, warmup: int, seed: int, strong: Any = None, layer_times: bool = True,
               reference: bool = True, floor_cfg: Any = None, rank_tp: int = 1) -> list[dict[str, Any]]:
@@ -217,6 +225,7 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
             rows.append({**common, "backend": "standard", **gs, **g_extra, **throughput(gs["step_us_median"], batch, 1),
                          "pct_of_floor": fl["floor_us"] / gs["step_us_median"],
                          "x_floor": gs["step_us_median"] / fl["floor_us"], "expert_format": "bf16",
+                         "standard_glue": _glue_of(strong),
                          "expert_format_note": "torch has no MXFP4 grouped GEMM on sm_90: the standard path's "
                                                "experts are dequantised to BF16 once (4x the fast path's expert "
                                                "bytes); floor_us is the model's (MXFP4) floor for both"})
@@ -340,7 +349,8 @@ def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
         fast = TPFastDecoder(cfg, model, comms["fused"], max_batch=max(params["batches"]),
                              max_len=context + CONTEXT_SLACK)
         strong = TPFastDecoder(cfg, model, comms["unfused"], max_batch=max(params["batches"]),
-                               max_len=context + CONTEXT_SLACK, backend="standard_graph", pool_from=fast)
+                               max_len=context + CONTEXT_SLACK, backend="standard_graph", pool_from=fast,
+                               standard_compiled_glue=params.get("standard_compiled_glue", False))
         for batch in params["batches"]:
             for routing in params["routing"]:
                 try:
@@ -390,7 +400,8 @@ def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, 
             rows.append({**common, "backend": name, **st, **extra, **throughput(st["step_us_median"], batch, world),
                          "pct_of_floor": fl["floor_us"] / st["step_us_median"],
                          "x_floor": st["step_us_median"] / fl["floor_us"],
-                         "expert_format": cfg.expert_format if name == "fast" else "bf16"})
+                         "expert_format": cfg.expert_format if name == "fast" else "bf16",
+                         **({"standard_glue": _glue_of(dec)} if name == "standard" else {})})
         cache.lengths = base.clone()
         if batch not in params.get("reference_batches", [batch]):
             return rows
