@@ -23,6 +23,7 @@ import dataclasses
 
 import pytest
 import torch
+from test_kernels_gpu import _check_close  # the same FP64 bound as the mma variant's GPU tests
 
 from k3_fastpath._lib import counters
 from k3_fastpath.kernels.skinny_gemm import api
@@ -40,15 +41,6 @@ M_GRID = (9, 16, 17, 32, 33, 64)
 GUARD = 4  # poisoned rows after the M output rows
 
 
-def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    return (a.double() - ref).abs().max().item()
-
-
-def _check_close(fast, torch_same, ref64, what, seed):
-    assert not torch.isnan(fast).any(), f"{what}: NaN in output (not written?) seed={seed}"
-    e_fast, e_torch = _err(fast, ref64), _err(torch_same, ref64)
-    atol = 1e-3 * ref64.abs().max().item()
-    assert e_fast <= 2 * e_torch + atol, f"{what}: err {e_fast:.3g} > 2 x torch {e_torch:.3g} + {atol:.3g} seed={seed}"
 
 
 _weights: dict[tuple[int, int], torch.Tensor] = {}
