@@ -150,23 +150,53 @@ def test_l2_prefetch_changes_no_bit(seed):
     assert "l2_prefetch" not in off.trace.records[-1].kernels
 
 
+# every compile-cache kernel family a PDL step builds (the multi-launch kernels: each launch)
+PDL_BUILDS = ("skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode",
+              "mla_decode_combine", "moe_experts_plan", "moe_experts_gemm", "moe_experts_combine")
+
+
+def _is_pdl_key(key) -> bool:
+    """A compile-cache key of a PDL build: a config dataclass with pdl=True, or a knob tuple naming "pdl"."""
+    c = key.config
+    return bool(getattr(c, "pdl", False)) or (isinstance(c, tuple) and "pdl" in c)
+
+
 def test_pdl_changes_no_bit(seed):
-    """Programmatic dependent launch only moves when kernels start: logits and caches are bit for bit those
-    of normal launches (a kernel reading activations before its wait would break this under load)."""
+    """Programmatic dependent launch only moves when kernels start: logits and caches (KDA conv and recurrent
+    state, MLA latents) are bit for bit those of normal launches, replayed from CUDA graphs and eagerly (a
+    kernel reading activations before its wait would break this under load). Every op of the pdl=True
+    table is its PDL twin, and every kernel family of the step was compiled as a PDL build."""
+    from k3_fastpath._lib import compile_cache
+    from k3_fastpath.runtime import fast_ops
+
     model = _model("tiny-6heads")
     off = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,))
     on = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=True)
+    on_eager = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=True, use_graphs=False)
+    for name, (default_fn, twin) in fast_ops.PDL_VARIANTS.items():
+        assert off.ops[name].fn is default_fn and on.ops[name].fn is twin, name
     off.warmup_and_capture()
     on.warmup_and_capture()
     ref, c_off, first = _filled(model, off, 8, 8, seed, 48)
-    c_on = on.new_cache(8, 48)
+    c_on, c_eager = on.new_cache(8, 48), on_eager.new_cache(8, 48)
     on.copy_cache(c_on, ref)
+    on_eager.copy_cache(c_eager, ref)
     tok = first.argmax(-1)
-    for _ in range(6):
-        a, b = off.decode(tok, c_off), on.decode(tok, c_on)
-        assert torch.equal(a, b), f"seed {seed}"
+    for step in range(6):
+        a, b, e = off.decode(tok, c_off), on.decode(tok, c_on), on_eager.decode(tok, c_eager)
+        assert torch.equal(a, b), f"seed {seed}: graph-replayed PDL step {step} changed the logits"
+        assert torch.equal(a, e), f"seed {seed}: eager PDL step {step} changed the logits"
         tok = a.argmax(-1)
-    assert on.trace.meta["pdl"]["requested"] and fast_path_problems(summarize(list(on.trace.records))) == []
+    for i, (x, y, z) in enumerate(zip(c_off.layers, c_on.layers, c_eager.layers, strict=True)):
+        triples = (zip(x.tensors(), y.tensors(), z.tensors(), strict=True) if hasattr(x, "tensors")
+                   else [(x.latent, y.latent, z.latent)])
+        for p, q, r in triples:
+            assert torch.equal(p, q) and torch.equal(p, r), f"seed {seed}: layer {i} cache differs under PDL"
+    for ex in (on, on_eager):
+        assert ex.trace.meta["pdl"]["requested"] and fast_path_problems(summarize(list(ex.trace.records))) == []
+    assert all(r.graph for r in on.trace.records) and not any(r.graph for r in on_eager.trace.records)
+    built = {r.key.kernel for r in compile_cache.records() if _is_pdl_key(r.key)}
+    assert set(PDL_BUILDS) <= built, f"kernels never built with pdl: {sorted(set(PDL_BUILDS) - built)}"
 
 
 def test_fp8_kv_cache(seed):

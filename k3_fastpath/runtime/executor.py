@@ -28,7 +28,7 @@ pool is then a paged cache of 64-position pages, the layout ``mla_decode`` takes
 the context limit of the envelope and of ``new_cache``. Launch-level options
 (both off by default, both measured on/off by scripts/gpu/decode_executor_check.py): ``prefetch`` (next
 layer's weights into L2 on a side stream, ``prefetch.py``) and ``pdl`` (programmatic dependent launch of
-the projections; ``pdl_support()`` says exactly what it covers).
+every kernel of the step, ``fast_ops.op_table(pdl=True)``; ``pdl_support()`` says exactly what it covers).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import torch
 from .._lib import counters
 from .cache_pool import CachePool, PooledCache, copy_cache
 from .envelope import PREFILL_REASON, Envelope
-from .fast_ops import GLUE_OPS, OpImpl, linear_pdl, op_table
+from .fast_ops import GLUE_OPS, op_table
 from .fast_step import ModelPlan, OpCalls, SideStream, StepIO, run_step
 from .graphs import BucketGraphs, bucket_for, counter_delta
 from .prefetch import DEFAULT_BUDGET_BYTES, L2Prefetcher
@@ -56,11 +56,19 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 def pdl_support() -> str:
     """What ``pdl=True`` does in this build (recorded in the trace metadata)."""
-    return ("skinny_gemm (every projection) launches with programmatic dependent launch: each CTA prefetches "
-            "its share of up to 16 MB of weights into L2, then griddepcontrol.wait, then launch_dependents "
-            "(nvidia-cutlass-dsl 4.8.1: launch(use_pdl=True), cute.arch.griddepcontrol_*). rmsnorm_residual, "
-            "attn_res_mix, kda_decode, moe_router and the PyTorch ops launch normally (they wait for their "
-            "predecessor as usual and do not trigger early)")
+    return ("every kernel of the latency_specialized step launches with programmatic dependent launch "
+            "(nvidia-cutlass-dsl 4.8.1: launch(use_pdl=True), cute.arch.griddepcontrol_*); before "
+            "griddepcontrol.wait each reads only weights, nothing a step writes, then triggers "
+            "launch_dependents once its input loads are issued: skinny_gemm (every projection, the router "
+            "logits) prefetches its CTA's share of up to 16 MB of W into L2; rmsnorm_residual loads its norm "
+            "weight; attn_res_mix loads norm_w and proj_w and prefetches out_w into L2; kda_decode loads the "
+            "conv weights, dt_bias, A_log and o_norm_w (slot, conv and recurrent state only after the wait); "
+            "moe_router's selection loads the correction bias; mla_decode's attention reads nothing (q, block "
+            "table, ctx_len and the latent cache after the wait) and its combine prefetches W_UV into L2; "
+            "moe_experts' plan reads nothing (ids after the wait), its two grouped GEMMs only build their "
+            "shared-memory MXFP4 table (which experts they read depends on the router), its combine loads the "
+            "latent norm weight. The PyTorch glue between kernels launches normally; the standard_graph "
+            "backend and tp_fast.TPFastDecoder do not use PDL")
 
 
 class DecodeExecutor:
@@ -97,9 +105,7 @@ class DecodeExecutor:
         self.pdl = pdl
         # standard_compiled_glue: the standard path's glue through torch.compile, compiled at warm-up (standard_ops)
         self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
-                    if backend == "standard_graph" else op_table())
-        if pdl and self.ops["linear"].kernel == "skinny_gemm":
-            self.ops["linear"] = OpImpl("linear", linear_pdl, kernel="skinny_gemm")
+                    if backend == "standard_graph" else op_table(pdl=pdl))
         self.side = SideStream(self.device, enabled=shared_stream and self.fast)
         self.prefetcher = L2Prefetcher(self.device, prefetch_budget, enabled=prefetch and self.fast)
         self.pool: CachePool | None = None

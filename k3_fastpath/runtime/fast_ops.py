@@ -19,6 +19,12 @@ A kernel that refuses a call (its ``is_supported``) serves it from its reference
 with the reason; the trace lists it per step (``kernel_fallbacks``), and the executor runs such a bucket
 eagerly instead of capturing it (the references synchronise with the host).
 
+``op_table(pdl=True)`` (what ``DecodeExecutor(pdl=True)`` runs) serves every op whose entry is still the
+default kernel adapter by its programmatic-dependent-launch twin (``PDL_VARIANTS``): the same kernels with
+``pdl=True``, each launched with the PDL attribute, reading only weights before ``griddepcontrol.wait``
+(what each reads is in ``executor.pdl_support()`` and the kernels' docstrings). The PyTorch glue between
+kernels launches normally.
+
 Plugging in a kernel is one call::
 
     register_op("mla_attention", my_adapter, kernel="mla_decode")
@@ -65,10 +71,18 @@ def register_op(name: str, fn: Callable[..., Any], *, kernel: str | None = None,
     _REGISTRY[name] = OpImpl(name, fn, kernel, standard_reason)
 
 
-def op_table() -> dict[str, OpImpl]:
-    """A snapshot of the registry (an executor keeps the table it was built with)."""
+def op_table(pdl: bool = False) -> dict[str, OpImpl]:
+    """A snapshot of the registry (an executor keeps the table it was built with). ``pdl``: each op still
+    served by its default kernel adapter gets that adapter's PDL twin (``PDL_VARIANTS``); an op registered
+    with another function keeps it."""
     _register_defaults()
-    return dict(_REGISTRY)
+    table = dict(_REGISTRY)
+    if pdl:
+        for name, (default_fn, pdl_fn) in PDL_VARIANTS.items():
+            impl = table.get(name)
+            if impl is not None and impl.fn is default_fn:
+                table[name] = OpImpl(name, pdl_fn, kernel=impl.kernel)
+    return table
 
 
 # ------------------------------------------------------------------------------------ fast-kernel ops
@@ -80,7 +94,8 @@ def _linear(x, w, *, residual=None, out=None, out_dtype=None):
 
 def linear_pdl(x, w, *, residual=None, out=None, out_dtype=None):
     """``linear`` with the skinny GEMM launched for programmatic dependent launch (``config.pdl``): its
-    weights stream toward L2 while the previous kernel finishes; activations are read after the wait."""
+    weights stream toward L2 while the previous kernel finishes; activations are read after the wait. The
+    config is the one ``skinny_gemm`` would pick (``SkinnyGemmConfig.select``), so only the launch differs."""
     import dataclasses
 
     from ..kernels.skinny_gemm.api import skinny_gemm
@@ -88,24 +103,24 @@ def linear_pdl(x, w, *, residual=None, out=None, out_dtype=None):
 
     fp32 = (out.dtype if out is not None else out_dtype) == torch.float32
     try:
-        cfg = SkinnyGemmConfig.from_heuristic(x.shape[0], w.shape[0], x.shape[1], out_fp32=fp32,
-                                              residual=residual is not None)
+        cfg = SkinnyGemmConfig.select(x.shape[0], w.shape[0], x.shape[1], out_fp32=fp32,
+                                      residual=residual is not None)
     except ValueError:  # outside the kernel's envelope: skinny_gemm serves it from its reference
         cfg = None
     return skinny_gemm(x, w, residual, out=out, out_dtype=out_dtype,
                        config=dataclasses.replace(cfg, pdl=True) if cfg is not None else None)
 
 
-def _rmsnorm(x, w, eps):
+def _rmsnorm(x, w, eps, *, pdl=False):
     from ..kernels.rmsnorm_residual.api import rmsnorm_residual
 
-    return rmsnorm_residual(x, None, w, eps)[0]
+    return rmsnorm_residual(x, None, w, eps, pdl=pdl)[0]
 
 
-def _attn_res(sources, norm_w, proj_w, eps, out_w):
+def _attn_res(sources, norm_w, proj_w, eps, out_w, *, pdl=False):
     from ..kernels.attn_res_mix.api import attn_res_mix
 
-    return attn_res_mix(sources, norm_w, proj_w, eps, out_w=out_w, out_eps=eps)[1]
+    return attn_res_mix(sources, norm_w, proj_w, eps, out_w=out_w, out_eps=eps, pdl=pdl)[1]
 
 
 def _kda_step(*args, **kwargs):
@@ -114,10 +129,10 @@ def _kda_step(*args, **kwargs):
     return kda_decode(*args, **kwargs)
 
 
-def _moe_router_kernel(x, gate_w, bias, top_k, renormalize, scale):
+def _moe_router_kernel(x, gate_w, bias, top_k, renormalize, scale, *, pdl=False):
     from ..kernels.moe_router.api import moe_router
 
-    return moe_router(x, gate_w, bias, top_k, renormalize, scale)
+    return moe_router(x, gate_w, bias, top_k, renormalize, scale, pdl=pdl)
 
 
 # ------------------------------------------------------------------------------------ standard ops
@@ -138,7 +153,7 @@ def moe_router_standard(x, gate_w, bias, top_k, renormalize, scale):
     return route_from_logits(_linear(x, gate_w, out_dtype=torch.float32), bias, top_k, renormalize, scale)
 
 
-def moe_experts_kernel(z, ids, weights, bank, norm_w=None, eps=1e-5):
+def moe_experts_kernel(z, ids, weights, bank, norm_w=None, eps=1e-5, *, pdl=False):
     """The routed experts through ``kernels/moe_experts``: only the touched experts' weights (MXFP4 as the
     checkpoint stores them, in the kernel's fragment layout built once per bank) stream, once per step.
     Returns the FP32 weighted sum, or with ``norm_w`` the routed latent RMSNorm fused into the combine
@@ -148,7 +163,7 @@ def moe_experts_kernel(z, ids, weights, bank, norm_w=None, eps=1e-5):
     if ids.dtype != torch.int32:  # glue, only behind the standard router
         ids = ids.to(torch.int32)
     return moe_experts(z, ids, weights.float(), bank.weights, beta=bank.beta, linear_beta=bank.linear_beta,
-                       norm_weight=norm_w, eps=eps)
+                       norm_weight=norm_w, eps=eps, pdl=pdl)
 
 
 def write_mla_latent(kv, kv_norm_w, eps, latent, scale, slot, pos):
@@ -161,7 +176,7 @@ def write_mla_latent(kv, kv_norm_w, eps, latent, scale, slot, pos):
 
 
 def mla_attention_kernel(q, kv, kv_norm_w, eps, latent, scale, slot, pos, block_table, ctx_len, w_uk, w_uv,
-                         softmax_scale, gate=None):
+                         softmax_scale, gate=None, *, pdl=False):
     """Absorbed gated-MLA decode through ``kernels/mla_decode`` over the slot pool (``reference.mla``
     semantics): writes the new latent at ``(slot, pos)`` (``write_mla_latent``), absorbs ``q_nope`` through
     W_UK (``absorb_q``: FP32 accumulate, rounded), then one ``mla_decode`` over the pool viewed as pages of
@@ -177,7 +192,7 @@ def mla_attention_kernel(q, kv, kv_norm_w, eps, latent, scale, slot, pos, block_
     page = length // (block_table.shape[1])
     paged = latent.view(n * length // page, page, width)
     return mla_decode(q_lat, q_pe, paged, block_table, ctx_len, w_uv, gate, softmax_scale=softmax_scale,
-                      cache_scale=scale if latent.dtype == FP8 else None, max_ctx=length)
+                      cache_scale=scale if latent.dtype == FP8 else None, max_ctx=length, pdl=pdl)
 
 
 def mla_step_index(slot: torch.Tensor, pos: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,6 +204,45 @@ def mla_step_index(slot: torch.Tensor, pos: torch.Tensor, length: int) -> tuple[
 
     page = PAGE_SIZE if length % PAGE_SIZE == 0 else length
     return slot_block_table(slot, length, page), (pos + 1).to(torch.int32)
+
+
+# ------------------------------------------------------------------------------------ PDL twins
+def _rmsnorm_pdl(x, w, eps):
+    return _rmsnorm(x, w, eps, pdl=True)
+
+
+def _attn_res_pdl(sources, norm_w, proj_w, eps, out_w):
+    return _attn_res(sources, norm_w, proj_w, eps, out_w, pdl=True)
+
+
+def _kda_step_pdl(*args, **kwargs):
+    return _kda_step(*args, pdl=True, **kwargs)
+
+
+def _moe_router_kernel_pdl(x, gate_w, bias, top_k, renormalize, scale):
+    return _moe_router_kernel(x, gate_w, bias, top_k, renormalize, scale, pdl=True)
+
+
+def mla_attention_kernel_pdl(*args, **kwargs):
+    """``mla_attention_kernel`` with both ``mla_decode`` launches for PDL (the glue before them is PyTorch)."""
+    return mla_attention_kernel(*args, pdl=True, **kwargs)
+
+
+def moe_experts_kernel_pdl(*args, **kwargs):
+    """``moe_experts_kernel`` with all four ``moe_experts`` launches for PDL."""
+    return moe_experts_kernel(*args, pdl=True, **kwargs)
+
+
+# op -> (default kernel adapter, its PDL twin): what op_table(pdl=True) swaps
+PDL_VARIANTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "linear": (_linear, linear_pdl),
+    "rmsnorm": (_rmsnorm, _rmsnorm_pdl),
+    "attn_res": (_attn_res, _attn_res_pdl),
+    "kda_step": (_kda_step, _kda_step_pdl),
+    "moe_router": (_moe_router_kernel, _moe_router_kernel_pdl),
+    "mla_attention": (mla_attention_kernel, mla_attention_kernel_pdl),
+    "moe_experts": (moe_experts_kernel, moe_experts_kernel_pdl),
+}
 
 
 # ------------------------------------------------------------------------------------ defaults

@@ -3,11 +3,13 @@
     mix, normed = attn_res_mix(sources, norm_w, proj_w, eps, out_w=input_norm_w, out_eps=eps)
     mix, _      = attn_res_mix(sources, norm_w, proj_w, eps)         # no trailing RMSNorm
 
-``sources`` is one contiguous [S, M, H] bf16 tensor (S <= 9: block snapshots + running prefix).
+``sources`` is one contiguous [S, M, H] bf16 tensor (S <= 9: block snapshots + running prefix). ``pdl=True``
+launches the PDL build (``AttnResConfig.pdl``: weights before griddepcontrol.wait, see kernel.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -93,9 +95,10 @@ def is_supported(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tens
 def attn_res_mix(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float, *,
                  out_w: torch.Tensor | None = None, out_eps: float | None = None,
                  mix_out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None,
-                 config: AttnResConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 config: AttnResConfig | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(mix, normed): softmax-weighted mix of the S sources, and RMSNorm(mix) * out_w when out_w is given.
-    ``config`` overrides the heuristic (benches); its has_norm must match."""
+    ``config`` overrides the heuristic (benches); its has_norm must match. ``pdl``: launch the
+    programmatic-dependent-launch build (same bits)."""
     support = is_supported(sources, norm_w, proj_w, out_w, mix_out, normed_out)
     if not support:
         counters.count_fallback(NAME, support.reason)
@@ -111,6 +114,8 @@ def attn_res_mix(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tens
     S, M, H = sources.shape
     has_norm = out_w is not None
     cfg = config or AttnResConfig.from_heuristic(S, H, has_norm=has_norm)
+    if pdl and not cfg.pdl:
+        cfg = dataclasses.replace(cfg, pdl=True)
     if cfg.has_norm != has_norm:
         raise ValueError(f"config.has_norm={cfg.has_norm} but out_w is {'given' if has_norm else 'None'}")
     fn = compile_attn_res_mix("bf16", S, H, cfg)

@@ -29,12 +29,18 @@ class AttnResConfig:
     vec_per_thread: int
     has_norm: bool = True
     reload_sources: bool = False  # True: the mix pass re-reads the sources instead of keeping them
+    # Programmatic dependent launch (the decode executor opts in; off = the kernel as it was): launched with
+    # the PDL attribute; norm_w and proj_w (never written by a step) are loaded and out_w is prefetched
+    # toward L2 before griddepcontrol.wait; the sources are read only after it; launch_dependents once the
+    # last source load is issued. Same arithmetic, same bits.
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         validate_row_launch(self.threads, self.vec_per_thread)
 
     @classmethod
-    def from_heuristic(cls, S: int, H: int, arch: str = "sm_90a", has_norm: bool = True) -> AttnResConfig:
+    def from_heuristic(cls, S: int, H: int, arch: str = "sm_90a", has_norm: bool = True,
+                       pdl: bool = False) -> AttnResConfig:
         if H % VEC:
             raise ValueError(f"H = {H} is not a multiple of {VEC}")
         if not 1 <= S <= MAX_SOURCES:
@@ -44,4 +50,5 @@ class AttnResConfig:
         per = MAX_VEC_PER_THREAD if reload else max(1, min(MAX_VEC_PER_THREAD, MAX_VECS_IN_REGS // S))
         want = -(-nv // per)
         threads = min(1024, max(32, -(-want // 32) * 32))
-        return cls(threads=threads, vec_per_thread=-(-nv // threads), has_norm=has_norm, reload_sources=reload)
+        return cls(threads=threads, vec_per_thread=-(-nv // threads), has_norm=has_norm, reload_sources=reload,
+                   pdl=pdl)

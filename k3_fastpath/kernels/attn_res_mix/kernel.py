@@ -14,6 +14,11 @@ Algorithm, one CTA per row (grid = M):
    in registers from step 1, or with ``reload_sources`` are read again: L1/L2 hits, fewer registers);
 5. with ``has_norm``: a second block reduction of sum(mix_bf16^2), then normed = bf16(mix * rstd * out_w).
 
+With ``config.pdl`` (programmatic dependent launch) step 1 starts with the weights only: norm_w and proj_w
+into registers (w formed) and, with ``has_norm``, one ``cp.async.bulk.prefetch.L2`` of out_w (H * 2 bytes,
+thread 0 of CTA 0); then ``griddepcontrol.wait`` before the first source load; ``launch_dependents`` once
+the last source load is issued (the mix pass). Every global write comes after the wait.
+
 Constraints: bf16, H % 8 == 0, sources stacked as one contiguous [S, M, H] tensor, 16-byte aligned rows.
 """
 # ruff: noqa: UP045  (the DSL reads Optional[...] annotations to accept None operands)
@@ -25,7 +30,7 @@ from typing import Optional
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import BFloat16, Float32
+from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
 from .config import VEC, AttnResConfig
@@ -48,7 +53,7 @@ class AttnResMixKernel:
                  mWo: Optional[cute.Tensor], mOut: Optional[cute.Tensor], eps: Float32, out_eps: Float32,
                  stream: cuda.CUstream):
         self.kernel(mV, mWn, mWp, mMix, mWo, mOut, eps, out_eps).launch(
-            grid=[mV.shape[1], 1, 1], block=[self.T, 1, 1], stream=stream)
+            grid=[mV.shape[1], 1, 1], block=[self.T, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.jit
     def _load(self, src: cute.Tensor, dst: cute.Tensor, tidx):
@@ -90,6 +95,13 @@ class AttnResMixKernel:
         self._load(mWn, rA, tidx)
         self._load(mWp, rB, tidx)
         w = rA.load().to(Float32) * rB.load().to(Float32)
+        if cutlass.const_expr(self.cfg.pdl):
+            # weights only before the wait: out_w toward L2 (every CTA reads it in step 5), then wait
+            if cutlass.const_expr(self.cfg.has_norm):
+                if row == 0 and tidx == 0:
+                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                         read_only_args=[mWo.iterator.toint(), Int32(self.H * 2)])
+            cute.arch.griddepcontrol_wait()
 
         srcs = []
         for s in cutlass.range_constexpr(self.S):
@@ -139,6 +151,8 @@ class AttnResMixKernel:
                 acc.store(vf * (ps[0] * inv_z))
             else:
                 acc.store(vf * (ps[s] * inv_z) + acc.load())
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # every source load is issued
         mix = acc.load().to(BFloat16)
         rA.store(mix)
         self._store(rA, mMix[row, None], tidx)

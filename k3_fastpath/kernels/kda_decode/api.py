@@ -14,12 +14,15 @@ projection output (the decay pre-activation) and ``g`` the output-gate pre-activ
 KDACache's [., W-1, C] layout (oldest input first), so a ``KDACache`` of N sequences *is* a pool.
 
 Empty slot: a sequence with ``slot[b] == 0`` leaves every cache untouched and gets y[b] = 0. Non-zero slots
-in one call must be distinct (two sequences sharing a slot race). Outside the envelope (see
-``is_supported``) the call is served by ``reference.py`` (same semantics) and counted as a fallback.
+in one call must be distinct (two sequences sharing a slot race). ``pdl=True`` launches the PDL build
+(``KDADecodeConfig.pdl``: parameters before griddepcontrol.wait, caches after it; see kernel.py). Outside
+the envelope (see ``is_supported``) the call is served by ``reference.py`` (same semantics) and counted
+as a fallback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -137,9 +140,10 @@ def is_supported(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log
 
 def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
                conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0,
-               out: torch.Tensor | None = None, config: KDADecodeConfig | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, config: KDADecodeConfig | None = None,
+               pdl: bool = False) -> torch.Tensor:
     """One decode step of a KDA layer for B sequences; updates the pools in place; returns y [B, C] bf16.
-    ``config`` overrides the heuristic (benches)."""
+    ``config`` overrides the heuristic (benches); ``pdl``: the programmatic-dependent-launch build."""
     support = is_supported(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
                            slot, conv_q, conv_k, conv_v, state, out)
     if not support:
@@ -155,6 +159,8 @@ def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, 
 
     _, H, D, _ = state.shape
     cfg = config or KDADecodeConfig.from_heuristic(D)
+    if pdl and not cfg.pdl:
+        cfg = dataclasses.replace(cfg, pdl=True)
     fn = compile_kda_decode("bf16", H, D, cfg)
     if out is None:
         out = torch.empty_like(q)

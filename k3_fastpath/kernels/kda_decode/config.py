@@ -22,6 +22,12 @@ class KDADecodeConfig:
 
     head_dim: int
     rows_per_thread: int
+    # Programmatic dependent launch (the decode executor opts in; off = the kernel as it was): launched with
+    # the PDL attribute; the parameters (conv weights, dt_bias, A_log, o_norm_w: never written by a step)
+    # are loaded before griddepcontrol.wait, slot / inputs / conv and recurrent state after it (the state
+    # was written by the previous step's launch: an activation); launch_dependents once every input load is
+    # issued. Same arithmetic, same bits.
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.head_dim not in HEAD_DIMS:
@@ -45,9 +51,9 @@ class KDADecodeConfig:
         return self.threads_per_row * self.row_groups
 
     @classmethod
-    def from_heuristic(cls, head_dim: int, arch: str = "sm_90a") -> KDADecodeConfig:
+    def from_heuristic(cls, head_dim: int, arch: str = "sm_90a", pdl: bool = False) -> KDADecodeConfig:
         """D = 128: 16 rows x 4 columns per thread (64 state registers, 256 threads, 8 row groups);
         smaller D: 8 row groups as well (D = 32: 4 rows per thread, 64 threads)."""
         if head_dim == 128:
-            return cls(head_dim, ROWS_PER_THREAD_D128)
-        return cls(head_dim, head_dim // 8)
+            return cls(head_dim, ROWS_PER_THREAD_D128, pdl)
+        return cls(head_dim, head_dim // 8, pdl)

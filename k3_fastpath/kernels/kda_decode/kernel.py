@@ -29,6 +29,14 @@ Algorithm of one CTA (b, h), slot s = slot[b]:
    within that group (D = 128: the whole warp); y = o * rsqrt(mean(o^2) + eps) * o_norm_w * sigmoid(g)
    rounded to BF16; row group 0 stores y[b, h*D + cols] (8-byte stores).
 
+Parameters first: before step 0 every thread loads the parameters it will need (the FP32 conv weights of
+its channel tasks, dt_bias of its decay channel, A_log[h], and for row group 0 its o_norm_w vector) into
+registers. A step never writes them, so with ``config.pdl`` (programmatic dependent launch) these loads are
+issued before ``griddepcontrol.wait``; ``slot``, the projections, the conv and recurrent state (written by
+the previous step's launch of this kernel) and the output gate are read only after it, and every global
+write comes after it. ``launch_dependents`` follows once the last input load (step 2) is issued, or at
+once for an empty slot.
+
 Constraints: D in (32, 64, 128); W = 4; q, k, v, g, a [B, C] BF16, beta_logits [B, H] BF16, conv weights
 [C, 4] / A_log [H] / dt_bias [C] / o_norm_w [D] FP32; conv pools [N, 3, C] BF16; state pool [N, H, D, D]
 FP32; slot [B] int32 in [0, N); every tensor contiguous, 16-byte aligned. Non-zero slots distinct.
@@ -75,14 +83,12 @@ class KDADecodeKernel:
                  stream: cuda.CUstream):
         self.kernel(mQ, mK, mV, mG, mA, mBeta, mWq, mWk, mWv, mAlog, mDt, mNw, mSlot, mCq, mCk, mCv, mS, mO,
                     eps, lower_bound).launch(grid=[mQ.shape[0], self.H, 1], block=[self.T, 1, 1],
-                                             stream=stream, min_blocks_per_mp=1)
+                                             stream=stream, min_blocks_per_mp=1, use_pdl=self.cfg.pdl)
 
     @cute.jit
-    def conv_channel(self, mX: cute.Tensor, mW: cute.Tensor, mConv: cute.Tensor, b, slot, c):
-        """silu(sum_j w[c, j] * in_j) over in = (conv[slot, 0..2, c], x[b, c]); shifts the conv state."""
-        rw = cute.make_rmem_tensor((CONV_W,), Float32)
-        cute.copy(cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128),
-                  mW[c, None], rw)
+    def conv_channel(self, mX: cute.Tensor, rw: cute.Tensor, mConv: cute.Tensor, b, slot, c):
+        """silu(sum_j w[c, j] * in_j) over in = (conv[slot, 0..2, c], x[b, c]) with the channel's weights
+        ``rw`` (registers, loaded up front); shifts the conv state."""
         x = mX[b, c]
         s0 = mConv[slot, 0, c]
         s1 = mConv[slot, 1, c]
@@ -122,9 +128,36 @@ class KDADecodeKernel:
         rY = cute.make_rmem_tensor((VEC,), BFloat16)
         gO = cute.local_tile(mO[b, None], (VEC,), (h * TPR + cg,))
 
+        # parameters (never written by a step): conv weights of this thread's tasks (a: q or v, b: k),
+        # dt_bias of its decay channel, A_log[h], row group 0's o_norm_w vector
+        rwa = []
+        rwb = []
+        rdt = cute.make_rmem_tensor((self.task_iters,), Float32)
+        for it in cutlass.range_constexpr(self.task_iters):
+            task = tidx + it * self.T
+            wa = cute.make_rmem_tensor((CONV_W,), Float32)
+            wb = cute.make_rmem_tensor((CONV_W,), Float32)
+            if task < 2 * D:
+                if task < D:
+                    cute.copy(vec32, mWq[hD + task, None], wa)
+                    cute.copy(vec32, mWk[hD + task, None], wb)
+                else:
+                    cute.copy(vec32, mWv[hD + task - D, None], wa)
+                    rdt[it] = mDt[hD + task - D]
+            rwa.append(wa)
+            rwb.append(wb)
+        a_log = mAlog[h]
+        rW = cute.make_rmem_tensor((VEC,), Float32)
+        if rg == 0:
+            cute.copy(vec32, cute.local_tile(mNw, (VEC,), (cg,)), rW)
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()  # the predecessor's writes (inputs, caches) are visible after this
+
         slot = mSlot[b]
         if slot == 0:
             # 0. empty slot: output zeros, no cache touched
+            if cutlass.const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
             if rg == 0:
                 rY.fill(0.0)
                 cute.copy(vec16, rY, gO)
@@ -135,6 +168,9 @@ class KDADecodeKernel:
             rS = cute.make_rmem_tensor((VEC, RPT), Float32)
             for i in cutlass.range_constexpr(RPT):
                 cute.copy(vec32, cute.local_tile(gS[rg + G * i, None], (VEC,), (cg,)), rS[None, i])
+            rG = cute.make_rmem_tensor((VEC,), BFloat16)  # the output gate, for step 6
+            if rg == 0:
+                cute.copy(vec16, cute.local_tile(mG[b, None], (VEC,), (h * TPR + cg,)), rG)
 
             # 2. per-channel conv / gate tasks
             for it in cutlass.range_constexpr(self.task_iters):
@@ -142,16 +178,18 @@ class KDADecodeKernel:
                 if task < 2 * D:
                     if task < D:
                         c = hD + task
-                        s_q[task] = self.conv_channel(mQ, mWq, mCq, b, slot64, c)
-                        s_k[task] = self.conv_channel(mK, mWk, mCk, b, slot64, c)
+                        s_q[task] = self.conv_channel(mQ, rwa[it], mCq, b, slot64, c)
+                        s_k[task] = self.conv_channel(mK, rwb[it], mCk, b, slot64, c)
                     else:
                         j = task - D
                         c = hD + j
-                        s_v[j] = self.conv_channel(mV, mWv, mCv, b, slot64, c)
-                        rate = cute.math.exp(mAlog[h])
-                        glog = lower_bound * _sigmoid(rate * (mA[b, c].to(Float32) + mDt[c]))
+                        s_v[j] = self.conv_channel(mV, rwa[it], mCv, b, slot64, c)
+                        rate = cute.math.exp(a_log)
+                        glog = lower_bound * _sigmoid(rate * (mA[b, c].to(Float32) + rdt[it]))
                         s_al[j] = cute.math.exp(glog)
             beta = _sigmoid(mBeta[b, h].to(Float32))
+            if cutlass.const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()  # every input load is issued
             cute.arch.sync_threads()
 
             # 3. L2 norms and q.k, reduced redundantly by every warp
@@ -220,10 +258,6 @@ class KDADecodeKernel:
             ss = cute.arch.warp_reduction_sum(ss, threads_in_group=TPR)
             rstd = cute.math.rsqrt(ss / Float32(D) + eps)
             if rg == 0:
-                rW = cute.make_rmem_tensor((VEC,), Float32)
-                cute.copy(vec32, cute.local_tile(mNw, (VEC,), (cg,)), rW)
-                rG = cute.make_rmem_tensor((VEC,), BFloat16)
-                cute.copy(vec16, cute.local_tile(mG[b, None], (VEC,), (h * TPR + cg,)), rG)
                 for j in cutlass.range_constexpr(VEC):
                     y = o[j] * rstd * rW[j] * _sigmoid(rG[j].to(Float32))
                     rY[j] = y.to(BFloat16)

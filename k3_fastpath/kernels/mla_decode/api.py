@@ -19,11 +19,13 @@ Two launches: the split-KV attention (grid splits x B x head groups; the split c
 page_size and that the table's pages of b hold b's positions. A slot-indexed pool [N, L, D] is a paged
 cache with page_size L (L % 64 == 0) or any divisor of L that is a multiple of 64: ``slot_block_table``.
 Outside the envelope (see ``is_supported``) the call is served by ``reference.py`` and counted as a
-fallback with the reason.
+fallback with the reason. ``pdl=True`` (or ``config.pdl``) launches both kernels for programmatic
+dependent launch (``MLADecodeConfig.pdl``, kernel.py): the same arithmetic, the same bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from typing import Any
 
@@ -68,9 +70,10 @@ def compile_mla_attention(dtype: str, H: int, R: int, P: int, page_size: int, co
 
 
 def compile_mla_combine(H: int, R: int, V: int, final: bool, config: MLADecodeConfig) -> Any:
-    """The merge for H heads of rank R; ``final``: + W_UV [H, V, R] and the gate (config.gate)."""
-    key = compile_cache.CompileKey.make(f"{NAME}_combine", "fp32", (H, R, V, "final" if final else "partial"),
-                                        (config.gate and final, config.combine_rows, MAX_SPLITS))
+    """The merge for H heads of rank R; ``final``: + W_UV [H, V, R] and the gate (config.gate); launched
+    for PDL with config.pdl."""
+    knobs = (config.gate and final, config.combine_rows, MAX_SPLITS) + (("pdl",) if config.pdl else ())
+    key = compile_cache.CompileKey.make(f"{NAME}_combine", "fp32", (H, R, V, "final" if final else "partial"), knobs)
 
     def build(options: str) -> Any:
         import cutlass
@@ -87,7 +90,7 @@ def compile_mla_combine(H: int, R: int, V: int, final: bool, config: MLADecodeCo
                 fake_tensor(bf, (None, H * V)) if final else None,
                 None if final else fake_tensor(f32, (None, H, R)),
                 None if final else fake_tensor(f32, (None, H), align=4))
-        kern = MLACombineKernel(H, R, V, final, gate, config.combine_rows, MAX_SPLITS)
+        kern = MLACombineKernel(H, R, V, final, gate, config.combine_rows, MAX_SPLITS, config.pdl)
         return cute.compile(kern, *args, fake_stream(), options=options)
 
     return compile_cache.get_or_compile(key, build)
@@ -233,7 +236,7 @@ def is_supported(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate=None, cach
 
 # ------------------------------------------------------------------------------------------ launches
 def _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx, config,
-               num_splits=None):
+               num_splits=None, pdl=False):
     """Launch the split-KV kernel; returns (o_part [S, B, H, R], lse [S, B, H], config)."""
     from ..._lib.tensor import current_stream, to_cute
 
@@ -241,6 +244,8 @@ def _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_sc
     P = q_pe.shape[2]
     fp8 = cache.dtype == FP8
     cfg = config or MLADecodeConfig.from_heuristic(H, R + P, fp8)
+    if pdl and not cfg.pdl:
+        cfg = dataclasses.replace(cfg, pdl=True)
     if cfg.fp8 != fp8:
         raise ValueError(f"config {cfg} does not fit a {'fp8' if fp8 else 'bf16'} cache")
     if max_ctx is None:
@@ -267,7 +272,7 @@ def _combine_final(o_part, lse, w_uv, gate, out, cfg):
 
     S, B, H, R = o_part.shape
     V = w_uv.shape[1]
-    c = MLADecodeConfig(cfg.heads_per_cta, cfg.stages, cfg.fp8, gate is not None, cfg.combine_rows)
+    c = MLADecodeConfig(cfg.heads_per_cta, cfg.stages, cfg.fp8, gate is not None, cfg.combine_rows, cfg.pdl)
     fn = compile_mla_combine(H, R, V, True, c)
     if out is None:
         out = torch.empty((B, H * V), dtype=torch.bfloat16, device=o_part.device)
@@ -293,16 +298,17 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, blo
                ctx_len: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None, *,
                softmax_scale: float, cache_scale: torch.Tensor | None = None, max_ctx: int | None = None,
                out: torch.Tensor | None = None, config: MLADecodeConfig | None = None,
-               num_splits: int | None = None) -> torch.Tensor:
+               num_splits: int | None = None, pdl: bool = False) -> torch.Tensor:
     """One decode step of the absorbed attention for B sequences -> y [B, H*V] bf16 (see module doc).
-    ``config`` / ``num_splits`` override the heuristics (benches, tests)."""
+    ``config`` / ``num_splits`` override the heuristics (benches, tests); ``pdl``: both launches for
+    programmatic dependent launch."""
     support = is_supported(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate, cache_scale, out)
     if not support:
         counters.count_fallback(NAME, support.reason)
         return mla_decode_ref(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate, softmax_scale=softmax_scale,
                               cache_scale=cache_scale, out=out)
     o_part, lse, cfg = _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx,
-                                  config, num_splits)
+                                  config, num_splits, pdl)
     y = _combine_final(o_part, lse, w_uv, gate, out, cfg)
     counters.count_launch(NAME)
     return y
@@ -310,7 +316,7 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, blo
 
 def mla_decode_partial(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                        ctx_len: torch.Tensor, *, softmax_scale: float, cache_scale: torch.Tensor | None = None,
-                       max_ctx: int | None = None, config: MLADecodeConfig | None = None
+                       max_ctx: int | None = None, config: MLADecodeConfig | None = None, pdl: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of context-parallel decode: (o_lat [B, H, R] fp32 normalised, lse [B, H] fp32);
     a sequence with no position here gets o_lat = 0, lse = -inf. Merge the ranks with ``mla_merge``."""
@@ -323,14 +329,14 @@ def mla_decode_partial(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Ten
                                    cache_scale=cache_scale)
         return o.float(), lse.float()
     o_part, lse, cfg = _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx,
-                                  config)
+                                  config, pdl=pdl)
     res = _combine_partial(o_part, lse, cfg)
     counters.count_launch(NAME)
     return res
 
 
 def mla_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None,
-              *, out: torch.Tensor | None = None) -> torch.Tensor:
+              *, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Merge G context-parallel partials (``o_parts [G, B, H, R]`` fp32, ``lse_parts [G, B, H]`` fp32) by
     their LSE, then W_UV and the gate -> y [B, H*V] bf16. Counted as a launch of ``mla_decode_merge``."""
     op = f"{NAME}_merge"
@@ -354,7 +360,7 @@ def mla_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor, w_uv: torch.Tensor
             out.copy_(y)
             return out
         return y
-    cfg = MLADecodeConfig(8, 2, False, gate is not None)
+    cfg = MLADecodeConfig(8, 2, False, gate is not None, pdl=pdl)
     y = _combine_final(o_parts, lse_parts, w_uv, gate, out, cfg)
     counters.count_launch(op)
     return y

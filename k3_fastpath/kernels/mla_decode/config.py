@@ -33,6 +33,12 @@ class MLADecodeConfig:
     fp8: bool = False
     gate: bool = True  # the combine multiplies by sigmoid(gate) (K3: mla_use_output_gate)
     combine_rows: int = COMBINE_ROWS
+    # Programmatic dependent launch (the decode executor opts in; off = the kernels as they were): both
+    # launches carry the PDL attribute. The attention kernel reads nothing before griddepcontrol.wait (its
+    # inputs are activations and the latent cache, written by this step's glue and earlier steps); the
+    # combine prefetches its head's W_UV toward L2 first. Each triggers launch_dependents at the start of
+    # its epilogue. Same arithmetic, same bits.
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.heads_per_cta not in (8, 16):
@@ -58,12 +64,13 @@ class MLADecodeConfig:
                 + 4 * self.heads_per_cta * 4 + 128)
 
     @classmethod
-    def from_heuristic(cls, H: int, D: int, fp8: bool, gate: bool = True, arch: str = "sm_90a") -> MLADecodeConfig:
+    def from_heuristic(cls, H: int, D: int, fp8: bool, gate: bool = True, arch: str = "sm_90a",
+                       pdl: bool = False) -> MLADecodeConfig:
         """16 heads per CTA when more than 8 heads (TP8: 12 -> one CTA, 25% of the mma padding), else 8
         (TP16: 6 heads). Stages: as many as fit 227 KB (BF16 at D = 576: 2 x 73 KB; FP8: 3 x 36 KB)."""
         hg = 16 if H > 8 else 8
         for stages in (4, 3, 2):
-            cfg = cls(hg, stages, fp8, gate)
+            cfg = cls(hg, stages, fp8, gate, pdl=pdl)
             if cfg.smem_bytes(D) <= SMEM_LIMIT:
                 return cfg
         raise ValueError(f"latent width D={D} does not fit two stages in shared memory")

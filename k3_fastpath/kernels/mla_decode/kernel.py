@@ -36,6 +36,13 @@ sequences (the same merge serves context parallelism: the "splits" are then rank
    up-projection: o[b, h*V + d] = bf16(sum_r W_UV[h, d, r] o_lat[r]) (FP32 FMAs, W_UV[h] read once per
    CTA for all its rows), then the output gate y = bf16(o * sigmoid(gate[b, h*V + d])).
 
+With ``config.pdl`` (programmatic dependent launch) both kernels launch with the PDL attribute. The attention
+kernel waits (``griddepcontrol.wait``) before its first global access: q, ctx_len, the block table and
+the latent cache are all written by this step or an earlier one (the latent row of this step by the glue
+right before it). It triggers ``launch_dependents`` at the start of its epilogue (or at once for an empty
+range). The combine first lets warp 0 of CTA (h, 0) issue ``cp.async.bulk.prefetch.L2`` over W_UV[h]
+(a parameter), then waits before reading the partials, and triggers after its last partial load.
+
 Constraints: D % 16 == 0, R % 16 == 0, page_size % 64 == 0, q_lat [B, H, R] / q_pe [B, H, P] BF16, cache
 [pages, page_size, D] BF16 or e4m3 (as bytes), block_table [B, max_pages] / ctx_len [B] int32, W_UV
 [H, V, R] BF16, V <= 128, gate [B, H*V] BF16; everything contiguous and 16-byte aligned.
@@ -117,7 +124,8 @@ class MLAAttentionKernel:
                  scale_log2: Float32, chunk: Int32, stream: cuda.CUstream):
         groups = (self.H + self.HG - 1) // self.HG
         self.kernel(mQl, mQp, mCache, mBT, mLen, mScale, mO, mLse, scale_log2, chunk).launch(
-            grid=[mO.shape[0], mQl.shape[0], groups], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1)
+            grid=[mO.shape[0], mQl.shape[0], groups], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1,
+            use_pdl=self.cfg.pdl)
 
     # ------------------------------------------------------------------------------------------ copies
     @cute.jit
@@ -204,11 +212,15 @@ class MLAAttentionKernel:
         vec_bf = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         vec_f = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
 
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()  # every input here is an activation or the cache
         L = mLen[b]
         start = split * chunk
         end = cutlass.min(start + chunk, L)
         if start >= L:
             # 0. empty range: lse = -inf and a zero partial, so the combine never reads garbage
+            if cutlass.const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
             z = cute.make_rmem_tensor((4,), Float32)
             z.fill(0.0)
             for i in cutlass.range_constexpr(self.o_iters):
@@ -302,6 +314,8 @@ class MLAAttentionKernel:
                 self.pv(a_cur, a_p, sAl, oacc, warp, lane, g, q)
 
             # 6. epilogue
+            if cutlass.const_expr(self.cfg.pdl):
+                cute.arch.griddepcontrol_launch_dependents()  # every cache tile is requested
             cute.arch.cp_async_wait_group(0)
             if sj == 0:
                 sML[0, sh] = m_run
@@ -400,7 +414,8 @@ class MLAAttentionKernel:
 class MLACombineKernel:
     """LSE merge of split (or context-parallel) partials, then (``final``) W_UV and the output gate."""
 
-    def __init__(self, H: int, R: int, V: int, final: bool, gate: bool, rows: int, max_splits: int):
+    def __init__(self, H: int, R: int, V: int, final: bool, gate: bool, rows: int, max_splits: int,
+                 pdl: bool = False):
         if R % 16 or not 1 <= V <= THREADS // 2:
             raise ValueError(f"needs R % 16 == 0 and V <= {THREADS // 2}, got R={R}, V={V}")
         self.H, self.R, self.V, self.final, self.gate = H, R, V, final, gate
@@ -413,6 +428,12 @@ class MLACombineKernel:
         self.LD_X = R + 4
         self.RH = R // 2  # W_UV K-range per thread (two threads per output column)
         self.KV = self.RH // 8
+        self.pdl = pdl
+        # PDL prologue (final): lane i of warp 0 of CTA (h, 0) prefetches bytes [i * pf_chunk, +pf_chunk) of
+        # W_UV[h] (V * R * 2 bytes, a multiple of 32) toward L2
+        self.w_bytes = V * R * 2
+        self.pf_lanes = min(32, self.w_bytes // 16)
+        self.pf_chunk = self.w_bytes // self.pf_lanes // 16 * 16
 
     @cute.jit
     def __call__(self, mO: cute.Tensor, mLse: cute.Tensor, mW: Optional[cute.Tensor], mG: Optional[cute.Tensor],
@@ -421,7 +442,7 @@ class MLACombineKernel:
         B = mO.shape[1]
         self.kernel(mO, mLse, mW, mG, mOut, mOlat, mLseOut).launch(
             grid=[self.H, (B + self.rows - 1) // self.rows, 1], block=[THREADS, 1, 1], stream=stream,
-            min_blocks_per_mp=1)
+            min_blocks_per_mp=1, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mLse: cute.Tensor, mW: Optional[cute.Tensor], mG: Optional[cute.Tensor],
@@ -439,6 +460,13 @@ class MLACombineKernel:
                                                             stride=(self.rows * self.LD_X, self.LD_X, 1)),
                                   byte_alignment=16)
         vec_f = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        if cutlass.const_expr(self.pdl):
+            if cutlass.const_expr(self.final):  # W_UV[h] (a parameter) toward L2, once per head
+                if bj == 0 and tidx < self.pf_lanes:
+                    addr = mW.iterator.toint() + Int64(h) * self.w_bytes + Int64(tidx) * self.pf_chunk
+                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
+                                         read_only_args=[addr, Int32(self.pf_chunk)])
+            cute.arch.griddepcontrol_wait()  # the partials are the attention kernel's output
 
         # 1. split weights, one warp per row
         if warp < self.rows:
@@ -480,6 +508,8 @@ class MLACombineKernel:
                         acc[e] = acc[e] + w * part[e]
             cute.autovec_copy(acc, cute.local_tile(sX[sg, row, None], (4,), (c,)))
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # every partial is read (the gate is the epilogue's)
         for row in cutlass.range_constexpr(self.rows):
             b = b0 + row
             if b < B and sg == 0:

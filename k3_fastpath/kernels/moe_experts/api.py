@@ -10,11 +10,13 @@ Same semantics as ``reference.moe.LatentMoE.routed`` up to and including the lat
 up projection is a skinny GEMM). Four launches (plan, gate/up, down, combine; see kernel.py), no host
 synchronisation: CUDA-graph capturable. Two bf16 workspaces (h [N*k, I], y [N*k, L]) per call from the
 caching allocator. Outside the envelope (``is_supported``) the call is served by ``reference.py`` and
-counted as a fallback with the reason.
+counted as a fallback with the reason. ``pdl=True`` (or ``config.pdl``) launches all four kernels for
+programmatic dependent launch (kernel.py says what each does before its ``griddepcontrol.wait``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,20 +48,31 @@ class MoEExpertsConfig:
     beta: float = 4.0
     linear_beta: float = 25.0
     norm: bool = True
+    pdl: bool = False  # all four launches for programmatic dependent launch (the GEMM configs carry it too)
+
+    def __post_init__(self) -> None:
+        if self.glu.pdl != self.pdl or self.down.pdl != self.pdl:
+            raise ValueError(f"pdl={self.pdl} but the GEMM configs have glu.pdl={self.glu.pdl}, "
+                             f"down.pdl={self.down.pdl}")
 
     @classmethod
     def from_heuristic(cls, fmt: str, I: int, L: int, beta: float = 4.0, linear_beta: float = 25.0,
-                       norm: bool = True) -> MoEExpertsConfig:
-        return cls(fmt, ExpertGemmConfig.from_heuristic(fmt, True, I, L),
-                   ExpertGemmConfig.from_heuristic(fmt, False, L, I), float(beta), float(linear_beta), norm)
+                       norm: bool = True, pdl: bool = False) -> MoEExpertsConfig:
+        return cls(fmt, ExpertGemmConfig.from_heuristic(fmt, True, I, L, pdl),
+                   ExpertGemmConfig.from_heuristic(fmt, False, L, I, pdl), float(beta), float(linear_beta), norm,
+                   pdl)
+
+    def with_pdl(self) -> MoEExpertsConfig:
+        return dataclasses.replace(self, glu=dataclasses.replace(self.glu, pdl=True),
+                                   down=dataclasses.replace(self.down, pdl=True), pdl=True)
 
 
 def _max_ctas() -> int:
     return NUM_SMS_H200 * CTAS_PER_SM
 
 
-def compile_plan(E: int, sort_n: int) -> Any:
-    key = compile_cache.CompileKey.make(f"{NAME}_plan", "i32", (E, sort_n), None)
+def compile_plan(E: int, sort_n: int, pdl: bool = False) -> Any:
+    key = compile_cache.CompileKey.make(f"{NAME}_plan", "i32", (E, sort_n), ("pdl",) if pdl else None)
 
     def build(options: str) -> Any:
         import cutlass
@@ -71,7 +84,7 @@ def compile_plan(E: int, sort_n: int) -> Any:
         i32 = cutlass.Int32
         args = [fake_tensor(i32, (None,), align=4), fake_tensor(i32, (1,), align=4)]
         args += [fake_tensor(i32, (None,), align=4) for _ in range(4)]
-        return cute.compile(PlanKernel(E, sort_n), *args, fake_stream(), options=options)
+        return cute.compile(PlanKernel(E, sort_n, pdl), *args, fake_stream(), options=options)
 
     return compile_cache.get_or_compile(key, build)
 
@@ -104,8 +117,9 @@ def compile_gemm(E: int, rows: int, K: int, k_top: int, beta: float, linear_beta
     return compile_cache.get_or_compile(key, build)
 
 
-def compile_combine(L: int, k_top: int, norm: bool) -> Any:
-    key = compile_cache.CompileKey.make(f"{NAME}_combine", "bf16", (L, k_top, norm), COMBINE_THREADS)
+def compile_combine(L: int, k_top: int, norm: bool, pdl: bool = False) -> Any:
+    key = compile_cache.CompileKey.make(f"{NAME}_combine", "bf16", (L, k_top, norm),
+                                        (COMBINE_THREADS, "pdl") if pdl else COMBINE_THREADS)
 
     def build(options: str) -> Any:
         import cutlass
@@ -117,7 +131,7 @@ def compile_combine(L: int, k_top: int, norm: bool) -> Any:
         bf, f32 = cutlass.BFloat16, cutlass.Float32
         args = (fake_tensor(bf, (None, L)), fake_tensor(f32, (None, k_top), align=4),
                 fake_tensor(bf if norm else f32, (None, L)), fake_tensor(bf, (L,)) if norm else None)
-        return cute.compile(CombineKernel(L, k_top, norm, COMBINE_THREADS), *args, f32(1e-5), fake_stream(),
+        return cute.compile(CombineKernel(L, k_top, norm, COMBINE_THREADS, pdl), *args, f32(1e-5), fake_stream(),
                             options=options)
 
     return compile_cache.get_or_compile(key, build)
@@ -129,10 +143,10 @@ def compile_moe_experts(dtype: str, E: int, I: int, L: int, k_top: int, config: 
     if dtype != config.fmt:
         raise ValueError(f"{NAME}: dtype {dtype!r} != config.fmt {config.fmt!r}")
     for n in SORT_SIZES:
-        compile_plan(E, n)
+        compile_plan(E, n, config.pdl)
     fn = compile_gemm(E, I, L, k_top, config.beta, config.linear_beta, config.glu)
     compile_gemm(E, L, I, k_top, config.beta, config.linear_beta, config.down)
-    compile_combine(L, k_top, config.norm)
+    compile_combine(L, k_top, config.norm, config.pdl)
     return fn
 
 
@@ -202,8 +216,9 @@ def _sort_size(P: int) -> int:
 def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: ExpertWeights, *,
                 beta: float = 4.0, linear_beta: float = 25.0, norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-5, out: torch.Tensor | None = None,
-                config: MoEExpertsConfig | None = None) -> torch.Tensor:
-    """Routed experts + weighted combine (+ the latent RMSNorm with ``norm_weight``); see the module doc."""
+                config: MoEExpertsConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """Routed experts + weighted combine (+ the latent RMSNorm with ``norm_weight``); see the module doc.
+    ``pdl``: every launch for programmatic dependent launch (same bits)."""
     support = is_supported(z, ids, weights, experts, norm_weight, out)
     if not support:
         counters.count_fallback(NAME, support.reason)
@@ -217,13 +232,15 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
     E, I = experts.num_experts, experts.inter
     norm = norm_weight is not None
     cfg = config or MoEExpertsConfig.from_heuristic(experts.fmt, I, L, beta, linear_beta, norm)
+    if pdl and not cfg.pdl:
+        cfg = cfg.with_pdl()
     if cfg.norm != norm or (cfg.beta, cfg.linear_beta) != (float(beta), float(linear_beta)):
         raise ValueError(f"config {cfg} does not fit norm={norm}, beta={beta}, linear_beta={linear_beta}")
     sort_n = _sort_size(P)
-    plan_fn = compile_plan(E, sort_n)
+    plan_fn = compile_plan(E, sort_n, cfg.pdl)
     glu_fn = compile_gemm(E, I, L, k, cfg.beta, cfg.linear_beta, cfg.glu)
     down_fn = compile_gemm(E, L, I, k, cfg.beta, cfg.linear_beta, cfg.down)
-    comb_fn = compile_combine(L, k, norm)
+    comb_fn = compile_combine(L, k, norm, cfg.pdl)
     dev = z.device
     i32 = torch.int32
     nact = torch.empty(1, dtype=i32, device=dev)

@@ -30,6 +30,10 @@ class ExpertGemmConfig:
     warps_k: int
     tiles_per_pass: int = 1
     k_unroll: int = 2
+    # Programmatic dependent launch (the decode executor opts in; off = the kernel as it was): launched with
+    # the PDL attribute, the CTA builds its dequantisation table (shared memory only), then waits; which
+    # expert weights it reads depends on the router (an activation), so none is touched before the wait.
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.fmt not in ("mxfp4", "bf16"):
@@ -48,13 +52,13 @@ class ExpertGemmConfig:
         return 16 * self.warps_n
 
     @classmethod
-    def from_heuristic(cls, fmt: str, glu: bool, rows: int, K: int) -> ExpertGemmConfig:
+    def from_heuristic(cls, fmt: str, glu: bool, rows: int, K: int, pdl: bool = False) -> ExpertGemmConfig:
         """gate/up (K = latent 3584, rows = intermediate 384 at TP8): one row tile per item, K over 4 warps
         (batch 1 touches 16 experts x 24 row tiles = 384 items: every SM busy). down (K = 384, rows =
         3584): four row tiles per item, K in one warp. TO BE MEASURED."""
         gps = K // GP
         if glu:
             wk = 4 if gps >= 16 else (2 if gps >= 4 else 1)
-            return cls(fmt, True, 1, wk, 2, 2)
+            return cls(fmt, True, 1, wk, 2, 2, pdl)
         wn = 4 if rows % 64 == 0 else (2 if rows % 32 == 0 else 1)
-        return cls(fmt, False, wn, 1, 2, 2)
+        return cls(fmt, False, wn, 1, 2, 2, pdl)

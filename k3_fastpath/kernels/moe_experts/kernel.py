@@ -19,6 +19,14 @@ Pairs p = token * k + slot (P = N * k <= 1024). Four launches, no host synchroni
 4. Combine, one CTA per token: acc = sum_slot w[t, slot] * y[t * k + slot] in slot order (FP32); either
    stored (FP32) or normed: bf16(acc * rsqrt(mean(acc^2) + eps) * norm_weight) (the latent RMSNorm).
 
+With programmatic dependent launch (``pdl``: the decode executor opts in) all four launches carry the PDL
+attribute and every thread waits (``griddepcontrol.wait``) before its first global read of anything a step
+writes and before any global write. Which expert weights a GEMM reads depends on the router's output (an
+activation), so no launch touches expert weights before the wait: the plan waits first (it reads ids), the
+GEMMs build their dequantisation table in shared memory (no global access) and then wait, the combine loads
+its norm weight (a parameter) first. ``launch_dependents``: the plan after reading ids, a GEMM CTA when its
+last work item's K loop is issued, the combine after its last y load.
+
 Constraints: rows % 16 == 0, K % 64 == 0 (TP16's I = 192 qualifies), token count <= 64, top-k <= 16,
 experts < 2^21, ids in [0, E) (clamped: an out-of-range id never reads outside the weights).
 """
@@ -51,12 +59,13 @@ def _exp2_scale(s):
 
 
 class PlanKernel:
-    def __init__(self, E: int, sort_n: int):
+    def __init__(self, E: int, sort_n: int, pdl: bool = False):
         if sort_n & (sort_n - 1) or not 32 <= sort_n <= 1024:
             raise ValueError(f"sort_n must be a power of two in 32..1024, got {sort_n}")
         if E >= 2**21:
             raise ValueError("at most 2^21 experts")
         self.E, self.N = E, sort_n
+        self.pdl = pdl
         self.NW = sort_n // 32
         self.stages = [(1 << a, 1 << b) for a in range(1, sort_n.bit_length()) for b in range(a - 1, -1, -1)]
 
@@ -64,7 +73,7 @@ class PlanKernel:
     def __call__(self, mIds: cute.Tensor, mNact: cute.Tensor, mActE: cute.Tensor, mActStart: cute.Tensor,
                  mActCount: cute.Tensor, mSorted: cute.Tensor, stream: cuda.CUstream):
         self.kernel(mIds, mNact, mActE, mActStart, mActCount, mSorted).launch(
-            grid=[1, 1, 1], block=[self.N, 1, 1], stream=stream)
+            grid=[1, 1, 1], block=[self.N, 1, 1], stream=stream, use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mIds: cute.Tensor, mNact: cute.Tensor, mActE: cute.Tensor, mActStart: cute.Tensor,
@@ -77,11 +86,15 @@ class PlanKernel:
         sKey = smem.allocate_tensor(Int32, cute.make_layout((self.N,)), byte_alignment=16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout((self.NW,)), byte_alignment=16)
         sStart = smem.allocate_tensor(Int32, cute.make_layout((self.N + 1,)), byte_alignment=16)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # ids are the router's output
         key = Int32(_INT_MAX)
         if t < P:
             e = cutlass.max(cutlass.min(mIds[t], Int32(self.E - 1)), Int32(0))
             key = (e << 10) | t
         sKey[t] = key
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # the only global read is done
         cute.arch.sync_threads()
         # bitonic sort, ascending: stages (k, j) for k = 2, 4, .., N and j = k/2, .., 1
         for st in cutlass.range_constexpr(len(self.stages)):
@@ -161,7 +174,7 @@ class ExpertGemmKernel:
                  mS1: Optional[cute.Tensor], mNact: cute.Tensor, mActE: cute.Tensor, mActStart: cute.Tensor,
                  mActCount: cute.Tensor, mSorted: cute.Tensor, mOut: cute.Tensor, grid: Int32, stream: cuda.CUstream):
         self.kernel(mX, mA0, mS0, mA1, mS1, mNact, mActE, mActStart, mActCount, mSorted, mOut).launch(
-            grid=[grid, 1, 1], block=[self.T, 1, 1], stream=stream, min_blocks_per_mp=1)
+            grid=[grid, 1, 1], block=[self.T, 1, 1], stream=stream, min_blocks_per_mp=1, use_pdl=self.cfg.pdl)
 
     @cute.jit
     def lut_value(self, byte):
@@ -215,6 +228,10 @@ class ExpertGemmKernel:
                         sLut[byte * 32 + (c + lane) % 32] = val
             lut = sLut.iterator.toint()
         sRed = smem.allocate_tensor(Float32, cute.make_layout((self.NACC, 32, self.WN, self.WK)), byte_alignment=16)
+        if cutlass.const_expr(self.cfg.pdl):
+            # the table above touched no global memory; everything below (the plan, x, and which expert
+            # weights to read) depends on the predecessors' outputs
+            cute.arch.griddepcontrol_wait()
         cute.arch.sync_threads()
 
         acc = cute.make_rmem_tensor((4, self.TPP, self.mats), Float32)
@@ -239,6 +256,9 @@ class ExpertGemmKernel:
                         xrow[j] = pair
                 for gi in cutlass.range(wk, self.GPS, self.WK, unroll=self.cfg.k_unroll):
                     self.k_step(mX, mA0, mS0, mA1, mS1, ex, rt, gi, xrow, rzb, acc, tmp, lut, lane, g, q)
+                if cutlass.const_expr(self.cfg.pdl):
+                    if item + nblk >= n_items and p0 + 8 * self.TPP >= cnt:  # CTA-uniform: its last loads
+                        cute.arch.griddepcontrol_launch_dependents()
                 self.finish(mSorted, mOut, acc, sRed, start, cnt, p0, rt, wn, wk, lane, g, q)
 
     @cute.jit
@@ -322,10 +342,11 @@ class ExpertGemmKernel:
 class CombineKernel:
     """out[t] = sum_slot w[t, slot] * y[t*k + slot] (FP32, slot order), optionally RMSNorm'ed to bf16."""
 
-    def __init__(self, L: int, k_top: int, norm: bool, threads: int):
+    def __init__(self, L: int, k_top: int, norm: bool, threads: int, pdl: bool = False):
         if L % 8:
             raise ValueError(f"L={L} must be a multiple of 8")
         self.L, self.k, self.norm, self.T = L, k_top, norm, threads
+        self.pdl = pdl
         self.NV = L // 8
         self.VPT = -(-self.NV // threads)
         self.pred = self.VPT * threads != self.NV
@@ -334,7 +355,8 @@ class CombineKernel:
     @cute.jit
     def __call__(self, mY: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mNw: Optional[cute.Tensor],
                  eps: Float32, stream: cuda.CUstream):
-        self.kernel(mY, mW, mOut, mNw, eps).launch(grid=[mW.shape[0], 1, 1], block=[self.T, 1, 1], stream=stream)
+        self.kernel(mY, mW, mOut, mNw, eps).launch(grid=[mW.shape[0], 1, 1], block=[self.T, 1, 1], stream=stream,
+                                                   use_pdl=self.pdl)
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor, mNw: Optional[cute.Tensor], eps: Float32):
@@ -349,6 +371,14 @@ class CombineKernel:
         acc = cute.make_rmem_tensor((8, self.VPT), Float32)
         acc.fill(0.0)
         ry = cute.make_rmem_tensor((8,), BFloat16)
+        rw = cute.make_rmem_tensor((8, self.VPT), BFloat16)
+        if cutlass.const_expr(self.norm):  # the norm weight (a parameter) first
+            for i in cutlass.range_constexpr(self.VPT):
+                v = tidx + self.T * i
+                if v < self.NV:
+                    cute.copy(vec_bf, cute.local_tile(mNw, (8,), (v,)), rw[None, i])
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # y and the routing weights are this step's activations
         for s in cutlass.range_constexpr(self.k):
             w = mW[t, s]
             for i in cutlass.range_constexpr(self.VPT):
@@ -357,6 +387,8 @@ class CombineKernel:
                     cute.copy(vec_bf, cute.local_tile(mY[t * self.k + s, None], (8,), (v,)), ry)
                     for e in cutlass.range_constexpr(8):
                         acc[e, i] = acc[e, i] + w * ry[e].to(Float32)
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # every y load is issued
         if cutlass.const_expr(self.norm):
             ss = Float32(0.0)
             for i in cutlass.range_constexpr(self.VPT):
@@ -370,13 +402,11 @@ class CombineKernel:
             for w in cutlass.range_constexpr(self.NW):
                 tot = tot + s_red[w]
             rstd = cute.math.rsqrt(tot / Float32(self.L) + eps)
-            rw = cute.make_rmem_tensor((8,), BFloat16)
             for i in cutlass.range_constexpr(self.VPT):
                 v = tidx + self.T * i
                 if v < self.NV:
-                    cute.copy(vec_bf, cute.local_tile(mNw, (8,), (v,)), rw)
                     for e in cutlass.range_constexpr(8):
-                        ry[e] = (acc[e, i] * rstd * rw[e].to(Float32)).to(BFloat16)
+                        ry[e] = (acc[e, i] * rstd * rw[e, i].to(Float32)).to(BFloat16)
                     cute.copy(vec_bf, ry, cute.local_tile(mOut[t, None], (8,), (v,)))
         else:
             ro = cute.make_rmem_tensor((4,), Float32)

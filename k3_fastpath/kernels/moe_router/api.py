@@ -6,6 +6,9 @@ renormalised weights, for decode batches M = 1..64. Two launches: the skinny GEM
         # x [M, H] bf16, gate_weight [E, H] bf16, bias [E] fp32 -> ids [M, k] int32, w [M, k] fp32
     ids, w = moe_router_select(logits, bias, top_k, renormalize=True, scale=1.0)   # logits [M, E] fp32
 
+``pdl=True`` launches both kernels for programmatic dependent launch (the GEMM with ``SkinnyGemmConfig.pdl``,
+the selection with ``MoERouterConfig.pdl``: parameters before griddepcontrol.wait, logits after it).
+
 Same semantics as ``reference.moe.route`` (ids there are int64; here int32, the index dtype the expert
 kernels take). Picks are in descending key order. Outside the envelope (see ``is_supported``) the call is
 served by ``reference.py`` and counted as a fallback of ``moe_router`` with the reason.
@@ -13,6 +16,7 @@ served by ``reference.py`` and counted as a fallback of ``moe_router`` with the 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -123,11 +127,13 @@ def is_supported(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor,
     return s if not s else OK
 
 
-def _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config):
+def _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config, pdl=False):
     from ..._lib.tensor import current_stream, to_cute
 
     M, E = logits.shape
     cfg = config or MoERouterConfig.from_heuristic(E, top_k, renormalize)
+    if pdl and not cfg.pdl:
+        cfg = dataclasses.replace(cfg, pdl=True)
     if (cfg.num_experts, cfg.top_k, cfg.renormalize) != (E, top_k, renormalize):
         raise ValueError(f"config {cfg} does not fit E={E}, top_k={top_k}, renormalize={renormalize}")
     fn = compile_moe_router("fp32", E, top_k, cfg)
@@ -144,15 +150,16 @@ def _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, confi
 
 def moe_router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool = True,
                       scale: float = 1.0, *, out_ids: torch.Tensor | None = None,
-                      out_weights: torch.Tensor | None = None, config: MoERouterConfig | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Selection from FP32 ``logits [M, E]``: (ids [M, k] int32, weights [M, k] fp32)."""
+                      out_weights: torch.Tensor | None = None, config: MoERouterConfig | None = None,
+                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Selection from FP32 ``logits [M, E]``: (ids [M, k] int32, weights [M, k] fp32); ``pdl``: the
+    programmatic-dependent-launch build."""
     support = is_supported_select(logits, bias, top_k, out_ids, out_weights)
     if not support:
         counters.count_fallback(NAME, support.reason)
         ids, w = moe_router_select_ref(logits, bias, top_k, renormalize, scale)
         return _into(ids, w, out_ids, out_weights)
-    return _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config)
+    return _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config, pdl)
 
 
 def _into(ids, w, out_ids, out_weights):
@@ -168,15 +175,22 @@ def _into(ids, w, out_ids, out_weights):
 def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
                renormalize: bool = True, scale: float = 1.0, *, out_ids: torch.Tensor | None = None,
                out_weights: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-               config: MoERouterConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               config: MoERouterConfig | None = None, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Route ``x [M, H]``: (ids [M, k] int32, weights [M, k] fp32). ``logits`` (an [M, E] fp32 buffer)
-    receives the logits when given; ``config`` overrides the selection heuristic (benches)."""
+    receives the logits when given; ``config`` overrides the selection heuristic (benches); ``pdl`` (or
+    ``config.pdl``) launches both kernels for programmatic dependent launch."""
     support = is_supported(x, gate_weight, bias, top_k, out_ids, out_weights)
     if not support:
         counters.count_fallback(NAME, support.reason)
         ids, w = moe_router_ref(x, gate_weight, bias, top_k, renormalize, scale)
         return _into(ids, w, out_ids, out_weights)
     from ..skinny_gemm.api import skinny_gemm
+    from ..skinny_gemm.config import SkinnyGemmConfig
 
-    lg = skinny_gemm(x, gate_weight, out=logits, out_dtype=torch.float32)
-    return _launch(lg, bias, top_k, renormalize, scale, out_ids, out_weights, config)
+    pdl = pdl or (config is not None and config.pdl)
+    gemm_cfg = None
+    if pdl:  # the same config skinny_gemm would pick, launched for PDL
+        M, H = x.shape
+        gemm_cfg = dataclasses.replace(SkinnyGemmConfig.select(M, gate_weight.shape[0], H, out_fp32=True), pdl=True)
+    lg = skinny_gemm(x, gate_weight, out=logits, out_dtype=torch.float32, config=gemm_cfg)
+    return _launch(lg, bias, top_k, renormalize, scale, out_ids, out_weights, config, pdl)

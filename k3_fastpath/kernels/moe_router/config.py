@@ -22,6 +22,11 @@ class MoERouterConfig:
     top_k: int
     renormalize: bool = True
     rows_per_cta: int = ROWS_PER_CTA
+    # Programmatic dependent launch (the decode executor opts in; off = the kernel as it was): the selection
+    # kernel is launched with the PDL attribute and loads the bias (a parameter) before griddepcontrol.wait,
+    # the logits after it; ``moe_router`` then also launches its logits GEMM with ``SkinnyGemmConfig.pdl``.
+    # Same arithmetic, same bits.
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         if self.num_experts % VEC or self.num_experts < VEC:
@@ -47,5 +52,5 @@ class MoERouterConfig:
 
     @classmethod
     def from_heuristic(cls, num_experts: int, top_k: int, renormalize: bool = True,
-                       arch: str = "sm_90a") -> MoERouterConfig:
-        return cls(num_experts, top_k, renormalize, ROWS_PER_CTA)
+                       arch: str = "sm_90a", pdl: bool = False) -> MoERouterConfig:
+        return cls(num_experts, top_k, renormalize, ROWS_PER_CTA, pdl)

@@ -16,6 +16,11 @@ One warp per token row m (``rows_per_cta`` rows per CTA, grid = ceil(M / rows_pe
    weight_r = score_r / sum * scale (``renormalize``) or score_r * scale. Picks are stored in selection
    order (descending key, as the reference orders them): ids [M, k] int32, weights [M, k] FP32.
 
+With ``config.pdl`` (programmatic dependent launch) the bias vectors are loaded first (a parameter: no step
+writes it), then ``griddepcontrol.wait``, then the logits; ``launch_dependents`` follows the step-3 re-read
+(the last read of the logits); the stores come after it. A warp whose row is past M (``rows_per_cta`` > 1)
+runs on row M - 1 and stores nothing, so the wait and the trigger are reached by every thread.
+
 Constraints: E % 4 == 0, E <= 2048, 1 <= k <= min(32, E); logits [M, E] / bias [E] FP32, 16-byte aligned.
 """
 
@@ -54,7 +59,7 @@ class MoERouterKernel:
         rpc = self.cfg.rows_per_cta
         grid = (mL.shape[0] + rpc - 1) // rpc
         self.kernel(mL, mB, mIds, mW, scale).launch(grid=[grid, 1, 1], block=[self.cfg.threads, 1, 1],
-                                                    stream=stream)
+                                                    stream=stream, use_pdl=self.cfg.pdl)
 
     @cute.kernel
     def kernel(self, mL: cute.Tensor, mB: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, scale: Float32):
@@ -63,61 +68,72 @@ class MoERouterKernel:
         lane = tidx % 32
         row = blk * self.cfg.rows_per_cta + tidx // 32
         M = mL.shape[0]
+        rrow = cutlass.min(row, M - 1)  # a warp past M (rows_per_cta > 1) selects row M - 1, stores nothing
         vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
-        if row < M:
-            # 1. keys in registers: sel[j, i] is expert 4 * (lane + 32 i) + j
-            sel = cute.make_rmem_tensor((VEC, self.VPL), Float32)
-            rl = cute.make_rmem_tensor((VEC,), Float32)
-            rb = cute.make_rmem_tensor((VEC,), Float32)
-            for i in cutlass.range_constexpr(self.VPL):
-                v = lane + 32 * i
-                if cutlass.const_expr(self.predicated):
-                    for j in cutlass.range_constexpr(VEC):
-                        sel[j, i] = Float32(_NEG_INF)
-                    if v < self.cfg.num_vec:
-                        cute.copy(vec, cute.local_tile(mL[row, None], (VEC,), (v,)), rl)
-                        cute.copy(vec, cute.local_tile(mB, (VEC,), (v,)), rb)
-                        for j in cutlass.range_constexpr(VEC):
-                            sel[j, i] = _sigmoid(rl[j]) + rb[j]
-                else:
-                    cute.copy(vec, cute.local_tile(mL[row, None], (VEC,), (v,)), rl)
-                    cute.copy(vec, cute.local_tile(mB, (VEC,), (v,)), rb)
-                    for j in cutlass.range_constexpr(VEC):
-                        sel[j, i] = _sigmoid(rl[j]) + rb[j]
-
-            # 2. k rounds of warp arg-max under the tie rule
-            my_id = Int32(0)
-            for r in cutlass.range(self.K, unroll=1):
-                bv = sel[0, 0]
-                bi = Int32(4 * lane)
-                for i in cutlass.range_constexpr(self.VPL):
-                    for j in cutlass.range_constexpr(VEC):
-                        if cutlass.const_expr(i + j > 0):
-                            e = Int32(4 * (lane + 32 * i) + j)
-                            take = sel[j, i] > bv
-                            bv = Float32(cutlass.select_(take, sel[j, i], bv))
-                            bi = Int32(cutlass.select_(take, e, bi))
-                for off in cutlass.range_constexpr(5):
-                    ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> off)
-                    oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> off)
-                    take = _better(ov, oi, bv, bi)
-                    bv = Float32(cutlass.select_(take, ov, bv))
-                    bi = Int32(cutlass.select_(take, oi, bi))
-                my_id = Int32(cutlass.select_(lane == r, bi, my_id))
-                for i in cutlass.range_constexpr(self.VPL):
-                    for j in cutlass.range_constexpr(VEC):
-                        e = Int32(4 * (lane + 32 * i) + j)
-                        sel[j, i] = Float32(cutlass.select_(e == bi, Float32(_NEG_INF), sel[j, i]))
-
-            # 3. scores of the picks, renormalised over the k lanes that hold one
-            s = Float32(0.0)
-            if lane < self.K:
-                s = _sigmoid(mL[row, my_id])
-            if cutlass.const_expr(self.cfg.renormalize):
-                tot = cute.arch.warp_reduction_sum(s)
-                w = s / tot * scale
+        # 0. the correction bias (a parameter, never written by a step) into registers first
+        rb = cute.make_rmem_tensor((VEC, self.VPL), Float32)
+        for i in cutlass.range_constexpr(self.VPL):
+            v = lane + 32 * i
+            if cutlass.const_expr(self.predicated):
+                if v < self.cfg.num_vec:
+                    cute.copy(vec, cute.local_tile(mB, (VEC,), (v,)), rb[None, i])
             else:
-                w = s * scale
-            if lane < self.K:
-                mIds[row, lane] = my_id
-                mW[row, lane] = w
+                cute.copy(vec, cute.local_tile(mB, (VEC,), (v,)), rb[None, i])
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()  # the logits (the predecessor's output) are visible after this
+
+        # 1. keys in registers: sel[j, i] is expert 4 * (lane + 32 i) + j
+        sel = cute.make_rmem_tensor((VEC, self.VPL), Float32)
+        rl = cute.make_rmem_tensor((VEC,), Float32)
+        for i in cutlass.range_constexpr(self.VPL):
+            v = lane + 32 * i
+            if cutlass.const_expr(self.predicated):
+                for j in cutlass.range_constexpr(VEC):
+                    sel[j, i] = Float32(_NEG_INF)
+                if v < self.cfg.num_vec:
+                    cute.copy(vec, cute.local_tile(mL[rrow, None], (VEC,), (v,)), rl)
+                    for j in cutlass.range_constexpr(VEC):
+                        sel[j, i] = _sigmoid(rl[j]) + rb[j, i]
+            else:
+                cute.copy(vec, cute.local_tile(mL[rrow, None], (VEC,), (v,)), rl)
+                for j in cutlass.range_constexpr(VEC):
+                    sel[j, i] = _sigmoid(rl[j]) + rb[j, i]
+
+        # 2. k rounds of warp arg-max under the tie rule
+        my_id = Int32(0)
+        for r in cutlass.range(self.K, unroll=1):
+            bv = sel[0, 0]
+            bi = Int32(4 * lane)
+            for i in cutlass.range_constexpr(self.VPL):
+                for j in cutlass.range_constexpr(VEC):
+                    if cutlass.const_expr(i + j > 0):
+                        e = Int32(4 * (lane + 32 * i) + j)
+                        take = sel[j, i] > bv
+                        bv = Float32(cutlass.select_(take, sel[j, i], bv))
+                        bi = Int32(cutlass.select_(take, e, bi))
+            for off in cutlass.range_constexpr(5):
+                ov = cute.arch.shuffle_sync_bfly(bv, offset=16 >> off)
+                oi = cute.arch.shuffle_sync_bfly(bi, offset=16 >> off)
+                take = _better(ov, oi, bv, bi)
+                bv = Float32(cutlass.select_(take, ov, bv))
+                bi = Int32(cutlass.select_(take, oi, bi))
+            my_id = Int32(cutlass.select_(lane == r, bi, my_id))
+            for i in cutlass.range_constexpr(self.VPL):
+                for j in cutlass.range_constexpr(VEC):
+                    e = Int32(4 * (lane + 32 * i) + j)
+                    sel[j, i] = Float32(cutlass.select_(e == bi, Float32(_NEG_INF), sel[j, i]))
+
+        # 3. scores of the picks, renormalised over the k lanes that hold one
+        s = Float32(0.0)
+        if lane < self.K:
+            s = _sigmoid(mL[rrow, my_id])
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()  # the last read of the logits is issued
+        if cutlass.const_expr(self.cfg.renormalize):
+            tot = cute.arch.warp_reduction_sum(s)
+            w = s / tot * scale
+        else:
+            w = s * scale
+        if lane < self.K and row < M:
+            mIds[row, lane] = my_id
+            mW[row, lane] = w

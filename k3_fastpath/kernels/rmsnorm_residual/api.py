@@ -3,13 +3,15 @@
     normed, new_residual = rmsnorm_residual(x, residual, weight, eps)      # x, residual: [M, H] bf16
     normed, _ = rmsnorm_residual(x, None, weight, eps)                      # plain RMSNorm
 
-``out=`` / ``residual_out=`` may alias ``x`` / ``residual`` (in place is safe, see kernel.py).
+``out=`` / ``residual_out=`` may alias ``x`` / ``residual`` (in place is safe, see kernel.py). ``pdl=True``
+launches the PDL build (``RMSNormConfig.pdl``: weight loads before griddepcontrol.wait, see kernel.py).
 Outside the envelope (not bf16, not on an sm_90 device, H % 8, non-contiguous, ...) the call is served
 by ``reference.py`` and counted as a fallback with the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -93,9 +95,11 @@ def is_supported(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                      *, out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None,
-                     config: RMSNormConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     config: RMSNormConfig | None = None, pdl: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(normed, new_residual): new_residual = bf16(x + residual), normed = RMSNorm(new_residual) * weight.
-    ``config`` overrides the heuristic (benches); its has_residual must match."""
+    ``config`` overrides the heuristic (benches); its has_residual must match. ``pdl``: launch the
+    programmatic-dependent-launch build (same bits)."""
     support = is_supported(x, residual, weight, out, residual_out)
     if not support:
         counters.count_fallback(NAME, support.reason)
@@ -113,6 +117,8 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     H = x.shape[1]
     has_res = residual is not None
     cfg = config or RMSNormConfig.from_heuristic(H, has_residual=has_res)
+    if pdl and not cfg.pdl:
+        cfg = dataclasses.replace(cfg, pdl=True)
     if cfg.has_residual != has_res:
         raise ValueError(f"config.has_residual={cfg.has_residual} but residual is {'given' if has_res else 'None'}")
     fn = compile_rmsnorm_residual("bf16", H, cfg)

@@ -22,12 +22,18 @@ class RMSNormConfig:
     threads: int
     vec_per_thread: int
     has_residual: bool = True
+    # Programmatic dependent launch (the decode executor opts in; off = the kernel as it was): launched with
+    # the PDL attribute, each thread loads its norm-weight vectors (never written by a step) before
+    # griddepcontrol.wait, reads x / residual only after it, and triggers launch_dependents once those loads
+    # are issued. Same instructions on the data, so the same bits.
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         validate_row_launch(self.threads, self.vec_per_thread)
 
     @classmethod
-    def from_heuristic(cls, H: int, arch: str = "sm_90a", has_residual: bool = True) -> RMSNormConfig:
+    def from_heuristic(cls, H: int, arch: str = "sm_90a", has_residual: bool = True,
+                       pdl: bool = False) -> RMSNormConfig:
         """Fewest whole warps such that no thread owns more than MAX_VEC_PER_THREAD vectors
         (H = 7168: 224 threads x 4 vectors, no predication)."""
         if H % VEC:
@@ -35,4 +41,4 @@ class RMSNormConfig:
         nv = H // VEC
         want = -(-nv // MAX_VEC_PER_THREAD)  # threads needed at MAX_VEC_PER_THREAD each
         threads = min(1024, max(32, -(-want // 32) * 32))
-        return cls(threads=threads, vec_per_thread=-(-nv // threads), has_residual=has_residual)
+        return cls(threads=threads, vec_per_thread=-(-nv // threads), has_residual=has_residual, pdl=pdl)

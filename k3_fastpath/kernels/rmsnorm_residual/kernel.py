@@ -10,6 +10,11 @@ Algorithm, one CTA per row m (grid = M, so any M works without recompiling):
 4. rstd = rsqrt(ss / H + eps); out = bf16(h * rstd * weight); store out and h with 16-byte stores.
 
 Without a residual (``has_residual=False``) steps 1-2 skip the add and h = x (plain RMSNorm).
+
+With ``config.pdl`` (programmatic dependent launch) step 1 is split: the weight vectors are loaded first
+(a step never writes them), then ``griddepcontrol.wait`` (the predecessor grid has completed and its
+writes are visible), then x and residual; ``griddepcontrol.launch_dependents`` follows once those loads
+are issued. Every global write comes after the wait. Without it the loads are issued in the same order.
 In-place use is safe: every element is read and written by the same thread, reads first.
 
 Constraints: bf16 tensors, H % 8 == 0, rows contiguous and 16-byte aligned, H <= 8 * 1024 * vec_per_thread.
@@ -55,7 +60,19 @@ class RMSNormResidualKernel:
         stream: cuda.CUstream,
     ):
         self.kernel(mX, mR, mW, mO, mRO, eps).launch(
-            grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream)
+            grid=[mX.shape[0], 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.cfg.pdl)
+
+    @cute.jit
+    def _load_row(self, src: cute.Tensor, dst: cute.Tensor, tidx):
+        """This thread's 16-byte vectors (t, t + T, ...) of a length-H row into dst (VEC, vpt)."""
+        vec = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
+        for v in cutlass.range_constexpr(self.vpt):
+            idx = v * self.threads + tidx
+            if cutlass.const_expr(self.predicated):
+                if idx < self.num_vec:
+                    cute.copy(vec, cute.local_tile(src, (VEC,), (idx,)), dst[None, v])
+            else:
+                cute.copy(vec, cute.local_tile(src, (VEC,), (idx,)), dst[None, v])
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR: Optional[cute.Tensor], mW: cute.Tensor, mO: cute.Tensor,
@@ -75,21 +92,15 @@ class RMSNormResidualKernel:
         rX.fill(0.0)
         rR.fill(0.0)
         rW.fill(0.0)
-        gX = mX[row, None]
-        gW = mW
-        for v in cutlass.range_constexpr(self.vpt):
-            idx = v * self.threads + tidx
-            if cutlass.const_expr(self.predicated):
-                if idx < self.num_vec:
-                    cute.copy(vec, cute.local_tile(gX, (VEC,), (idx,)), rX[None, v])
-                    cute.copy(vec, cute.local_tile(gW, (VEC,), (idx,)), rW[None, v])
-                    if cutlass.const_expr(self.cfg.has_residual):
-                        cute.copy(vec, cute.local_tile(mR[row, None], (VEC,), (idx,)), rR[None, v])
-            else:
-                cute.copy(vec, cute.local_tile(gX, (VEC,), (idx,)), rX[None, v])
-                cute.copy(vec, cute.local_tile(gW, (VEC,), (idx,)), rW[None, v])
-                if cutlass.const_expr(self.cfg.has_residual):
-                    cute.copy(vec, cute.local_tile(mR[row, None], (VEC,), (idx,)), rR[None, v])
+        # 1. the weight first (never written by a step: PDL may read it before the wait), then x, residual
+        self._load_row(mW, rW, tidx)
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()
+        self._load_row(mX[row, None], rX, tidx)
+        if cutlass.const_expr(self.cfg.has_residual):
+            self._load_row(mR[row, None], rR, tidx)
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_launch_dependents()
 
         if cutlass.const_expr(self.cfg.has_residual):
             s = rX.load().to(Float32) + rR.load().to(Float32)
