@@ -153,18 +153,25 @@ def test_pdl_launch_gives_the_same_bits(seed):
     assert torch.equal(y, y_pdl), f"PDL launch differs seed={seed}"
 
 
-def test_env_opt_in_routes_to_wgmma(monkeypatch, seed):
-    """K3_SKINNY_GEMM_WGMMA=1: skinny_gemm without a config launches wgmma for M >= 17, mma below."""
-    monkeypatch.setenv(WGMMA_ENV, "1")
+@pytest.mark.parametrize("env,routes", [(None, ((40, "wgmma"), (9, "wgmma"), (8, "mma"), (2, "fma"))),
+                                        ("17", ((40, "wgmma"), (17, "wgmma"), (16, "mma"), (2, "fma"))),
+                                        ("0", ((40, "mma"), (9, "mma"), (2, "fma")))])
+def test_env_routes_to_wgmma(monkeypatch, seed, env, routes):
+    """skinny_gemm without a config launches wgmma for M >= 9 by default; K3_SKINNY_GEMM_WGMMA moves the
+    threshold (17) or turns it off (0)."""
+    if env is None:
+        monkeypatch.delenv(WGMMA_ENV, raising=False)
+    else:
+        monkeypatch.setenv(WGMMA_ENV, env)
     N, K = SHAPES["tp8_o_proj"]
     w = _weight(N, K)
-    for M, variant in ((40, "wgmma"), (17, "wgmma"), (16, "mma"), (2, "fma")):
+    for M, variant in routes:
         x = torch.randn(M, K, device="cuda").bfloat16()
         n0 = dict(api.VARIANT_LAUNCHES)
         y = api.skinny_gemm(x, w)
         assert api.VARIANT_LAUNCHES[variant] == n0.get(variant, 0) + 1, f"M={M}: expected {variant}"
         ref64, same = _refs(x, w, None, torch.bfloat16)
-        _check_close(y, same, ref64, f"opt-in M={M}", seed)
+        _check_close(y, same, ref64, f"env {env} M={M}", seed)
 
 
 def test_cuda_graph_replay_matches_eager(seed):

@@ -3,9 +3,9 @@
     y = skinny_gemm(x, w)                                # x [M, K] bf16, w [N, K] bf16 -> [M, N] bf16
     y = skinny_gemm(x, w, residual=h, out_dtype=torch.float32)
 
-The config (variant, M bucket, split-K) comes from ``SkinnyGemmConfig.select(M, N, K)``: the heuristic
-(fma / mma.sync, kernel.py), or, where ``K3_SKINNY_GEMM_WGMMA`` opts in, the TMA + wgmma variant
-(kernel_wgmma.py) for M in its range. The compiled kernel serves every M of its bucket.
+The config (variant, M bucket, split-K) comes from ``SkinnyGemmConfig.select(M, N, K)``: the TMA + wgmma
+variant (kernel_wgmma.py) for M in its range (default 9..64; ``K3_SKINNY_GEMM_WGMMA=0`` turns it off, an
+integer moves the threshold), the heuristic (fma / mma.sync, kernel.py) below it. The compiled kernel serves every M of its bucket.
 ``precompile(preset)`` compiles every ``rank_shapes(...).gemm_shapes()`` shape for every bucket (under the
 same environment). Outside the envelope the call is served by ``reference.py`` and counted as a fallback
 with the reason. Launches count under one kernel name, ``skinny_gemm``; ``VARIANT_LAUNCHES`` splits them
@@ -99,7 +99,10 @@ def precompile(preset_name: str) -> int:
 
 
 def is_supported(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> Support:
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                 config: SkinnyGemmConfig | None = None) -> Support:
+    """Whether the kernel serves this call: with ``config``, that config must fit (M within its bucket, the
+    variant's K / N rules); without it, ``select`` must find one."""
     if x.dim() != 2 or w.dim() != 2:
         return no("x and w must be 2-d")
     M, K = x.shape
@@ -112,10 +115,16 @@ def is_supported(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None
         return no(f"N={N} not a multiple of 8")
     if out_dtype not in (torch.bfloat16, torch.float32):
         return no(f"out dtype {out_dtype}")
-    try:
-        SkinnyGemmConfig.select(M, N, K)
-    except ValueError as e:
-        return no(str(e))
+    if config is not None:
+        if M > config.m_max:
+            return no(f"M={M} > config m_max {config.m_max}")
+        if K % config.k_granule:
+            return no(f"{config.variant} needs K % {config.k_granule} == 0, got K={K}")
+    else:
+        try:
+            SkinnyGemmConfig.select(M, N, K)
+        except ValueError as e:
+            return no(str(e))
     for name, t, dt in (("residual", residual, torch.bfloat16), ("out", out, out_dtype)):
         if t is not None and (t.shape != (M, N) or t.dtype != dt):
             return no(f"{name} shape/dtype")
@@ -145,7 +154,7 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     """y = x @ w^T (+ residual) with FP32 accumulation; ``config`` overrides the heuristic (benches)."""
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else torch.bfloat16
-    support = is_supported(x, w, residual, out, out_dtype)
+    support = is_supported(x, w, residual, out, out_dtype, config)
     if not support:
         counters.count_fallback(NAME, support.reason)
         y = skinny_gemm_ref(x, w, residual, out_dtype=out_dtype)

@@ -26,13 +26,20 @@ FMA_MAX_M = 4
 NUM_SMS_H200 = 132
 PDL_PREFETCH_BYTES = 16 << 20  # per GEMM, before griddepcontrol.wait (L2 is 60 MB). TO BE MEASURED
 
-# wgmma variant (kernel_wgmma.py): TMA + wgmma, swap-AB. Opt-in only (WGMMA_ENV); from_heuristic never picks it.
+# wgmma variant (kernel_wgmma.py): TMA + wgmma, swap-AB. select() sends M >= WGMMA_MIN_M to it by default
+# (WGMMA_ENV moves the threshold or turns it off); from_heuristic (the fma / mma table) never picks it.
 WGMMA_BUCKETS = (16, 32, 64)  # m_max = the wgmma N extent
 WGMMA_BLOCK_K = 64  # bf16 per 128-byte swizzle row: one pipeline stage holds k_unroll of these along K
 WGMMA_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 SMEM_PER_SM_H200 = 228 * 1024  # of which 1 KB per resident CTA is reserved by the driver
-WGMMA_ENV = "K3_SKINNY_GEMM_WGMMA"  # "1"/"on": wgmma for M >= WGMMA_MIN_M; an integer 9..64: for M >= it
-WGMMA_MIN_M = 17  # default opt-in range 17..64. TO BE MEASURED (bench --wgmma): may extend down to 9
+WGMMA_ENV = "K3_SKINNY_GEMM_WGMMA"  # unset/"1"/"on": wgmma for M >= WGMMA_MIN_M; "0"/"off": never; 9..64: M >= it
+# Default range 9..64 (the 16-, 32- and 64-row buckets). Measured on the H200 (bundles/runs/2026-12-01-h200-
+# session5/wgmma_bench.txt, `python -m k3_fastpath.kernels.skinny_gemm.bench --preset k3-tp16-rank --preset
+# k3-mini --m 16,32,64 --wgmma`, cold L2, CUDA-graph medians): wgmma is faster than the mma variant at every
+# one of the 22 rank / k3-mini GEMM shapes at M = 16, 32 and 64 (e.g. k3-mini lm_head 533 / 536 / 552 us vs
+# 595 / 911 / 1304 us, cuBLAS 533 / 538 / 566 us; k3-tp16-rank dense_gate_up 19.3 / 20.5 / 23.2 vs 30.6 /
+# 49.7 / 91.6 us). M 9..16 share the 16-row bucket, so they cost what M = 16 does. M <= 8 stays on fma.
+WGMMA_MIN_M = 9
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ class SkinnyGemmConfig:
       warpgroups each own ``rows_per_warp`` 64-row wgmma tiles (rows_per_cta = 16 * warps_n *
       rows_per_warp); W and x tiles arrive by TMA through a ``stages``-deep mbarrier pipeline, each stage
       ``k_unroll`` x 64 wide in K. ``split_k`` works as for mma. Never picked by ``from_heuristic``:
-      ``wgmma_for`` builds one, ``select`` returns it when the environment opts in (WGMMA_ENV).
+      ``wgmma_for`` builds one, ``select`` returns it for M >= WGMMA_MIN_M unless WGMMA_ENV says otherwise.
     A CTA has ``warps_n`` x ``warps_k`` warps: warps_n split the CTA's rows, warps_k split K (reduced
     through shared memory). ``split_k`` CTAs split K further (mma only); each writes FP32 partials to a
     workspace and the last CTA to arrive sums them in split order (deterministic) and runs the epilogue.
@@ -173,7 +180,8 @@ class SkinnyGemmConfig:
     @classmethod
     def wgmma_for(cls, M: int, N: int, K: int, *, out_fp32: bool = False, residual: bool = False,
                   num_sms: int = NUM_SMS_H200) -> SkinnyGemmConfig:
-        """A wgmma config for one (M, N, K). First guesses, TO BE MEASURED (``bench --wgmma``):
+        """A wgmma config for one (M, N, K) (measured against mma and cuBLAS: ``bench --wgmma``; the constants
+        below are the first guesses, not yet swept one at a time):
         - 64 weight rows per CTA (one warpgroup); 128 (two warpgroups, x read half as often from L2) once
           64-row CTAs would not fit one wave at 2 CTAs per SM (N > 64 * 2 * num_sms, e.g. lm_head);
         - 64-wide K stages, as many as fit 2 CTAs per SM (at most 8): 6 stages at m_max = 64, i.e.
@@ -200,8 +208,8 @@ class SkinnyGemmConfig:
     @classmethod
     def select(cls, M: int, N: int, K: int, *, out_fp32: bool = False, residual: bool = False,
                num_sms: int = NUM_SMS_H200) -> SkinnyGemmConfig:
-        """The config ``api.skinny_gemm`` launches: ``from_heuristic``, except where the environment opts
-        into the wgmma variant (``K3_SKINNY_GEMM_WGMMA``) and M is in its range."""
+        """The config ``api.skinny_gemm`` launches: the wgmma variant for M in its range (default 9..64;
+        ``K3_SKINNY_GEMM_WGMMA`` moves or disables it), ``from_heuristic`` below it."""
         lo = wgmma_min_m()
         if lo is not None and lo <= M <= MAX_M and K % VEC == 0:
             return cls.wgmma_for(M, N, K, out_fp32=out_fp32, residual=residual, num_sms=num_sms)
@@ -253,11 +261,12 @@ class SkinnyGemmConfig:
 
 
 def wgmma_min_m() -> int | None:
-    """The smallest M the environment sends to the wgmma variant, or None (off, the default)."""
+    """The smallest M ``select`` sends to the wgmma variant (default WGMMA_MIN_M), or None where the
+    environment turns it off (``K3_SKINNY_GEMM_WGMMA=0``)."""
     raw = os.environ.get(WGMMA_ENV, "").strip().lower()
-    if raw in ("", "0", "off", "false", "no"):
+    if raw in ("0", "off", "false", "no"):
         return None
-    if raw in ("1", "on", "true", "yes"):
+    if raw in ("", "1", "on", "true", "yes"):
         return WGMMA_MIN_M
     if raw.isdigit() and 9 <= int(raw) <= MAX_M:
         return int(raw)
@@ -265,8 +274,8 @@ def wgmma_min_m() -> int | None:
 
 
 def m_buckets() -> tuple[int, ...]:
-    """Representative M per compiled variant: every config ``select`` can return for M in 1..64 (with
-    the wgmma opt-in, its buckets replace the mma buckets they cover)."""
+    """Representative M per compiled variant: every config ``select`` can return for M in 1..64 (the wgmma
+    buckets replace the mma buckets they cover)."""
     base = tuple(range(1, FMA_MAX_M + 1)) + MMA_BUCKETS
     lo = wgmma_min_m()
     if lo is None:

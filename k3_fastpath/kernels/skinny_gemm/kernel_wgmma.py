@@ -1,4 +1,5 @@
-"""Skinny GEMM on Hopper tensor cores: y[M, N] = x[M, K] @ W[N, K]^T (+ residual), 16 < M <= 64 (opt-in).
+"""Skinny GEMM on Hopper tensor cores: y[M, N] = x[M, K] @ W[N, K]^T (+ residual), 8 < M <= 64 (the
+default above M = 8: ``config.select``).
 
 Why: the mma.sync variant (kernel.py) loads W straight into registers and re-reads 8-row slices of x from
 L1 for every 16 weight rows; at m_max = 64 the x traffic from L1 is 4x the weight traffic and the kernel
