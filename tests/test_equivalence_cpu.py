@@ -21,6 +21,7 @@ from verify.checks.equivalence import (
     fill_reference,
     step_metrics,
     synthesize_context,
+    tie_margins,
 )
 from verify.context import CheckContext
 
@@ -63,6 +64,8 @@ def test_mismatch_inside_top5_passes_outside_fails(seed):
     assert r["mismatches"] == 2
     assert [(v["step"], v["seq"]) for v in r["topk_violations"]] == [(3, 0)]
     assert not r["topk_violations"][0]["fast_in_ref_topk"]
+    assert r["topk_violations"][0]["fast_token_rank_in_ref"] == ref[3].shape[-1]  # the reference's last choice
+    assert not r["topk_violations"][0]["within_row_error"]
     assert r["first_divergence_violations"] == r["topk_violations"] and r["later_violation_rate"] == 0.0
     assert r["kl_max"] > 1.0
     for a, b in zip(rs.fed, fs.fed, strict=True):  # both sides are always fed the reference's token
@@ -174,3 +177,17 @@ def test_reference_dense_experts_survive_the_executor(monkeypatch, seed):
     g = torch.Generator().manual_seed(seed)
     model.prefill(torch.randint(3, cfg.vocab_size, (2, 4), generator=g), None, cache)
     assert calls == []
+
+
+def test_violation_records_how_close_the_tie_was():
+    g = torch.Generator().manual_seed(0)
+    lr = torch.randn(1000, generator=g)
+    lr[:6] = torch.tensor([5.0, 4.9, 4.8, 4.7, 4.6, 4.55])
+    noise = 0.3 * torch.randn(1000, generator=g)  # p99 of |noise| ~ 0.77
+    lf = lr + noise
+    lf[0], lf[5] = 4.5, 5.0  # fast prefers token 5, which the reference ranks 6th; ref's token 0 drops
+    m = tie_margins(lr, lf, 0, 5)
+    assert m["fast_token_rank_in_ref"] == 6 and m["ref_token_rank_in_fast"] > 1
+    assert m["ref_logit_gap"] == pytest.approx(0.45) and m["fast_logit_gap"] == pytest.approx(0.5)
+    assert 0.5 < m["row_p99_abs_err"] and m["within_row_error"]
+    assert not tie_margins(lr, lr + 0.01 * noise, 0, 5)["within_row_error"]  # gaps far above the noise

@@ -131,3 +131,29 @@ def test_bundle_verify_rederives_the_sweep_targets(tmp_path):
     bad = dict(_point("fast", 8, 100.0, 90.0), step_us_median=50.0)
     tampered = verify_bundle(_sweep_bundle(tmp_path / "bad", [bad], []), rescorers=resc)
     assert any("samples give" in p for p in tampered.problems)
+
+
+def test_fast_variants_are_checked_split_and_scoped():
+    assert S.check_fast_variants(None) is None
+    assert S.check_fast_variants({"fast_pdl": {"pdl": True}, "fast_mma": {"skinny_gemm_wgmma": "0"}}) is None
+    assert "must be fast_" in S.check_fast_variants({"pdl": {"pdl": True}})
+    assert "unknown option" in S.check_fast_variants({"fast_x": {"graphs": False}})
+    assert "true or false" in S.check_fast_variants({"fast_x": {"pdl": "yes"}})
+    assert "mapping of options" in S.check_fast_variants({"fast_x": {}})
+    kw, env = S.variant_split({"pdl": True, "skinny_gemm_wgmma": False})
+    assert kw == {"pdl": True} and env == {"K3_SKINNY_GEMM_WGMMA": "0"}
+    import os
+
+    os.environ.pop("K3_SKINNY_GEMM_WGMMA", None)
+    with S.env_override(env):
+        assert os.environ["K3_SKINNY_GEMM_WGMMA"] == "0"
+    assert "K3_SKINNY_GEMM_WGMMA" not in os.environ
+
+
+def test_fast_variant_rows_are_information_not_targets():
+    var = dict(_point("fast_pdl", 1, 80.0, 90.0), variant_of="fast", options={"pdl": True}, vs_fast=1.25)
+    pts = [_point("fast", 1, 100.0, 90.0), _point("standard", 1, 300.0, 90.0), var]
+    targets, problems = perf._sweep_targets(pts, [])
+    assert targets["fast_variants"]["fast_pdl"]["by_point"] == {"tp1 b1 ctx1024 uniform": 1.25}
+    assert targets["speedup_batch_1"]["min"] == 3.0  # judged on the fast row, never on a variant
+    assert not any("fast_pdl" in p for p in problems)

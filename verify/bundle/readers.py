@@ -33,6 +33,7 @@ SWEEP_CHECK = "perf.decode_sweep"
 BENCH_CHECK = "bench.kernels"
 EVAL_PREFIX = "evals."
 BACKENDS = ("fast", "standard", "reference")  # reference: the eager PyTorch model (since session 3)
+VARIANT_PREFIX = "fast_"  # fast variants timed beside fast (decode_sweep fast_variants, e.g. fast_pdl; session 5)
 
 
 # ---------------------------------------------------------------- the bundle as data
@@ -153,7 +154,7 @@ class SweepPoint:
     routing: str
     batch: int
     context: int
-    backend: str  # fast | standard
+    backend: str  # fast | standard | reference | fast_<variant>
     median_us: float
     p10_us: float | None = None
     p90_us: float | None = None
@@ -206,9 +207,10 @@ def sweep_points(data: BundleData) -> tuple[list[SweepPoint], list[str]]:
             p10, p90 = _num(r.get("step_us_p10")), _num(r.get("step_us_p90"))
             if (p10 is None or p90 is None) and len(samples) >= 2:
                 p10, p90 = percentile(samples, 10), percentile(samples, 90)
-            if r["backend"] not in BACKENDS:
+            if r["backend"] not in BACKENDS and not str(r["backend"]).startswith(VARIANT_PREFIX):
                 notes.append(
-                    f"{where}: backend {r['backend']!r} is not one of {', '.join(BACKENDS)}; skipped"
+                    f"{where}: backend {r['backend']!r} is not one of {', '.join(BACKENDS)} "
+                    f"or {VARIANT_PREFIX}*; skipped"
                 )
                 continue
             if median is None or median <= 0:

@@ -66,6 +66,21 @@ def step_metrics(ref: torch.Tensor, fast: torch.Tensor) -> dict[str, Any]:
             "finite": bool(torch.isfinite(f).all())}
 
 
+def tie_margins(lr: torch.Tensor, lf: torch.Tensor, ref_tok: int, fast_tok: int) -> dict[str, Any]:
+    """How close a top-k violation was (information; the rule itself is unchanged): each token's 1-based rank
+    in the other side's logits, the logit gap by which each side preferred its own token over the other's,
+    and the row's typical logit error (99th percentile of |ref - fast| over the vocabulary: the max would be
+    set by the diverging logits themselves). Both gaps under it = a near-tie that rounding noise flips."""
+    r, f = lr.double(), lf.double()
+    gap_r = float(r[ref_tok] - r[fast_tok])
+    gap_f = float(f[fast_tok] - f[ref_tok])
+    p99 = float(torch.quantile((r - f).abs().float(), 0.99)) if r.numel() <= 1 << 24 else float("nan")
+    return {"ref_token_rank_in_fast": int((f > f[ref_tok]).sum()) + 1,
+            "fast_token_rank_in_ref": int((r > r[fast_tok]).sum()) + 1,
+            "ref_logit_gap": gap_r, "fast_logit_gap": gap_f, "row_p99_abs_err": p99,
+            "within_row_error": max(gap_r, gap_f) <= p99}
+
+
 def compare_greedy(ref_decode: Callable[[torch.Tensor], torch.Tensor],
                    fast_decode: Callable[[torch.Tensor], torch.Tensor], first_logits: torch.Tensor, steps: int,
                    top_k: int = 5, on_step: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -93,6 +108,8 @@ def compare_greedy(ref_decode: Callable[[torch.Tensor], torch.Tensor],
             ok_r = bool((top_f[row] == nr[row]).any())
             rec = {"step": s, "seq": row, "ref_token": int(nr[row]), "fast_token": int(nf[row]),
                    "first": first_div[row] is None, "fast_in_ref_topk": ok_f, "ref_in_fast_topk": ok_r}
+            if not (ok_f and ok_r):
+                rec.update(tie_margins(lr[row], lf[row], int(nr[row]), int(nf[row])))
             mismatches.append(rec)
             if first_div[row] is None:
                 first_div[row] = s

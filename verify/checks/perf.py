@@ -142,6 +142,14 @@ def _sweep_targets(points: list[dict], allreduce: list[dict]) -> tuple[dict[str,
     if std_x:
         targets["standard_x_floor"] = {"target": "information only: the standard path's step / the HBM floor",
                                        "by_point": std_x}
+    var = {}
+    for p in points:
+        if p.get("variant_of") == "fast" and p.get("vs_fast"):
+            var.setdefault(p["backend"], {"options": p.get("options"), "by_point": {}})["by_point"][
+                f"tp{p['tp']} b{p['batch']} ctx{p['context']} {p['routing']}"] = round(p["vs_fast"], 3)
+    if var:
+        targets["fast_variants"] = {"target": "information only: fast's step / the variant's step (> 1: the "
+                                              "variant is faster), same cache, same process", **var}
     typed = [p for p in points if p.get("pct_of_floor_by_layer_type")]
     if typed:  # the issue asks for the standard path's % of floor next to the fast path's, per layer type
         by_point: dict[str, dict[str, Any]] = {}
@@ -159,12 +167,15 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                  iters: int = 20, standard_iters: int = 5, warmup: int = 3, kv_cache: str = "bf16",
                  mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
-                 layer_times: bool = True, standard_compiled_glue: bool = False) -> Any:
+                 layer_times: bool = True, standard_compiled_glue: bool = False,
+                 fast_variants: dict[str, dict[str, Any]] | None = None) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
     measured in this run (verify/checks/perf_sweep.py says how each number is taken). ``reference_batches``:
     the batches that also time the eager reference model (information only, slow at long context; default
     all); ``layer_times``: per-layer-type times of the fast and standard graph paths;
-    ``standard_compiled_glue``: the standard path's glue through torch.compile (rows say ``standard_glue``)."""
+    ``standard_compiled_glue``: the standard path's glue through torch.compile (rows say ``standard_glue``);
+    ``fast_variants``: more fast executors timed beside ``fast`` on the same cache, e.g. ``{fast_pdl: {pdl:
+    true}, fast_mma: {skinny_gemm_wgmma: "0"}}`` (TP1 points; ``perf_sweep.check_fast_variants``)."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
@@ -178,6 +189,9 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
     if bad or not batches or not contexts or not tp:
         return ctx.failed(f"bad sweep parameters: routing {bad or routing}, batches {batches}, contexts {contexts}, "
                           f"tp {tp}")
+    bad_variants = S.check_fast_variants(fast_variants)
+    if bad_variants:
+        return ctx.failed(bad_variants)
     kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(kv_cache)
     if kv_dtype is None:
         return ctx.failed(f"kv_cache must be bf16 or fp8, got {kv_cache!r}")
@@ -240,6 +254,11 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
             strong = DecodeExecutor(model, backend="standard_graph", max_batch=max(batches), max_len=max_len,
                                     kv_dtype=kv_dtype, pool_from=fast,
                                     standard_compiled_glue=standard_compiled_glue) if standard_graph else None
+            variants = {}
+            for name, opts in (fast_variants or {}).items():
+                kw, env = S.variant_split(opts)
+                variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches),
+                                                 max_len=max_len, kv_dtype=kv_dtype, pool_from=fast, **kw), opts, env)
             for batch in sorted(batches):
                 for r in routing:
                     if over_budget(f"tp=1 batch={batch} context={context} {r}"):
@@ -249,7 +268,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                                          standard_iters=standard_iters, warmup=warmup, seed=ctx.seed,
                                          strong=strong, layer_times=layer_times,
                                          reference=reference_batches is None or batch in reference_batches,
-                                         floor_cfg=cfg, rank_tp=rank_tp))
+                                         floor_cfg=cfg, rank_tp=rank_tp, variants=variants))
                     except torch.cuda.OutOfMemoryError as e:
                         notes.append(f"tp=1 batch={batch} context={context} {r}: out of memory "
                                      f"({str(e).splitlines()[0][:120]})")
@@ -269,7 +288,9 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
             std.close()
             if strong is not None:
                 strong.close()
-            del fast, std, strong
+            for ex, _, _ in variants.values():
+                ex.close()
+            del fast, std, strong, variants
             torch.cuda.empty_cache()
         del model
         torch.cuda.empty_cache()

@@ -46,6 +46,54 @@ import torch
 
 FILL_SEED = 11
 CONTEXT_SLACK = 64  # positions past the context for warm-up / timed standard steps
+# fast_variants: options a variant row may set (DecodeExecutor keywords, and skinny_gemm's variant switch,
+# an environment variable read when a GEMM's config is picked: at warm-up and capture, never at replay)
+VARIANT_EXECUTOR_OPTIONS = ("pdl", "prefetch")
+VARIANT_ENV_OPTIONS = {"skinny_gemm_wgmma": "K3_SKINNY_GEMM_WGMMA"}
+
+
+def check_fast_variants(variants: dict[str, dict[str, Any]] | None) -> str | None:
+    """Why ``fast_variants`` is malformed, or None. Names are row backends ``fast_<word>``; options are
+    VARIANT_EXECUTOR_OPTIONS (booleans) and VARIANT_ENV_OPTIONS (strings)."""
+    import re
+
+    for name, opts in (variants or {}).items():
+        if not re.fullmatch(r"fast_[a-z0-9_]+", str(name)):
+            return f"fast_variants: name {name!r} must be fast_<lowercase word>"
+        if not isinstance(opts, dict) or not opts:
+            return f"fast_variants.{name}: expected a mapping of options, got {opts!r}"
+        bad = [k for k in opts if k not in VARIANT_EXECUTOR_OPTIONS and k not in VARIANT_ENV_OPTIONS]
+        if bad:
+            return (f"fast_variants.{name}: unknown option(s) {bad} (known: "
+                    f"{list(VARIANT_EXECUTOR_OPTIONS) + list(VARIANT_ENV_OPTIONS)})")
+        for k in VARIANT_EXECUTOR_OPTIONS:
+            if k in opts and not isinstance(opts[k], bool):
+                return f"fast_variants.{name}.{k}: expected true or false, got {opts[k]!r}"
+    return None
+
+
+def variant_split(opts: dict[str, Any]) -> tuple[dict[str, bool], dict[str, str]]:
+    """(DecodeExecutor keywords, environment overrides) of one fast variant's options."""
+    return ({k: opts[k] for k in VARIANT_EXECUTOR_OPTIONS if k in opts},
+            {VARIANT_ENV_OPTIONS[k]: str(int(v) if isinstance(v, bool) else v)
+             for k, v in opts.items() if k in VARIANT_ENV_OPTIONS})
+
+
+@contextmanager
+def env_override(env: dict[str, str]):
+    """Set environment variables for the block and restore them after."""
+    import os
+
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -193,10 +241,12 @@ def _glue_of(ex: Any) -> str:
 
 def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
               standard_iters: int, warmup: int, seed: int, strong: Any = None, layer_times: bool = True,
-              reference: bool = True, floor_cfg: Any = None, rank_tp: int = 1) -> list[dict[str, Any]]:
+              reference: bool = True, floor_cfg: Any = None, rank_tp: int = 1,
+              variants: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] | None = None) -> list[dict[str, Any]]:
     """The backends at one (batch, context, routing) on one cache: fast, standard (``strong``, the
-    graph-captured library path, when given; it shares ``fast``'s slot pool) and the eager reference
-    (``std``); one record each. ``rank_tp > 1``: ``model`` is one emulated rank of TP ``rank_tp`` of
+    graph-captured library path, when given; it shares ``fast``'s slot pool), each fast variant
+    (``variants``: row name -> (executor over ``fast``'s pool, its options, its environment overrides),
+    row ``vs_fast`` = fast's median / the variant's) and the eager reference (``std``); one record each. ``rank_tp > 1``: ``model`` is one emulated rank of TP ``rank_tp`` of
     ``floor_cfg`` (the floor is that rank's share; rows say ``tp: rank_tp, emulated_rank: true``)."""
     from k3_fastpath.runtime.routing import touched_in_step
 
@@ -232,6 +282,12 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
         if layer_times:  # per-layer-type times of both graph paths (section graphs, runtime/section_timing.py)
             for row, ex in zip(rows, (fast, strong), strict=False):
                 row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
+        for name, (ex, opts, env) in (variants or {}).items():
+            try:
+                rows.append(_variant_row(name, ex, opts, env, common, rows[0], tokens, cache, out, fl, iters=iters,
+                                         warmup=warmup, standard_iters=standard_iters, layer_times=layer_times))
+            except (RuntimeError, ValueError) as e:  # a variant must not cost the point its fast / standard rows
+                rows[0].setdefault("variant_errors", {})[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if not reference:
             return rows
         s_samples = event_times_us(lambda: std.decode(tokens, cache), standard_iters, 1)
@@ -247,6 +303,22 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
     finally:
         if hasattr(cache, "release"):
             cache.release()
+
+
+def _variant_row(name: str, ex: Any, opts: dict[str, Any], env: dict[str, str], common: dict[str, Any],
+                 fast_row: dict[str, Any], tokens: torch.Tensor, cache: Any, out: torch.Tensor, fl: dict[str, Any], *,
+                 iters: int, warmup: int, standard_iters: int, layer_times: bool) -> dict[str, Any]:
+    """One fast variant's record at a point: captured and timed (and its sections) under its environment."""
+    with env_override(env):
+        samples, v_extra = _graph_row(ex, tokens, cache, out, iters, warmup, standard_iters)
+        vs = stats(samples)
+        row = {**common, "backend": name, "variant_of": "fast", "options": dict(opts), **vs, **v_extra,
+               **throughput(vs["step_us_median"], int(tokens.shape[0]), 1),
+               "pct_of_floor": fl["floor_us"] / vs["step_us_median"], "x_floor": vs["step_us_median"] / fl["floor_us"],
+               "vs_fast": fast_row["step_us_median"] / vs["step_us_median"], "expert_format": fast_row["expert_format"]}
+        if layer_times:
+            row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
+    return row
 
 
 def graph_layer_times(ex: Any, tokens: torch.Tensor, cache: Any, floor_by_type: dict[str, float],
