@@ -170,7 +170,7 @@ def test_pdl_changes_no_bit(seed):
     from k3_fastpath.runtime import fast_ops
 
     model = _model("tiny-6heads")
-    off = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,))
+    off = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=False)
     on = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=True)
     on_eager = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=True, use_graphs=False)
     for name, (default_fn, twin) in fast_ops.PDL_VARIANTS.items():

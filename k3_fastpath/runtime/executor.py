@@ -25,10 +25,13 @@ kernel's reference, which synchronises) is not captured: its steps run eagerly, 
 
 The MLA latent pools hold ``max_len`` rounded up to a multiple of 64 positions (``CachePool``): the slot
 pool is then a paged cache of 64-position pages, the layout ``mla_decode`` takes; ``max_len`` itself stays
-the context limit of the envelope and of ``new_cache``. Launch-level options
-(both off by default, both measured on/off by scripts/gpu/decode_executor_check.py): ``prefetch`` (next
-layer's weights into L2 on a side stream, ``prefetch.py``) and ``pdl`` (programmatic dependent launch of
-every kernel of the step, ``fast_ops.op_table(pdl=True)``; ``pdl_support()`` says exactly what it covers).
+the context limit of the envelope and of ``new_cache``. Launch-level options: ``pdl`` (on by default:
+programmatic dependent launch of every kernel of the step, ``fast_ops.op_table(pdl=True)``;
+``pdl_support()`` says exactly what it covers; bitwise the same logits, tests/test_executor_gpu.py::
+test_pdl_changes_no_bit; measured in session 5 beside the same executor without it, perf.decode_sweep
+fast_variants: 4-11% faster steps on the emulated TP16 rank, within +-1% on k3-mini) and ``prefetch`` (off
+by default: the next layer's weights into L2 on a side stream, ``prefetch.py``; measured on/off by
+scripts/gpu/decode_executor_check.py).
 """
 
 from __future__ import annotations
@@ -78,7 +81,7 @@ class DecodeExecutor:
                  buckets: Sequence[int] = DEFAULT_BUCKETS, use_graphs: bool = True, trace_dir: str | None = None,
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
                  envelope: Envelope | None = None, prefetch: bool = False,
-                 prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = False,
+                 prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = True,
                  shared_stream: bool = True, pool_from: DecodeExecutor | None = None,
                  standard_compiled_glue: bool = False) -> None:
         if backend not in BACKENDS:
@@ -102,10 +105,10 @@ class DecodeExecutor:
                                                       kv_dtype=self.kv_dtype)
         self.fast = backend in STEP_BACKENDS and self.model_reason is None
         self.use_graphs = bool(use_graphs and self.fast and self.device.type == "cuda")
-        self.pdl = pdl
+        self.pdl = bool(pdl and backend == "latency_specialized")  # the standard backends launch without PDL
         # standard_compiled_glue: the standard path's glue through torch.compile, compiled at warm-up (standard_ops)
         self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
-                    if backend == "standard_graph" else op_table(pdl=pdl))
+                    if backend == "standard_graph" else op_table(pdl=self.pdl))
         self.side = SideStream(self.device, enabled=shared_stream and self.fast)
         self.prefetcher = L2Prefetcher(self.device, prefetch_budget, enabled=prefetch and self.fast)
         self.pool: CachePool | None = None
@@ -125,7 +128,7 @@ class DecodeExecutor:
                 "envelope": self.envelope.as_dict(), "model_reason": self.model_reason, "buckets": list(self.buckets),
                 "max_len": max_len, "use_graphs": self.use_graphs,
                 "ops": {n: (o.kernel if o.kernel else f"standard: {o.standard_reason}") for n, o in self.ops.items()},
-                "glue_ops": list(GLUE_OPS), "pdl": {"requested": pdl, "effect": pdl_support()},
+                "glue_ops": list(GLUE_OPS), "pdl": {"requested": self.pdl, "effect": pdl_support() if self.pdl else "off"},
                 "l2_prefetch": {"enabled": self.prefetcher.enabled, "budget_bytes": prefetch_budget},
                 "mla_pool_len": CachePool.latent_length(max_len),
                 "shared_experts_stream": self.side.stream is not None,
