@@ -295,3 +295,41 @@ def test_section_graphs_are_the_step(backend, seed):
     assert all(v > 0 for v in t["section_us"].values())
     assert t["sections"] == 2 + 2 * model.cfg.num_hidden_layers
     assert 0.5 < t["sections_total_us"] / t["step_graph_us"] < 5, t
+
+
+def test_single_expert_copy_changes_no_bit_and_frees_the_checkpoint_layout(seed):
+    """``single_expert_copy=True``: the routed experts live once (fragment layout); graph-replayed fast steps
+    and the reference model (which now rebuilds expert bytes from the fragments) give bit for bit the
+    logits of a model whose experts live twice, and building the plan adds no second copy of the experts."""
+    from k3_fastpath.runtime.fast_step import ModelPlan
+
+    two = build_synthetic_model(_cfg("k3-tiny"), 0, "stable", "cuda")
+    one = build_synthetic_model(_cfg("k3-tiny"), 0, "stable", "cuda")
+    deltas = []
+    for model, single in ((two, False), (one, True)):
+        torch.cuda.synchronize()
+        m0 = torch.cuda.memory_allocated()
+        plan = ModelPlan.build(model, single_expert_copy=single)
+        torch.cuda.synchronize()
+        deltas.append(torch.cuda.memory_allocated() - m0)
+    banks = [lp.mlp["bank"].weights for lp in plan.layers if lp.moe]
+    assert banks and all(b.compacted for b in banks)
+    expert_bytes = sum(t.numel() for b in banks for q, s in b.frag.values() for t in (q, s))
+    assert deltas[0] >= expert_bytes, f"the two-copy plan added {deltas[0]} B < the experts' {expert_bytes} B"
+    assert deltas[1] <= deltas[0] - expert_bytes + (1 << 20), f"single copy still added {deltas[1]} B"
+    ex2 = DecodeExecutor(two, max_len=48, max_batch=4, buckets=(4,))
+    ex1 = DecodeExecutor(one, max_len=48, max_batch=4, buckets=(4,), single_expert_copy=True)
+    ex2.warmup_and_capture()
+    ex1.warmup_and_capture()
+    r2, c2, f2 = _filled(two, ex2, 4, 8, seed, 48)
+    r1, c1, f1 = _filled(one, ex1, 4, 8, seed, 48)
+    assert torch.equal(f1, f2), f"seed {seed}: the reference prefill changed"
+    tok = f2.argmax(-1)
+    for step in range(4):
+        a, b = ex2.decode(tok, c2), ex1.decode(tok, c1)
+        assert torch.equal(a, b), f"seed {seed}: step {step} differs with the experts kept once"
+        ra, rb = two.decode(tok, r2), one.decode(tok, r1)
+        assert torch.equal(ra, rb), f"seed {seed}: reference step {step} differs"
+        tok = a.argmax(-1)
+    assert all(r.graph for r in ex1.trace.records)
+    assert fast_path_problems(summarize(list(ex1.trace.records))) == []

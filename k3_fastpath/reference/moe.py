@@ -21,6 +21,8 @@ fly, each expert only when some token routes to it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -82,13 +84,36 @@ class MXFP4Weight(nn.Module):
         self.register_buffer("weight_scale", torch.full((out_features, in_features // mxfp4.GROUP), 127,
                                                         dtype=torch.uint8, device=device))
 
+    def use_source(self, source: Any, name: str, e: int) -> None:
+        """Serve this matrix from ``source.checkpoint(name, e)`` (a compacted ``ExpertWeights``: the experts
+        kept once, in the kernel's fragment layout) instead of own buffers, which are dropped. Reads of
+        ``weight_packed`` / ``weight_scale`` then rebuild the checkpoint bytes (exact, a copy per read)."""
+        self._buffers.pop("weight_packed", None)
+        self._buffers.pop("weight_scale", None)
+        self.__dict__["_source"] = (source, name, e)
+        self.drop_dense()
+
+    def __getattr__(self, name: str) -> Any:
+        src = self.__dict__.get("_source")
+        if src is not None and name in ("weight_packed", "weight_scale"):
+            p, s = src[0].checkpoint(src[1], src[2])
+            return p if name == "weight_packed" else s
+        return super().__getattr__(name)
+
+    def _packed_and_scale(self) -> tuple[torch.Tensor, torch.Tensor]:
+        src = self.__dict__.get("_source")
+        return src[0].checkpoint(src[1], src[2]) if src is not None else (self.weight_packed, self.weight_scale)
+
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         c = self.__dict__.get("_dense")
         if c is not None and c[0] == self._key(dtype):
             return c[1]
-        return mxfp4.dequantize(self.weight_packed, self.weight_scale, dtype)
+        return mxfp4.dequantize(*self._packed_and_scale(), dtype)
 
     def _key(self, dtype: torch.dtype) -> tuple:
+        src = self.__dict__.get("_source")
+        if src is not None:  # the source's bytes never change once compacted
+            return (dtype, "source", id(src[0]), src[1], src[2])
         p, s = self.weight_packed, self.weight_scale
         return (dtype, p.data_ptr(), p._version, s.data_ptr(), s._version)
 
@@ -96,7 +121,7 @@ class MXFP4Weight(nn.Module):
         """Keep this matrix dequantised to ``dtype`` for later ``dense`` calls (the same values: the
         dequantisation is exact and deterministic; re-pointed or modified packed / scale tensors invalidate
         it). Returns the bytes kept. ``cache_dense_experts`` does it for a whole model."""
-        self.__dict__["_dense"] = (self._key(dtype), mxfp4.dequantize(self.weight_packed, self.weight_scale, dtype))
+        self.__dict__["_dense"] = (self._key(dtype), mxfp4.dequantize(*self._packed_and_scale(), dtype))
         return self.__dict__["_dense"][1].numel() * self.__dict__["_dense"][1].element_size()
 
     def drop_dense(self) -> None:

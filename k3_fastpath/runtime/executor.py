@@ -83,7 +83,7 @@ class DecodeExecutor:
                  envelope: Envelope | None = None, prefetch: bool = False,
                  prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = True,
                  shared_stream: bool = True, pool_from: DecodeExecutor | None = None,
-                 standard_compiled_glue: bool = False) -> None:
+                 standard_compiled_glue: bool = False, single_expert_copy: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -105,6 +105,7 @@ class DecodeExecutor:
                                                       kv_dtype=self.kv_dtype)
         self.fast = backend in STEP_BACKENDS and self.model_reason is None
         self.use_graphs = bool(use_graphs and self.fast and self.device.type == "cuda")
+        self.single_expert_copy = single_expert_copy  # ExpertBank(single_copy=...): the experts kept once
         self.pdl = bool(pdl and backend == "latency_specialized")  # the standard backends launch without PDL
         # standard_compiled_glue: the standard path's glue through torch.compile, compiled at warm-up (standard_ops)
         self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
@@ -132,10 +133,11 @@ class DecodeExecutor:
                 "l2_prefetch": {"enabled": self.prefetcher.enabled, "budget_bytes": prefetch_budget},
                 "mla_pool_len": CachePool.latent_length(max_len),
                 "shared_experts_stream": self.side.stream is not None,
-                "standard_compiled_glue": bool(standard_compiled_glue and backend == "standard_graph")}
+                "standard_compiled_glue": bool(standard_compiled_glue and backend == "standard_graph"),
+                "single_expert_copy": bool(single_expert_copy)}
         self.trace = ExecutionTrace(trace_dir if trace_dir is not None else trace_dir_from_env(), meta)
         if self.fast:  # the routed experts' kernel weights (and W_UK / W_UV) once, here, never per step
-            self._plan = ModelPlan.build(model)
+            self._plan = ModelPlan.build(model, single_expert_copy=single_expert_copy)
             self.trace.set_meta(expert_weights=self.cfg.expert_format)
 
     # ------------------------------------------------------------------ caches
@@ -165,7 +167,7 @@ class DecodeExecutor:
     # ------------------------------------------------------------------ setup
     def _plan_or_build(self) -> ModelPlan:
         if self._plan is None:
-            self._plan = ModelPlan.build(self.model)
+            self._plan = ModelPlan.build(self.model, single_expert_copy=self.single_expert_copy)
         return self._plan
 
     def _io_for(self, bucket: int) -> StepIO:

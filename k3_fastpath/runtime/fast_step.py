@@ -50,17 +50,34 @@ class ExpertBank:
     No BF16 copy of any expert exists: the kernel dequantises MXFP4 in registers and streams only the
     touched experts. Stacking would duplicate the checkpoint's expert tensors, so the module's own
     per-expert tensors are re-pointed at views of the stacked ones (same values; the reference model reads
-    them unchanged): the experts live once in the checkpoint layout, plus once in the fragment layout."""
+    them unchanged): the experts live once in the checkpoint layout, plus once in the fragment layout.
+
+    ``single_copy=True`` (MXFP4) keeps them once: the stacks are compacted into the fragment layout
+    (``ExpertWeights.compact``) and each module serves its ``weight_packed`` / ``weight_scale`` from it
+    (``MXFP4Weight.use_source``: the checkpoint bytes of that expert rebuilt per read, exact). What it
+    costs: a reference / prefill / standard-path read of an expert unpacks it first; ``state_dict()`` of the
+    model no longer lists the routed experts. What it buys: a full K3 TP16 rank (90 GB of experts) fits an
+    H200 with the fast path built (``runtime/rank_emulation.py``). Irreversible for the model (every
+    executor over it shares the bank)."""
 
     _weights_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    def __init__(self, moe: Any, cfg: Any) -> None:
+    def __init__(self, moe: Any, cfg: Any, single_copy: bool = False) -> None:
         self.module = moe
         self.num_experts = cfg.num_experts
         self.beta = cfg.activation_situ_beta
         self.linear_beta = cfg.activation_situ_linear_beta
         self.fmt = cfg.expert_format
         self.weights = self._build(moe, self.fmt)
+        if single_copy and self.fmt == "mxfp4" and not self.weights.compacted:
+            self.compact()
+
+    def compact(self) -> None:
+        """Keep this layer's experts once, in the fragment layout (see the class docstring)."""
+        for e, ex in enumerate(self.module.experts):  # drop the module views of the stacks first
+            for n in ("w1", "w3", "w2"):
+                getattr(ex, n).use_source(self.weights, n, e)
+        self.weights.compact()
 
     @classmethod
     def _build(cls, moe: Any, fmt: str) -> Any:
@@ -150,9 +167,10 @@ class ModelPlan:
     num_sources: int  # AttnRes blocks + the running prefix
 
     @classmethod
-    def build(cls, model: Any, stacked_experts: bool = False) -> ModelPlan:
+    def build(cls, model: Any, stacked_experts: bool = False, single_expert_copy: bool = False) -> ModelPlan:
         """The plan of ``model``'s own weights. ``stacked_experts`` is ignored (the BF16 expert stacks are
-        gone: ``moe_experts`` reads MXFP4); it stays in the signature for older callers."""
+        gone: ``moe_experts`` reads MXFP4); it stays in the signature for older callers.
+        ``single_expert_copy``: the routed experts kept once, in the kernel's layout (``ExpertBank``)."""
         del stacked_experts
         cfg = model.cfg
         m = model.model
@@ -183,7 +201,7 @@ class ModelPlan:
                        "shared_gate": moe.shared_experts.gate_proj.weight,
                        "shared_up": moe.shared_experts.up_proj.weight,
                        "shared_down": moe.shared_experts.down_proj.weight,
-                       "bank": ExpertBank(moe, cfg)}
+                       "bank": ExpertBank(moe, cfg, single_copy=single_expert_copy)}
             else:
                 mlp = {"gate": layer.mlp.gate_proj.weight, "up": layer.mlp.up_proj.weight,
                        "down": layer.mlp.down_proj.weight}

@@ -14,7 +14,9 @@ fast path holds the experts twice on a GPU: the checkpoint layout (what the refe
 standard path, prefill, fallbacks) and the kernel's fragment layout (``ExpertWeights.fragments()``, a
 permutation of the same bytes; ``kernels/moe_experts/layout.py``). The two cannot share storage (the
 fragment order is not a strided view of ``[rows, K/2]``) and the reference modules need the checkpoint
-layout, so both copies are counted; ``backend="standard_graph"`` adds a BF16 copy of every expert
+layout, so both copies are counted, unless the executors keep the experts once (``single_expert_copy``:
+the reference modules then rebuild an expert's checkpoint bytes from its fragments when they read it;
+``fast_step.ExpertBank``), which brings a full TP16 rank to its 108 GB of weights; ``backend="standard_graph"`` adds a BF16 copy of every expert
 (``standard_ops.StandardExperts``, 3.8x the MXFP4 bytes). Hence even a full TP16 rank (108 GB of weights,
 90 GB of them experts) does not fit an H200 once the fast path is built (199 GB); ``check_fits`` names the
 largest expert pool (``SPEC:experts=N``) or layer count that does. The expert pool is the knob that keeps
@@ -117,12 +119,13 @@ def cache_pool_bytes(cfg: K3Config, tp: int, *, slots: int, max_len: int, kv_byt
 
 
 def emulation_bytes(cfg: K3Config, tp: int, *, standard: bool = False, fragments: bool = True,
-                    cache_bytes: int = 0) -> dict[str, int]:
+                    cache_bytes: int = 0, single_copy: bool = False) -> dict[str, int]:
     """What rank 0 of ``tp`` takes on one device, in bytes.
 
     Keys: the ``WEIGHT_PARTS`` and their sum ``weights`` (stored formats, as ``device_model`` allocates them);
     ``expert_slice`` (one expert's rank slice, one layer), ``moe_layers``; ``expert_fragments`` (the fast
-    path's second copy of the experts, ``fragments=True``: a GPU ``ExpertBank``); ``plan_copies``
+    path's second copy of the experts, ``fragments=True``: a GPU ``ExpertBank``; none with ``single_copy``:
+    ``ExpertBank(single_copy=True)`` keeps only the fragment layout); ``plan_copies``
     (``ModelPlan``'s W_UK / W_UV, per plan: two with ``standard``); ``standard_experts`` (``standard``: the
     BF16 copy ``StandardExperts`` makes); ``resident`` (all of these); ``cache`` (``cache_bytes``: the
     executors' cache pools, ``cache_pool_bytes``) and ``peak``: the most in use at once, over building
@@ -133,7 +136,7 @@ def emulation_bytes(cfg: K3Config, tp: int, *, standard: bool = False, fragments
     weights = sum(parts.values())
     rcfg = rank_config(cfg, tp)
     n_moe = len(moe_layer_ids(rcfg))
-    frag = parts["experts"] if fragments and cfg.expert_format == "mxfp4" else 0
+    frag = parts["experts"] if fragments and cfg.expert_format == "mxfp4" and not single_copy else 0
     plan = _plan_copies(cfg, tp) * (2 if standard else 1)
     bf16_matrix = rcfg.num_experts * rcfg.moe_intermediate_size * rcfg.routed_expert_hidden_size * 2
     std = 3 * bf16_matrix * n_moe if standard else 0
@@ -145,7 +148,8 @@ def emulation_bytes(cfg: K3Config, tp: int, *, standard: bool = False, fragments
                resident + cache_bytes)
     out = dict(parts)
     out.update(weights=weights, expert_slice=expert_slice, moe_layers=n_moe, expert_fragments=frag,
-               plan_copies=plan, standard_experts=std, resident=resident, cache=cache_bytes, peak=peak)
+               plan_copies=plan, standard_experts=std, resident=resident, cache=cache_bytes, peak=peak,
+               single_expert_copy=int(bool(single_copy and cfg.expert_format == "mxfp4")))
     return out
 
 
@@ -214,10 +218,10 @@ def _spec_with(cfg: K3Config, tp: int, key: str, value: str) -> str:
 
 
 def check_fits(cfg: K3Config, tp: int, free_bytes: int, *, standard: bool = False, fragments: bool = True,
-               cache_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES) -> str | None:
+               cache_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES, single_copy: bool = False) -> str | None:
     """None when rank 0 of ``tp`` (``emulation_bytes``) fits ``free_bytes``, else a one-line reason with the
     numbers and the largest expert pool that fits (or, when not even ``top_k`` experts do, the most layers)."""
-    kw = dict(standard=standard, fragments=fragments, cache_bytes=cache_bytes)
+    kw = dict(standard=standard, fragments=fragments, cache_bytes=cache_bytes, single_copy=single_copy)
     b = emulation_bytes(cfg, tp, **kw)
     if b["peak"] + reserve_bytes <= free_bytes:
         return None
@@ -230,6 +234,8 @@ def check_fits(cfg: K3Config, tp: int, free_bytes: int, *, standard: bool = Fals
     terms.append(f"{extra / GB:.1f} GB plan copies, caches and build peak")
     terms.append(f"{reserve_bytes / GB:.1f} GB reserve")
     why = f"{cfg.name}: {' + '.join(terms)} > {free_bytes / GB:.1f} GB free"
+    if b["expert_fragments"] and _fits(cfg, tp, free_bytes, reserve_bytes, **{**kw, "single_copy": True}):
+        why += " (fits with the experts kept once: single_expert_copy)"
     n = max_expert_pool(cfg, tp, free_bytes, reserve_bytes=reserve_bytes, **kw)
     if n:
         return f"{why}; use {_spec_with(cfg, tp, 'experts', 'N')} with N <= {n}"
@@ -251,13 +257,15 @@ def device_free_bytes(device: Any) -> int:
 
 
 def emulation_model(spec: str, seed: int, device: Any, *, conditioning: str = "stable", standard: bool = False,
-                    cache_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES) -> tuple[Any, Preset]:
+                    cache_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES,
+                    single_copy: bool = False) -> tuple[Any, Preset]:
     """Rank 0 of preset spec ``spec`` (``config.preset_spec``: e.g. ``k3-tp8-rank:experts=120``) as a BF16
     reference model of ``rank_config(cfg, preset.tp_size)`` on ``device``, and the preset.
 
     Checked before anything is allocated: ``check_fits`` against the device's free memory (``standard``: a
     ``standard_graph`` executor will also run; ``cache_bytes``: what its cache pools will take) raises
-    ``RankEmulationError`` with the reason and the largest pool that fits. Weights: the seeded synthetic
+    ``RankEmulationError`` with the reason and the largest pool that fits (``single_copy``: the executors
+    will be built with ``single_expert_copy=True``, so the experts are counted once). Weights: the seeded synthetic
     checkpoint drawn on the device (``device_synthetic.device_model``), each a distinct allocation; a
     ``DecodeExecutor(model, ...)`` runs the rank's step (no communication)."""
     import torch
@@ -267,15 +275,15 @@ def emulation_model(spec: str, seed: int, device: Any, *, conditioning: str = "s
     p = preset_spec(spec)
     dev = torch.device(device)
     why = check_fits(p.config, p.tp_size, device_free_bytes(dev), standard=standard, fragments=dev.type == "cuda",
-                     cache_bytes=cache_bytes, reserve_bytes=reserve_bytes)
+                     cache_bytes=cache_bytes, reserve_bytes=reserve_bytes, single_copy=single_copy)
     if why:
         raise RankEmulationError(why)
     model = device_model(p.config, seed, dev, tp=p.tp_size, rank=0, conditioning=conditioning)
     return model.eval(), p
 
 
-def emulation_record(p: Preset, *, standard: bool = False, fragments: bool = True, batch: int | None = None
-                     ) -> dict[str, Any]:
+def emulation_record(p: Preset, *, standard: bool = False, fragments: bool = True, batch: int | None = None,
+                     single_copy: bool = False) -> dict[str, Any]:
     """What a bundle records about an emulated rank: the spec, the reductions against the full model, the
     byte estimate, and with ``batch`` the experts a uniform routing touches per MoE layer over the pool vs
     over the full model's pool."""
@@ -289,7 +297,7 @@ def emulation_record(p: Preset, *, standard: bool = False, fragments: bool = Tru
     out: dict[str, Any] = {
         "spec": p.name, "tp": p.tp_size, "num_experts": cfg.num_experts, "full_num_experts": full.num_experts,
         "layers": cfg.num_hidden_layers, "full_layers": full.num_hidden_layers,
-        "bytes": emulation_bytes(cfg, p.tp_size, standard=standard, fragments=fragments),
+        "bytes": emulation_bytes(cfg, p.tp_size, standard=standard, fragments=fragments, single_copy=single_copy),
     }
     if batch is not None:
         k = cfg.num_experts_per_token

@@ -168,14 +168,16 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                  mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
                  layer_times: bool = True, standard_compiled_glue: bool = False,
-                 fast_variants: dict[str, dict[str, Any]] | None = None) -> Any:
+                 fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
     measured in this run (verify/checks/perf_sweep.py says how each number is taken). ``reference_batches``:
     the batches that also time the eager reference model (information only, slow at long context; default
     all); ``layer_times``: per-layer-type times of the fast and standard graph paths;
     ``standard_compiled_glue``: the standard path's glue through torch.compile (rows say ``standard_glue``);
     ``fast_variants``: more fast executors timed beside ``fast`` on the same cache, e.g. ``{fast_pdl: {pdl:
-    true}, fast_mma: {skinny_gemm_wgmma: "0"}}`` (TP1 points; ``perf_sweep.check_fast_variants``)."""
+    true}, fast_mma: {skinny_gemm_wgmma: "0"}}`` (TP1 points; ``perf_sweep.check_fast_variants``);
+    ``single_expert_copy``: the executors keep the routed experts once, in the kernel's layout
+    (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
@@ -232,12 +234,14 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
         max_len = max(contexts) + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
         try:
             model, spec = emulation_model(preset, ctx.seed, "cuda", standard=standard_graph,
+                                          single_copy=single_expert_copy,
                                           cache_bytes=cache_pool_bytes(cfg, rank_tp, slots=max(batches) + 1,
                                                                        max_len=max_len,
                                                                        kv_bytes=1 if kv_cache == "fp8" else 2))
         except RankEmulationError as e:
             return ctx.failed(str(e))
-        ctx.record({"probe": "rank_emulation", **emulation_record(spec, standard=standard_graph, batch=max(batches))})
+        ctx.record({"probe": "rank_emulation", **emulation_record(spec, standard=standard_graph, batch=max(batches),
+                                                                  single_copy=single_expert_copy)})
         mixed = False
         notes.append(f"{spec.name}: rank 0 of TP{rank_tp} emulated on one GPU (no all-reduce; TP2 rows measure "
                      f"communication); mixed variant off")
@@ -249,16 +253,17 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                 continue
             max_len = context + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
             fast = DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches), max_len=max_len,
-                                  kv_dtype=kv_dtype)
+                                  kv_dtype=kv_dtype, single_expert_copy=single_expert_copy)
             std = DecodeExecutor(model, backend="standard", max_batch=max(batches), max_len=max_len, kv_dtype=kv_dtype)
             strong = DecodeExecutor(model, backend="standard_graph", max_batch=max(batches), max_len=max_len,
-                                    kv_dtype=kv_dtype, pool_from=fast,
+                                    kv_dtype=kv_dtype, pool_from=fast, single_expert_copy=single_expert_copy,
                                     standard_compiled_glue=standard_compiled_glue) if standard_graph else None
             variants = {}
             for name, opts in (fast_variants or {}).items():
                 kw, env = S.variant_split(opts)
                 variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches),
-                                                 max_len=max_len, kv_dtype=kv_dtype, pool_from=fast, **kw), opts, env)
+                                                 max_len=max_len, kv_dtype=kv_dtype, pool_from=fast,
+                                                 single_expert_copy=single_expert_copy, **kw), opts, env)
             for batch in sorted(batches):
                 for r in routing:
                     if over_budget(f"tp=1 batch={batch} context={context} {r}"):

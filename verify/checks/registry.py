@@ -69,7 +69,8 @@ _DECLS = [
                "preset": "k3-mini", "iters": 20, "standard_iters": 5, "warmup": 3, "kv_cache": "bf16",
                "mixed_batches": [1, 8], "mixed_prefill_tokens": 256, "mixed_max_context": 4096,
                "standard_graph": True, "reference_batches": None, "layer_times": True,
-               "standard_compiled_glue": False, "fast_variants": None}),
+               "standard_compiled_glue": False, "fast_variants": None,
+               "single_expert_copy": False}),
     # features.*: through the run's engines (--engine vs --baseline-engine); on a CPU builtin:reference
     _d("features.structured_output", "features", "structured_output",
        "JSON-schema / regex / choice constrained outputs all validate (100%), engine under test and baseline",

@@ -199,8 +199,9 @@ def is_supported(z, ids, weights, experts: ExpertWeights, norm_weight=None, out=
     if s and out is not None:
         s = check_tensors({"out": out}, want_out)
     if s:
-        mats = [t for n in ("w1", "w3", "w2") for t in (getattr(experts, n) if experts.fmt == "mxfp4"
-                                                        else (getattr(experts, n),))]
+        mats = [t for n in ("w1", "w3", "w2") for t in (
+            (experts.frag[n] if experts.compacted else getattr(experts, n)) if experts.fmt == "mxfp4"
+            else (getattr(experts, n),))]
         want = torch.uint8 if experts.fmt == "mxfp4" else torch.bfloat16
         s = check_tensors({f"expert weight {i}": t for i, t in enumerate(mats)}, want, align=4)
         if s and any(t.device != z.device for t in mats):

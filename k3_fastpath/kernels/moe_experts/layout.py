@@ -61,6 +61,10 @@ class ExpertWeights:
     mxfp4: ``w1``/``w3`` = (packed [E, I, L/2], scale [E, I, L/32]), ``w2`` = (packed [E, L, I/2],
     scale [E, L, I/32]) as the checkpoint stores them, plus their fragment layouts (``frag``).
     bf16: ``w1``/``w3`` = [E, I, L], ``w2`` = [E, L, I].
+
+    ``compact()`` (MXFP4) keeps the experts once: the fragment layout only, the checkpoint-layout stacks
+    dropped (``w1 = w3 = w2 = None``); ``checkpoint(name, e)`` / ``dense(name, e)`` then rebuild one expert's
+    checkpoint bytes from its fragments (``unpack_mxfp4``: exact, a per-call copy of that expert only).
     """
 
     fmt: str
@@ -70,27 +74,63 @@ class ExpertWeights:
     frag: dict | None = None
 
     @property
+    def compacted(self) -> bool:
+        """True once ``compact()`` dropped the checkpoint-layout stacks (the experts live in ``frag`` only)."""
+        return self.w1 is None
+
+    def _rows(self, name: str) -> torch.Tensor:
+        """A tensor whose dims 0 and 1 are (experts, rows) of matrix ``name`` in whichever layout is held (the
+        fragment layout has rows / 16 in dim 1)."""
+        if self.compacted:
+            return self.frag[name][0]
+        return getattr(self, name)[0] if self.fmt == "mxfp4" else getattr(self, name)
+
+    @property
     def num_experts(self) -> int:
-        return (self.w1[0] if self.fmt == "mxfp4" else self.w1).shape[0]
+        return self._rows("w1").shape[0]
 
     @property
     def inter(self) -> int:
-        return (self.w1[0] if self.fmt == "mxfp4" else self.w1).shape[1]
+        return self._rows("w1").shape[1] * (16 if self.compacted else 1)
 
     @property
     def latent(self) -> int:
-        return (self.w2[0] if self.fmt == "mxfp4" else self.w2).shape[1]
+        return self._rows("w2").shape[1] * (16 if self.compacted else 1)
 
     @property
     def device(self) -> torch.device:
-        return (self.w1[0] if self.fmt == "mxfp4" else self.w1).device
+        return self._rows("w1").device
+
+    def checkpoint(self, name: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's matrix ``name`` in the checkpoint layout, (packed [rows, K/2], scale [rows, K/32]) uint8:
+        views of the stacks, or (compacted) rebuilt from the fragments (a copy of this expert's bytes)."""
+        if self.fmt != "mxfp4":
+            raise ValueError("checkpoint() is for MXFP4 experts")
+        if self.compacted:
+            q, sc = self.frag[name]
+            p, s = unpack_mxfp4(q[e:e + 1], sc[e:e + 1])
+            return p[0], s[0]
+        w = getattr(self, name)
+        return w[0][e], w[1][e]
 
     def dense(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         """Expert e's matrix ``name`` ("w1", "w3", "w2") dequantised to ``dtype`` (the reference's view)."""
-        w = getattr(self, name)
         if self.fmt == "mxfp4":
-            return mxfp4.dequantize(w[0][e], w[1][e], dtype)
-        return w[e].to(dtype)
+            return mxfp4.dequantize(*self.checkpoint(name, e), dtype)
+        return getattr(self, name)[e].to(dtype)
+
+    def compact(self) -> int:
+        """Keep the experts once, in the fragment layout (MXFP4): builds the fragments if needed, then drops
+        the checkpoint-layout stacks. Returns the bytes the stacks held (freed once nothing else holds them:
+        ``fast_step.ExpertBank`` re-points the reference modules at ``checkpoint`` first)."""
+        if self.fmt != "mxfp4":
+            raise ValueError("compact() is for MXFP4 experts (BF16 experts have no second layout)")
+        if self.compacted:
+            return 0
+        self.fragments()
+        freed = sum(t.numel() * t.element_size() for n in ("w1", "w3", "w2") for t in getattr(self, n))
+        self.w1 = self.w3 = self.w2 = None
+        return freed
 
     def fragments(self) -> dict:
         """{"w1": (q, s), "w3": (q, s), "w2": (q, s)} in the fragment layout (computed once, cached)."""
