@@ -130,13 +130,18 @@ def test_default_and_env(monkeypatch):
     assert m_buckets() == (1, 2, 3, 4, 8, 16, 17, 32, 64)
     monkeypatch.setenv(WGMMA_ENV, "9")
     assert SkinnyGemmConfig.select(9, N, K).m_max == 16 and SkinnyGemmConfig.select(8, N, K).variant == "mma"
-    for raw in ("5", "65", "maybe"):
+    monkeypatch.setenv(WGMMA_ENV, "all")
+    assert wgmma_min_m() == 1 and SkinnyGemmConfig.select(1, N, K) == SkinnyGemmConfig.wgmma_for(1, N, K)
+    assert m_buckets() == (1, 16, 32, 64)
+    monkeypatch.setenv(WGMMA_ENV, "5")
+    assert SkinnyGemmConfig.select(5, N, K).m_max == 16 and SkinnyGemmConfig.select(4, N, K).variant == "fma"
+    for raw in ("65", "maybe", "1.5", "-3"):
         monkeypatch.setenv(WGMMA_ENV, raw)
         with pytest.raises(ValueError, match=WGMMA_ENV):
             wgmma_min_m()
 
 
-@pytest.mark.parametrize("env,lo", [(None, 9), ("on", 9), ("17", 17), ("20", 20), ("40", 40)])
+@pytest.mark.parametrize("env,lo", [(None, 9), ("on", 9), ("all", 1), ("5", 5), ("17", 17), ("20", 20), ("40", 40)])
 def test_compile_variants_follow_the_env(monkeypatch, env, lo):
     """precompile must cover what select() launches, or a decode step would compile during graph capture:
     every M 1..64 of every shape and epilogue is served by a listed config."""

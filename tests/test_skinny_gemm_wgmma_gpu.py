@@ -11,7 +11,7 @@ a store past N in the last row would land there too); repeats are bitwise identi
 the second call also proves the arrival counters were reset). Inputs are fresh random tensors; the seed is
 in each failure message.
 
-Grid: M in (9, 16) (the 16-row bucket), 17 / 32 (the 32-row bucket: smallest, boundary), 33 / 64 (the
+Grid: M in (1, 8, 9, 16) (the 16-row bucket; M <= 8 only with K3_SKINNY_GEMM_WGMMA=all or 2..8), 17 / 32 (the 32-row bucket: smallest, boundary), 33 / 64 (the
 64-row bucket); shapes from the K3 TP8 / TP16 ranks with N % 64 != 0 (6288, 3216), split-K 16 (router),
 K = 384 (split 1), two warpgroups (lm_head), and a small 200 x 520 (N % 64 = 8, K % 64 = 8: the TMA unit
 zero-fills the K tail and the rows past N).
@@ -37,7 +37,7 @@ SHAPES = {  # name -> (N, K)
     "tp8_mla_q_b": (2304, 1536), "router": (896, 7168), "tp16_shared_down": (7168, 384),
     "tp8_lm_head": (20480, 7168), "odd_200x520": (200, 520),
 }
-M_GRID = (9, 16, 17, 32, 33, 64)
+M_GRID = (1, 8, 9, 16, 17, 32, 33, 64)
 GUARD = 4  # poisoned rows after the M output rows
 
 
@@ -155,7 +155,8 @@ def test_pdl_launch_gives_the_same_bits(seed):
 
 @pytest.mark.parametrize("env,routes", [(None, ((40, "wgmma"), (9, "wgmma"), (8, "mma"), (2, "fma"))),
                                         ("17", ((40, "wgmma"), (17, "wgmma"), (16, "mma"), (2, "fma"))),
-                                        ("0", ((40, "mma"), (9, "mma"), (2, "fma")))])
+                                        ("0", ((40, "mma"), (9, "mma"), (2, "fma"))),
+                                        ("all", ((1, "wgmma"), (8, "wgmma"), (40, "wgmma")))])
 def test_env_routes_to_wgmma(monkeypatch, seed, env, routes):
     """skinny_gemm without a config launches wgmma for M >= 9 by default; K3_SKINNY_GEMM_WGMMA moves the
     threshold (17) or turns it off (0)."""

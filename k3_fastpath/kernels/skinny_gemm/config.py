@@ -32,13 +32,15 @@ WGMMA_BUCKETS = (16, 32, 64)  # m_max = the wgmma N extent
 WGMMA_BLOCK_K = 64  # bf16 per 128-byte swizzle row: one pipeline stage holds k_unroll of these along K
 WGMMA_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 SMEM_PER_SM_H200 = 228 * 1024  # of which 1 KB per resident CTA is reserved by the driver
-WGMMA_ENV = "K3_SKINNY_GEMM_WGMMA"  # unset/"1"/"on": wgmma for M >= WGMMA_MIN_M; "0"/"off": never; 9..64: M >= it
+WGMMA_ENV = "K3_SKINNY_GEMM_WGMMA"  # unset/"1"/"on": M >= WGMMA_MIN_M; "0"/"off": never; "all"; 2..64: M >= it
 # Default range 9..64 (the 16-, 32- and 64-row buckets). Measured on the H200 (bundles/runs/2026-12-01-h200-
 # session5/wgmma_bench.txt, `python -m k3_fastpath.kernels.skinny_gemm.bench --preset k3-tp16-rank --preset
 # k3-mini --m 16,32,64 --wgmma`, cold L2, CUDA-graph medians): wgmma is faster than the mma variant at every
 # one of the 22 rank / k3-mini GEMM shapes at M = 16, 32 and 64 (e.g. k3-mini lm_head 533 / 536 / 552 us vs
 # 595 / 911 / 1304 us, cuBLAS 533 / 538 / 566 us; k3-tp16-rank dense_gate_up 19.3 / 20.5 / 23.2 vs 30.6 /
-# 49.7 / 91.6 us). M 9..16 share the 16-row bucket, so they cost what M = 16 does. M <= 8 stays on fma.
+# 49.7 / 91.6 us). M 9..16 share the 16-row bucket, so they cost what M = 16 does. M <= 8 stays on fma /
+# mma until measured: "all" or a threshold 2..8 sends them to the 16-row bucket too (perf.decode_sweep
+# fast_variants: {fast_wgmma_all: {skinny_gemm_wgmma: "all"}}; scripts/gpu/decode-sweep-s6.yaml).
 WGMMA_MIN_M = 9
 
 
@@ -268,9 +270,11 @@ def wgmma_min_m() -> int | None:
         return None
     if raw in ("", "1", "on", "true", "yes"):
         return WGMMA_MIN_M
-    if raw.isdigit() and 9 <= int(raw) <= MAX_M:
+    if raw == "all":  # every M, 1..64 (M <= 16 in the 16-row bucket: the rows past M are TMA zero-fill)
+        return 1
+    if raw.isdigit() and 2 <= int(raw) <= MAX_M:
         return int(raw)
-    raise ValueError(f"{WGMMA_ENV}={raw!r}: expected 0/1/on/off or an M threshold in 9..{MAX_M}")
+    raise ValueError(f"{WGMMA_ENV}={raw!r}: expected 0/1/on/off/all or an M threshold in 2..{MAX_M}")
 
 
 def m_buckets() -> tuple[int, ...]:
