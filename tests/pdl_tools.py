@@ -17,7 +17,6 @@ bank (``c[0x0][0x210 + offset]`` on sm_90, offsets from the PTX parameter list).
 from __future__ import annotations
 
 import re
-import subprocess
 from dataclasses import dataclass, field
 
 PARAM_BASE = 0x210  # sm_90: kernel parameters start at c[0x0][0x210]
@@ -227,7 +226,6 @@ def ptx_pre_wait(ptx: str, params: list[Param], weights: set[str]) -> Region:
 
 
 # ------------------------------------------------------------------------------------------ SASS
-_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;")
 _SASS_REG = re.compile(r"\b(U?R)(\d+)(\.64|\.128)?\b")
 _CBANK = re.compile(r"c\[0x0\]\[(0x[0-9a-f]+)\]")
 _SASS_PRED = re.compile(r"^!?U?P(T|\d+)$")
@@ -236,19 +234,6 @@ _SASS_NO_DEST = ("ST", "STG", "STS", "STL", "RED", "REDG", "UBLKPF", "BRA", "BAR
                  "DEPBAR", "LDGDEPBAR", "SYNCS", "ARRIVES", "UTMALDG", "UTMAPF", "UTMASTG", "BPT")
 _SASS_WRITES = ("STG", "ST", "RED", "REDG", "UTMASTG", "UBLKCP", "UBLKRED")
 _SASS_READS = ("LDG", "LD", "LDGSTS", "UBLKPF", "UTMALDG", "UTMAPF")
-
-
-def sass_lines(nvdisasm: str, cubin) -> list[str]:
-    """Instruction lines (predicate kept) and labels of the cubin's SASS."""
-    out = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    lines = []
-    for raw in out.splitlines():
-        if raw.startswith(".L"):
-            lines.append(raw.rstrip(":"))
-        m = _SASS_LINE.match(raw)
-        if m:
-            lines.append(m.group(1))
-    return lines
 
 
 def sass_op(line: str) -> str:

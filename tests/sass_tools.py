@@ -44,6 +44,25 @@ def isolated_cache(tmp_path_factory: pytest.TempPathFactory, name: str):
         else:
             os.environ["K3_KERNEL_CACHE"] = old
 
+def sass_lines(cubin: Path, nvdisasm: str | None = None) -> list[str]:
+    """The cubin's SASS as instruction lines (predicate kept, ``;`` dropped) and labels (``.L_x_3``), in order."""
+    out = subprocess.run([nvdisasm or NVDISASM, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    lines = []
+    for raw in out.splitlines():
+        if raw.startswith(".L"):
+            lines.append(raw.rstrip(":"))
+        m = INSN.match(raw)
+        if m:
+            lines.append(m.group(1))
+    return lines
+
+
+def opcode(insn: str) -> str:
+    """The opcode of one ``sass_lines`` instruction (its predicate skipped); "" for an empty line."""
+    parts = insn.split()
+    return parts[1] if parts and parts[0].startswith("@") else (parts[0] if parts else "")
+
+
 def opcodes(cubin: Path) -> Counter:
     out = subprocess.run([NVDISASM, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
     ops: Counter = Counter()

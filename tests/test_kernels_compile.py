@@ -23,13 +23,12 @@ import json
 import os
 import re
 import struct
-import subprocess
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from sass_tools import INSN, NVDISASM, isolated_cache
+from sass_tools import NVDISASM, isolated_cache, opcode, sass_lines
 
 from k3_fastpath import kernels as registry
 from k3_fastpath._lib import arch, compile_cache
@@ -98,20 +97,7 @@ def _sass(kernel: str, key_args: dict) -> list[str]:
                                         key_args["config"])
     cubin = compile_cache.artifact_paths(key).get("cubin")
     assert cubin is not None, f"no cubin kept for {key}"
-    out = subprocess.run([NVDISASM, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    lines = []
-    for raw in out.splitlines():
-        if raw.startswith(".L"):
-            lines.append(raw.rstrip(":"))
-        m = INSN.match(raw)
-        if m:
-            lines.append(m.group(1))
-    return lines
-
-
-def _opcode(insn: str) -> str:
-    parts = insn.split()
-    return parts[1] if parts and parts[0].startswith("@") else (parts[0] if parts else "")
+    return sass_lines(cubin)
 
 
 def _inner_loop(lines: list[str]) -> list[str]:
@@ -146,11 +132,11 @@ def _gemm_cases():
 def test_gemm_sass_vector_loads_no_spills(case):
     name, args = case
     lines = _sass("skinny_gemm", args)
-    ops = Counter(_opcode(x) for x in lines if not x.startswith(".L"))
+    ops = Counter(opcode(x) for x in lines if not x.startswith(".L"))
     assert not any(op.startswith(("LDL", "STL")) for op in ops), f"local-memory spills: {ops}"
     loop = _inner_loop(lines)
     assert loop, "no inner loop found"
-    loop_ops = Counter(_opcode(x) for x in loop)
+    loop_ops = Counter(opcode(x) for x in loop)
     loads = {op: n for op, n in loop_ops.items() if op.startswith("LDG")}
     assert loads and set(loads) == {"LDG.E.128"}, f"inner-loop global loads not all 128-bit: {loads}"
     cfg = args["config"]
@@ -180,7 +166,7 @@ def _row_kernel_cases():
 @pytest.mark.parametrize("case", _row_kernel_cases(), ids=lambda c: f"{c[0]}-{c[1].get('S', '')}")
 def test_row_kernels_sass_vector_access_no_spills(case):
     kernel, args = case
-    ops = Counter(_opcode(x) for x in _sass(kernel, args) if not x.startswith(".L"))
+    ops = Counter(opcode(x) for x in _sass(kernel, args) if not x.startswith(".L"))
     assert not any(op.startswith(("LDL", "STL")) for op in ops), f"local-memory spills: {ops}"
     ldg = {op: n for op, n in ops.items() if op.startswith("LDG")}
     stg = {op: n for op, n in ops.items() if op.startswith("STG")}

@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
-from pdl_tools import Param, ptx_params, ptx_pre_wait, sass_lines, sass_op, sass_pre_wait
-from sass_tools import NVDISASM, isolated_cache
+from pdl_tools import Param, ptx_params, ptx_pre_wait, sass_op, sass_pre_wait
+from sass_tools import NVDISASM, isolated_cache, sass_lines
 
 from k3_fastpath._lib import arch, compile_cache
 
@@ -276,7 +276,7 @@ def test_ptx_reads_only_weights_before_the_wait(case):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_sass_reads_only_weights_before_acqbulk(case):
     _, _, ptx, cubin = _build(case, True)
-    lines = sass_lines(NVDISASM, cubin)
+    lines = sass_lines(cubin)
     region = sass_pre_wait(lines, ptx_params(ptx, list(case.roles)), set(case.weights))
     assert not region.problems, "\n".join(region.problems)
     if case.reads_before_wait:
@@ -284,7 +284,7 @@ def test_sass_reads_only_weights_before_acqbulk(case):
     else:
         assert not region.loads, f"expected no global access before ACQBULK: {region.loads}"
     _, _, _, cubin0 = _build(case, False)
-    ops0 = {sass_op(ln) for ln in sass_lines(NVDISASM, cubin0) if not ln.startswith(".L")}
+    ops0 = {sass_op(ln) for ln in sass_lines(cubin0) if not ln.startswith(".L")}
     assert not ops0 & {"ACQBULK", "PREEXIT"}, "the default build waits / triggers"
     print(f"\n[sass] {case.id}: {[ln for ln, _ in region.loads]}")
 

@@ -18,11 +18,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
 from collections import Counter
 
 import pytest
-from sass_tools import INSN, NVDISASM, frame_sizes, isolated_cache
+from sass_tools import NVDISASM, frame_sizes, isolated_cache, opcode, sass_lines
 
 from k3_fastpath._lib import arch, compile_cache
 from k3_fastpath.kernels.skinny_gemm import api
@@ -201,23 +200,6 @@ def _cubin(N: int, K: int, cfg: SkinnyGemmConfig):
     return paths
 
 
-def _sass_lines(cubin) -> list[str]:
-    out = subprocess.run([NVDISASM, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
-    lines = []
-    for raw in out.splitlines():
-        if raw.startswith(".L"):
-            lines.append(raw.rstrip(":"))
-        m = INSN.match(raw)
-        if m:
-            lines.append(m.group(1))
-    return lines
-
-
-def _opcode(insn: str) -> str:
-    parts = insn.split()
-    return parts[1] if parts and parts[0].startswith("@") else (parts[0] if parts else "")
-
-
 def _loops(lines: list[str]) -> list[list[str]]:
     """Every backward-branch body (label .. BRA to it), innermost and outer alike."""
     out = []
@@ -235,8 +217,8 @@ def _loops(lines: list[str]) -> list[list[str]]:
 def test_wgmma_compiles_hgmma_tma_no_spills(case, _cache):
     name, N, K, cfg = case
     cubin = _cubin(N, K, cfg)["cubin"]
-    lines = _sass_lines(cubin)
-    ops = Counter(_opcode(x) for x in lines if not x.startswith(".L"))
+    lines = sass_lines(cubin)
+    ops = Counter(opcode(x) for x in lines if not x.startswith(".L"))
     hgmma = f"HGMMA.64x{cfg.m_max}x16.F32.BF16"
     assert set(op for op in ops if op.startswith("HGMMA")) == {hgmma}, ops
     assert ops[hgmma] == (cfg.rows_per_cta // 64 // (cfg.warps_n // 4)) * cfg.k_unroll * 4
@@ -249,9 +231,9 @@ def test_wgmma_compiles_hgmma_tma_no_spills(case, _cache):
     assert set(ldg) <= allowed_ldg, f"unexpected global loads (W and x must come by TMA): {ldg}"
     stg = {op: n for op, n in ops.items() if op.startswith("STG")}
     assert set(stg) <= {"STG.E.128", "STG.E"} and stg.get("STG.E", 0) <= 1, stg  # 1 x 32-bit: counter reset
-    k_loop = [body for body in _loops(lines) if any(_opcode(x) == hgmma for x in body)]
+    k_loop = [body for body in _loops(lines) if any(opcode(x) == hgmma for x in body)]
     assert k_loop, "no loop around the HGMMAs"
-    body = Counter(_opcode(x) for x in min(k_loop, key=len))
+    body = Counter(opcode(x) for x in min(k_loop, key=len))
     assert body["WARPGROUP.ARRIVE"] >= 1 and any(op.startswith("SYNCS.PHASECHK") for op in body), body
     assert sum(n for op, n in body.items() if op.startswith("UTMALDG")) >= 2, f"K loop issues no refill: {body}"
     print(f"\n[sass] wgmma {name} {N}x{K} m_max={cfg.m_max} rows={cfg.rows_per_cta} split={cfg.split_k} "
