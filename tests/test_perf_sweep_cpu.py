@@ -157,3 +157,14 @@ def test_fast_variant_rows_are_information_not_targets():
     assert targets["fast_variants"]["fast_pdl"]["by_point"] == {"tp1 b1 ctx1024 uniform": 1.25}
     assert targets["speedup_batch_1"]["min"] == 3.0  # judged on the fast row, never on a variant
     assert not any("fast_pdl" in p for p in problems)
+
+
+def test_merged_tp_variant_ratio_uses_the_slowest_rank():
+    def rank(r: int, fast: float, pdl: float) -> dict:
+        rows = [_point("fast", 1, fast, 50.0, tp=2),
+                dict(_point("fast_pdl", 1, pdl, 50.0, tp=2), variant_of="fast", vs_fast=fast / pdl)]
+        return {"rank": r, "rows": rows, "notes": [], "allreduce": []}
+    m = S.merge_ranks([rank(0, 100.0, 80.0), rank(1, 110.0, 100.0)])
+    by = {r["backend"]: r for r in m["rows"]}
+    assert by["fast"]["step_us_median"] == pytest.approx(110.0)
+    assert by["fast_pdl"]["vs_fast"] == pytest.approx(110.0 / 100.0)  # not rank 0's 1.25

@@ -101,13 +101,15 @@ class TPFastDecoder:
     ``backend="standard_graph"`` is the strong standard path at TP > 1: the same step and graphs with
     ``standard_ops``' library op table (cuBLAS, fla, ``torch._grouped_mm`` over the rank's BF16 expert slices)
     and, given ``TorchComm``, NCCL all-reduces followed by separate PyTorch ops (captured too). ``pool_from``
-    shares another decoder's slot pool, so both backends time the same cache."""
+    shares another decoder's slot pool, so both backends time the same cache. ``pdl``: our kernels launched
+    with programmatic dependent launch (``fast_ops.op_table(pdl=True)``, the single-GPU executor's default);
+    off here until measured at TP2 (``perf.decode_sweep`` ``tp_fast_pdl``: a ``fast_pdl`` row beside ``fast``)."""
 
     def __init__(self, cfg: Any, model: Any, comm: Communicator, *, max_batch: int = 64, max_len: int,
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
                  kv_dtype: torch.dtype | None = None, stacked_experts: bool | str = "auto",
                  backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None,
-                 standard_compiled_glue: bool = False) -> None:
+                 standard_compiled_glue: bool = False, pdl: bool = False) -> None:
         from .cache_pool import CachePool
         from .executor import STEP_BACKENDS, _buckets
         from .fast_ops import op_table
@@ -130,7 +132,8 @@ class TPFastDecoder:
         self.plan = ModelPlan.build(model, stacked_experts=bool(stacked_experts))
         self.backend = backend
         self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
-                    if backend == "standard_graph" else op_table())  # compiled glue: compiled at the warm-up run
+                    if backend == "standard_graph" else op_table(pdl=pdl))  # compiled glue: compiled at warm-up
+        self.pdl = bool(pdl and backend == "latency_specialized")
         self.kv_dtype = kv_dtype or model.dtype
         if pool_from is not None:  # e.g. the standard path timed on the fast decoder's caches
             if (pool_from.model is not model or pool_from.max_len != max_len or pool_from.kv_dtype != self.kv_dtype

@@ -168,7 +168,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                  mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
                  layer_times: bool = True, standard_compiled_glue: bool = False,
-                 fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False) -> Any:
+                 fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False,
+                 tp_fast_pdl: bool = False) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
     measured in this run (verify/checks/perf_sweep.py says how each number is taken). ``reference_batches``:
     the batches that also time the eager reference model (information only, slow at long context; default
@@ -177,7 +178,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
     ``fast_variants``: more fast executors timed beside ``fast`` on the same cache, e.g. ``{fast_pdl: {pdl:
     true}, fast_mma: {skinny_gemm_wgmma: "0"}}`` (TP1 points; ``perf_sweep.check_fast_variants``);
     ``single_expert_copy``: the executors keep the routed experts once, in the kernel's layout
-    (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points."""
+    (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
+    points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache)."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
@@ -311,7 +313,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
         params = {"preset": preset, "batches": sorted(batches), "contexts": sorted(contexts), "routing": routing,
                   "iters": iters, "standard_iters": standard_iters, "seed": ctx.seed, "bw": bw,
                   "reference_batches": sorted(reference_batches or batches),
-                  "standard_compiled_glue": standard_compiled_glue}
+                  "standard_compiled_glue": standard_compiled_glue, "tp_fast_pdl": tp_fast_pdl}
         merged = S.merge_ranks(launch(S.tp_worker, size, (params,), backend="nccl",
                                       timeout_s=max(60.0, ctx.budget_s - ctx.elapsed())))
         emit(merged["rows"])

@@ -423,16 +423,19 @@ def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
         strong = TPFastDecoder(cfg, model, comms["unfused"], max_batch=max(params["batches"]),
                                max_len=context + CONTEXT_SLACK, backend="standard_graph", pool_from=fast,
                                standard_compiled_glue=params.get("standard_compiled_glue", False))
+        fast_pdl = TPFastDecoder(cfg, model, comms["fused"], max_batch=max(params["batches"]),
+                                 max_len=context + CONTEXT_SLACK, pool_from=fast,
+                                 pdl=True) if params.get("tp_fast_pdl") else None
         for batch in params["batches"]:
             for routing in params["routing"]:
                 try:
                     rows += tp_point(cfg, model, tps, world, batch, context, routing, params, fast=fast,
-                                     strong=strong)
+                                     strong=strong, fast_pdl=fast_pdl)
                 except torch.cuda.OutOfMemoryError as e:
                     notes.append(f"tp={world} batch={batch} context={context} {routing}: out of memory "
                                  f"({str(e).splitlines()[0][:120]})")
                     torch.cuda.empty_cache()
-        del fast, strong
+        del fast, strong, fast_pdl
         torch.cuda.empty_cache()
     return {"rank": rank, "rows": rows, "allreduce": ar, "notes": notes}
 
@@ -450,7 +453,8 @@ def _tp_graph_row(dec: Any, tokens: torch.Tensor, cache: Any, iters: int) -> tup
 
 
 def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, context: int, routing: str,
-             params: dict[str, Any], fast: Any = None, strong: Any = None) -> list[dict[str, Any]]:
+             params: dict[str, Any], fast: Any = None, strong: Any = None,
+             fast_pdl: Any = None) -> list[dict[str, Any]]:
     """One TP point on this rank: the fast TP step (CUDA-graph replays, fused all-reduce) when ``fast`` is
     given, the standard TP step (``strong``: library ops + NCCL + separate epilogue ops, CUDA-graph replays,
     same cache) when given, and the TP model's eager step with the unfused and the fused comm (``reference``)."""
@@ -463,7 +467,7 @@ def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, 
         fl = floor_for(cfg, world, batch, context, kv_bytes_of(cache), "uniform", None, params["bw"])
         common = {"variant": "decode", "batch": batch, "context": context, "tp": world, "routing": routing, **fl}
         rows = []
-        for name, dec in (("fast", fast), ("standard", strong)):
+        for name, dec in (("fast", fast), ("fast_pdl", fast_pdl), ("standard", strong)):
             if dec is None:
                 continue
             cache.lengths = base.clone()
@@ -472,8 +476,11 @@ def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, 
             rows.append({**common, "backend": name, **st, **extra, **throughput(st["step_us_median"], batch, world),
                          "pct_of_floor": fl["floor_us"] / st["step_us_median"],
                          "x_floor": st["step_us_median"] / fl["floor_us"],
-                         "expert_format": cfg.expert_format if name == "fast" else "bf16",
+                         "expert_format": cfg.expert_format if name.startswith("fast") else "bf16",
                          **({"standard_glue": _glue_of(dec)} if name == "standard" else {})})
+            if name == "fast_pdl" and rows[0]["backend"] == "fast":
+                rows[-1].update(variant_of="fast", options={"pdl": True},
+                                vs_fast=rows[0]["step_us_median"] / st["step_us_median"])
         cache.lengths = base.clone()
         if batch not in params.get("reference_batches", [batch]):
             return rows
@@ -518,6 +525,10 @@ def merge_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:
             if "tp_step_fused_us" in row:
                 row["tp_step_fused_us"] = max(row["tp_step_fused_us"], o["tp_step_fused_us"])
         merged["rows"].append(row)
+    fast = {key(r)[:3]: r for r in merged["rows"] if r["backend"] == "fast"}
+    for r in merged["rows"]:  # a variant's ratio from the merged (slowest-rank) medians of both rows
+        if r.get("variant_of") == "fast" and key(r)[:3] in fast:
+            r["vs_fast"] = fast[key(r)[:3]]["step_us_median"] / r["step_us_median"]
     for rows in zip(*(res["allreduce"] for res in results), strict=True):
         r = dict(rows[0])
         for f in ("fused_us", "unfused_us"):
