@@ -190,11 +190,26 @@ def test_standard_backend_is_the_reference_bitwise(model32, seed):
 
 
 # ------------------------------------------------------------------------------------------ emulated fast step
+# Two equally correct BF16 paths (the reference, the fast step with each kernel's rounding points) differ from
+# FP64 by 1-7% relative RMS on k3-tiny, and their ratio has a tail: over 88 seeded steps the fast path's
+# error reached 3.1x the reference's when the latter was small (0.0514 vs 0.0166). The slack keeps such draws
+# passing; a structural bug (a wrong slot, row, head or scale) is an O(1) relative error.
+REL_RMS_SLACK = 0.05
+
+
+def _rel_rms(x: torch.Tensor, ref64: torch.Tensor) -> float:
+    """RMS of x - ref64 over RMS of ref64 (a statistic over every element: the max of a BF16 error is one
+    draw from its tail and swung 1-3.6x between two equally correct BF16 paths from seed to seed)."""
+    r = ref64.double()
+    return float((x.double() - r).pow(2).mean().sqrt() / r.pow(2).mean().sqrt().clamp_min(1e-30))
+
+
 def test_emulated_fast_step_matches_fp64_oracle(sd_stable, seed):
     """The fast step's structure (static buffers, slot mapping with padding and an inactive row, the
     residual-stream buffer, the mla_decode / moe_experts adapters with each kernel served by its reference)
-    against the FP64 reference: within 2x the BF16 reference's own error (+1% of the logit scale); inactive
-    rows 0 with untouched caches; the latents land where the reference writes them."""
+    against the FP64 reference: relative RMS error within 2.5x the BF16 reference's own + REL_RMS_SLACK and no
+    logit off by a quarter of the scale; inactive rows 0 with untouched caches; the latents land where the
+    reference writes them, as close to FP64 as the reference's."""
     m16 = load_reference(CFG, sd_stable, dtype=torch.bfloat16)
     m64 = load_reference(CFG, sd_stable, dtype=torch.float64)
     ex = DecodeExecutor(m16, max_len=24, max_batch=4, envelope=Envelope(emulate=True))
@@ -216,18 +231,27 @@ def test_emulated_fast_step_matches_fp64_oracle(sd_stable, seed):
         fast = ex.decode(tok, cache, active)
         ref = m16.decode(tok, c16, active)
         l64 = m64.decode(tok, c64, active)
-        scale = float(l64.abs().max())
-        e_fast, e_ref = float((fast - l64).abs().max()), float((ref.double() - l64).abs().max())
-        assert e_fast <= 2 * e_ref + 0.01 * scale, f"seed {seed}: fast {e_fast:.4g} vs BF16 reference {e_ref:.4g}"
+        rows = active.nonzero().flatten()
+        e_fast, e_ref = _rel_rms(fast[rows], l64[rows]), _rel_rms(ref[rows], l64[rows])
+        assert e_fast <= 2.5 * e_ref + REL_RMS_SLACK, (
+            f"seed {seed}: fast {e_fast:.4g} vs BF16 reference {e_ref:.4g} (rel. RMS)")
+        worst = float((fast[rows].double() - l64[rows]).abs().max())
+        assert worst <= 0.25 * float(l64[rows].abs().max()), f"seed {seed}: a logit off by {worst:.4g}"
         assert torch.all(fast[1] == 0) and torch.isfinite(fast).all()
     assert cache.lengths.tolist() == [8, 4, 7] and cache.length_bound >= 8
     assert torch.equal(cache.layers[kda].state[1], frozen)
     assert float(ex.pool.layers[kda].state[0].abs().max()) == 0.0  # the empty slot stays empty
-    # the decode latents: at (slot, pos) of each active row, close to the reference's; nothing elsewhere
-    lat, want = cache.layers[mla].latent.float(), c16.layers[mla].latent.float()
+    # the decode latents: at (slot, pos) of each active row, as close to the FP64 reference's as the BF16
+    # reference's are (the logits' bound: they carry the same compounded rounding); prefill positions are the
+    # reference's own (ex.prefill is the standard path); nothing past the length
+    lat, l16, l64 = (c.layers[mla].latent for c in (cache, c16, c64))
     for row, n in enumerate(cache.lengths.tolist()):
-        err = float((lat[row, :n] - want[row, :n]).abs().max())
-        assert err <= 0.05 * float(want[row, :n].abs().max()), f"seed {seed}: row {row} latent error {err:.3g}"
+        d = slice(int(lens[row]), n)
+        assert torch.equal(lat[row, :d.start], l16[row, :d.start]), f"seed {seed}: row {row} prefill latents differ"
+        if d.start < n:
+            e_fast, e_ref = _rel_rms(lat[row, d], l64[row, d]), _rel_rms(l16[row, d], l64[row, d])
+            assert e_fast <= 2.5 * e_ref + REL_RMS_SLACK, (
+                f"seed {seed}: row {row} decode latents {e_fast:.3g} vs BF16 reference {e_ref:.3g} (rel. RMS)")
         assert float(lat[row, n:].abs().max()) == 0.0
     assert ex.pool.layers[mla].latent.shape[1] == 64  # max_len 24 rounded up to mla_decode's page size
     rec = ex.trace.records[-1]
