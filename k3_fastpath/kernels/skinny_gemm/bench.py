@@ -97,6 +97,21 @@ def _changes(base: SkinnyGemmConfig, cfg: SkinnyGemmConfig) -> dict:
                                          "k_unroll", "min_ctas_per_sm", "stages") if getattr(cfg, f) != getattr(base, f)}
 
 
+def _time_grid(timed, grid, best: tuple) -> tuple[tuple, dict[str, float]]:
+    """Median time of every config in ``grid`` (a config the kernel rejects for the shape is skipped with the
+    reason); returns (the fastest (us, config), starting from ``best``), {repr(config): us})."""
+    times: dict[str, float] = {}
+    for cfg in grid:
+        try:
+            t = timed(cfg)["median_us"]
+        except Exception as e:  # a config the kernel rejects for this shape
+            print(f"  skip {cfg}: {e}")
+            continue
+        times[repr(cfg)] = t
+        best = min(best, (t, cfg), key=lambda b: b[0])
+    return best, times
+
+
 def fma_alternative(M: int, N: int, K: int) -> SkinnyGemmConfig | None:
     """The FMA variant at 3 <= M <= 8, timed beside the heuristic's mma pick so the bench measures where
     the mma variant overtakes it (config.FMA_MAX_M)."""
@@ -128,31 +143,13 @@ def bench_one(M: int, N: int, K: int, sweep: bool | str, wgmma: bool = False) ->
         wg = SkinnyGemmConfig.wgmma_for(M, N, K)
         row["wgmma"], row["wgmma_us"] = repr(wg), timed(wg)["median_us"]
         if sweep:
-            best_wg = (row["wgmma_us"], wg)
-            row["wgmma_sweep_us"] = {}
-            for cfg in wgmma_candidates(M, N, K):
-                try:
-                    t = timed(cfg)["median_us"]
-                except Exception as e:  # a config the kernel rejects for this shape
-                    print(f"  skip {cfg}: {e}")
-                    continue
-                row["wgmma_sweep_us"][repr(cfg)] = t
-                best_wg = min(best_wg, (t, cfg), key=lambda b: b[0])
+            best_wg, row["wgmma_sweep_us"] = _time_grid(timed, wgmma_candidates(M, N, K), (row["wgmma_us"], wg))
             row["wgmma_best_us"], row["wgmma_best"] = best_wg[0], repr(best_wg[1])
             row["wgmma_best_changes"] = _changes(wg, best_wg[1])
     if sweep:
-        best = (row["heuristic_us"], heur)
         grid = ofat_candidates(M, N, K) if sweep == "ofat" else candidates(M, N, K)
         row["sweep"], row["sweep_configs"] = ("ofat" if sweep == "ofat" else "full"), len(grid)
-        row["sweep_us"] = {}
-        for cfg in grid:
-            try:
-                t = timed(cfg)["median_us"]
-            except Exception as e:  # a config the kernel rejects for this shape
-                print(f"  skip {cfg}: {e}")
-                continue
-            row["sweep_us"][repr(cfg)] = t
-            best = min(best, (t, cfg), key=lambda b: b[0])
+        best, row["sweep_us"] = _time_grid(timed, grid, (row["heuristic_us"], heur))
         row["best_us"], row["best"] = best[0], repr(best[1])
         row["best_changes"] = _changes(heur, best[1])
         row["heuristic_vs_best"] = row["heuristic_us"] / best[0]
