@@ -3,7 +3,7 @@ for sm_90a, and what its SASS must contain.
 
 1. Config (no cutlass needed): validation, ``wgmma_for`` (fits 2 CTAs per SM, split-K keeps >= 4 K stages
    per split), ``from_heuristic`` never returns it, ``select`` / ``m_buckets`` / ``compile_variants`` send
-   M >= 9 to it by default and follow ``K3_SKINNY_GEMM_WGMMA`` (0 = off, an integer = the threshold).
+   M >= 4 to it by default and follow ``K3_SKINNY_GEMM_WGMMA`` (0 = off, an integer = the threshold).
 2. Compiles (CUTE_DSL_ARCH=sm_90a, fake tensors, symbolic M) for the K3 rank shapes at M = 32 and 64: by
    default the projections the variant is for (KDA in_proj at TP8/TP16, o_proj, MLA q_b, lm_head, the dense
    MLP) plus epilogue / knob variants; every GEMM shape of k3-tp8-rank, k3-tp16-rank and k3-mini with
@@ -113,14 +113,14 @@ def test_heuristic_never_picks_wgmma():
 
 def test_default_and_env(monkeypatch):
     N, K = 6288, 7168
-    assert wgmma_min_m() == 9 and SkinnyGemmConfig.select(9, N, K) == SkinnyGemmConfig.wgmma_for(9, N, K)
-    assert SkinnyGemmConfig.select(8, N, K).variant != "wgmma"
-    assert m_buckets() == (1, 2, 3, 4, 8, 9, 16, 32, 64)
+    assert wgmma_min_m() == 4 and SkinnyGemmConfig.select(4, N, K) == SkinnyGemmConfig.wgmma_for(4, N, K)
+    assert SkinnyGemmConfig.select(3, N, K).variant == "fma"
+    assert m_buckets() == (1, 2, 3, 4, 16, 32, 64)
     monkeypatch.setenv(WGMMA_ENV, "0")
     assert wgmma_min_m() is None and SkinnyGemmConfig.select(40, N, K).variant == "mma"
     assert m_buckets() == (1, 2, 3, 4) + MMA_BUCKETS
     monkeypatch.setenv(WGMMA_ENV, "1")
-    assert wgmma_min_m() == 9
+    assert wgmma_min_m() == 4
     monkeypatch.setenv(WGMMA_ENV, "17")
     assert wgmma_min_m() == 17
     assert SkinnyGemmConfig.select(16, N, K).variant == "mma"
@@ -140,7 +140,7 @@ def test_default_and_env(monkeypatch):
             wgmma_min_m()
 
 
-@pytest.mark.parametrize("env,lo", [(None, 9), ("on", 9), ("all", 1), ("5", 5), ("17", 17), ("20", 20), ("40", 40)])
+@pytest.mark.parametrize("env,lo", [(None, 4), ("on", 4), ("all", 1), ("5", 5), ("17", 17), ("20", 20), ("40", 40)])
 def test_compile_variants_follow_the_env(monkeypatch, env, lo):
     """precompile must cover what select() launches, or a decode step would compile during graph capture:
     every M 1..64 of every shape and epilogue is served by a listed config."""

@@ -153,12 +153,12 @@ def test_pdl_launch_gives_the_same_bits(seed):
     assert torch.equal(y, y_pdl), f"PDL launch differs seed={seed}"
 
 
-@pytest.mark.parametrize("env,routes", [(None, ((40, "wgmma"), (9, "wgmma"), (8, "mma"), (2, "fma"))),
+@pytest.mark.parametrize("env,routes", [(None, ((40, "wgmma"), (4, "wgmma"), (3, "fma"), (1, "fma"))),
                                         ("17", ((40, "wgmma"), (17, "wgmma"), (16, "mma"), (2, "fma"))),
                                         ("0", ((40, "mma"), (9, "mma"), (2, "fma"))),
                                         ("all", ((1, "wgmma"), (8, "wgmma"), (40, "wgmma")))])
 def test_env_routes_to_wgmma(monkeypatch, seed, env, routes):
-    """skinny_gemm without a config launches wgmma for M >= 9 by default; K3_SKINNY_GEMM_WGMMA moves the
+    """skinny_gemm without a config launches wgmma for M >= 4 by default; K3_SKINNY_GEMM_WGMMA moves the
     threshold (17) or turns it off (0)."""
     if env is None:
         monkeypatch.delenv(WGMMA_ENV, raising=False)

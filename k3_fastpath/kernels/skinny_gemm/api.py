@@ -4,7 +4,7 @@
     y = skinny_gemm(x, w, residual=h, out_dtype=torch.float32)
 
 The config (variant, M bucket, split-K) comes from ``SkinnyGemmConfig.select(M, N, K)``: the TMA + wgmma
-variant (kernel_wgmma.py) for M in its range (default 9..64; ``K3_SKINNY_GEMM_WGMMA=0`` turns it off, an
+variant (kernel_wgmma.py) for M in its range (default 4..64; ``K3_SKINNY_GEMM_WGMMA=0`` turns it off, an
 integer moves the threshold), the heuristic (fma / mma.sync, kernel.py) below it. The compiled kernel serves every M of its bucket.
 ``precompile(preset)`` compiles every ``rank_shapes(...).gemm_shapes()`` shape for every bucket (under the
 same environment). Outside the envelope the call is served by ``reference.py`` and counted as a fallback

@@ -33,15 +33,16 @@ WGMMA_BLOCK_K = 64  # bf16 per 128-byte swizzle row: one pipeline stage holds k_
 WGMMA_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 SMEM_PER_SM_H200 = 228 * 1024  # of which 1 KB per resident CTA is reserved by the driver
 WGMMA_ENV = "K3_SKINNY_GEMM_WGMMA"  # unset/"1"/"on": M >= WGMMA_MIN_M; "0"/"off": never; "all"; 2..64: M >= it
-# Default range 9..64 (the 16-, 32- and 64-row buckets). Measured on the H200 (bundles/runs/2026-12-01-h200-
-# session5/wgmma_bench.txt, `python -m k3_fastpath.kernels.skinny_gemm.bench --preset k3-tp16-rank --preset
-# k3-mini --m 16,32,64 --wgmma`, cold L2, CUDA-graph medians): wgmma is faster than the mma variant at every
-# one of the 22 rank / k3-mini GEMM shapes at M = 16, 32 and 64 (e.g. k3-mini lm_head 533 / 536 / 552 us vs
-# 595 / 911 / 1304 us, cuBLAS 533 / 538 / 566 us; k3-tp16-rank dense_gate_up 19.3 / 20.5 / 23.2 vs 30.6 /
-# 49.7 / 91.6 us). M 9..16 share the 16-row bucket, so they cost what M = 16 does. M <= 8 stays on fma /
-# mma until measured: "all" or a threshold 2..8 sends them to the 16-row bucket too (perf.decode_sweep
-# fast_variants: {fast_wgmma_all: {skinny_gemm_wgmma: "all"}}; scripts/gpu/decode-sweep-s6.yaml).
-WGMMA_MIN_M = 9
+# Default range 4..64 (the 16-, 32- and 64-row buckets; M 4..16 share the 16-row bucket and cost what M = 16
+# does). Measured on the H200: at M = 16 / 32 / 64 wgmma beats the mma variant at all 22 rank / k3-mini GEMM
+# shapes (bundles/runs/2026-12-01-h200-session5/wgmma_bench.txt, `python -m k3_fastpath.kernels.skinny_gemm.bench
+# --preset k3-tp16-rank --preset k3-mini --m 16,32,64 --wgmma`, cold L2, CUDA-graph medians; e.g. k3-mini lm_head
+# 533 / 536 / 552 us vs 595 / 911 / 1304 us, cuBLAS 533 / 538 / 566 us). Below M = 9, whole k3-mini decode
+# steps (bundles/runs/2026-12-01-h200-session6, scripts/gpu/decode-sweep-s6.yaml, step time of the variant
+# vs the fma / mma default then, 1K / 128K context): wgmma for M 5..8 is 8.5 / 5.8% faster at batch 8; for
+# M = 4 (K3_SKINNY_GEMM_WGMMA=all at batch 4) 6.7 / 5.3% faster; at batch 2 a tie (+1.4 / +0.5%, within
+# run-to-run spread); at batch 1 2.6 / 2.1% slower. So fma keeps M 1..3 (M = 3 unmeasured) and wgmma takes 4..64.
+WGMMA_MIN_M = 4
 
 
 @dataclass(frozen=True)
@@ -210,7 +211,7 @@ class SkinnyGemmConfig:
     @classmethod
     def select(cls, M: int, N: int, K: int, *, out_fp32: bool = False, residual: bool = False,
                num_sms: int = NUM_SMS_H200) -> SkinnyGemmConfig:
-        """The config ``api.skinny_gemm`` launches: the wgmma variant for M in its range (default 9..64;
+        """The config ``api.skinny_gemm`` launches: the wgmma variant for M in its range (default 4..64;
         ``K3_SKINNY_GEMM_WGMMA`` moves or disables it), ``from_heuristic`` below it."""
         lo = wgmma_min_m()
         if lo is not None and lo <= M <= MAX_M and K % VEC == 0:
