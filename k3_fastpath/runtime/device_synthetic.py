@@ -5,7 +5,8 @@ per half of its packed/scale pair): for k3-mini's ~23 B values that is many minu
 device time. Here each tensor of at least ``BIG`` elements is drawn on ``device`` from a CUDA generator
 seeded by (seed, tensor name), with the same distribution rule as ``synthetic.py`` (N(0, 1) embedding,
 N(0, 1/fan_in) linear layers, 2/sqrt(fan_in) for the router, the ``conditioning="stable"`` factors; routed
-experts drawn in BF16 and quantized to MXFP4 once per expert matrix). Smaller tensors (norms, A_log,
+experts drawn in BF16, in blocks along the TP dim, and quantized to MXFP4 once per expert matrix: a TP rank
+draws and quantizes only its share, see ``_expert_weight``). Smaller tensors (norms, A_log,
 conv weights, biases, the AttnRes projections) ARE ``synthetic.synthetic_tensor``'s, moved to the device.
 Deterministic for a (seed, device type); not bitwise the CPU checkpoint.
 
@@ -23,9 +24,10 @@ import torch
 
 from .. import mxfp4, synthetic
 from ..config import K3Config
-from ..manifest import HEAD_VEC, tensor_specs
+from ..manifest import EXPERT_ROW, HEAD_VEC, tensor_specs
 
 BIG = 1 << 22  # elements: at and above this a tensor is drawn on the device
+EXPERT_BLOCKS = 16  # a routed expert matrix is drawn in up to this many blocks along its TP dim (TP <= 16)
 
 
 def _device_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
@@ -46,6 +48,44 @@ def _linear_std(name: str, fan_in: int, conditioning: str) -> float:
     return std
 
 
+def _expert_blocks(size: int, cols: bool) -> int:
+    """How many generator blocks a routed expert matrix is drawn in along its TP dim: the most of
+    EXPERT_BLOCKS that divide it (column blocks also in whole MXFP4 scale groups)."""
+    for nb in (EXPERT_BLOCKS, 8, 4, 2):
+        if size % nb == 0 and (not cols or (size // nb) % mxfp4.GROUP == 0):
+            return nb
+    return 1
+
+
+def _expert_weight(spec, seed: int, device: torch.device, tp: int, rank: int, cfg: K3Config) -> torch.Tensor:
+    """Rank ``rank``'s BF16 share (before MXFP4 quantization) of the routed expert matrix behind the
+    packed / scale ``spec``: N(0, 1/fan_in), drawn in ``_expert_blocks`` blocks along the matrix's TP dim
+    (w1 / w3 rows, w2 columns), each block from its own generator, so a rank draws only the blocks of its
+    share (at TP16 1/16 of the matrix, instead of all of it and a slice) and the shares of every TP size are
+    cuts of one full draw. Quantizing a share gives the same bytes as cutting the quantized full matrix:
+    MXFP4 groups run along rows, and column blocks hold whole groups."""
+    from ..weights import _cut, _heads
+
+    base = spec.name.rsplit(".", 1)[0]
+    n = spec.shape[0]
+    k = spec.shape[1] * (2 if spec.kind == "packed" else mxfp4.GROUP)
+    c = _cut(spec, tp, rank, _heads(cfg))
+    dim = 1 if spec.tp == EXPERT_ROW else 0  # w2 is cut along its columns, w1 / w3 along rows
+    size = (n, k)[dim]
+    unit = 1 if dim == 0 else (2 if spec.kind == "packed" else mxfp4.GROUP)  # spec units -> weight units
+    lo, hi = (0, size) if c is None else (c.start * unit, (c.start + c.length) * unit)
+    nb = _expert_blocks(size, cols=dim == 1)
+    step = size // nb
+    parts = []
+    for b in range(lo // step, -(-hi // step)):
+        g = _device_generator(seed, f"{base}.weight[{b}/{nb}]", device)
+        shape = (step, k) if dim == 0 else (n, step)
+        parts.append(torch.randn(shape, generator=g, device=device) / math.sqrt(k))
+    w = torch.cat(parts, dim) if len(parts) > 1 else parts[0]
+    w = w.narrow(dim, lo - (lo // step) * step, hi - lo)
+    return w.to(torch.bfloat16).contiguous()
+
+
 def device_state_dict(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, rank: int = 0,
                       conditioning: str = "default") -> dict[str, torch.Tensor]:
     """``{manifest name: tensor}`` on ``device`` (rank ``rank``'s share when ``tp > 1``, shaped for
@@ -64,12 +104,11 @@ def device_state_dict(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, ran
         elif spec.kind in ("packed", "scale"):
             base = spec.name.rsplit(".", 1)[0]
             if base not in pairs:
-                n = spec.shape[0]
-                k = spec.shape[1] * (2 if spec.kind == "packed" else mxfp4.GROUP)
-                g = _device_generator(seed, base + ".weight", device)
-                w = (torch.randn(n, k, generator=g, device=device) / math.sqrt(k)).to(torch.bfloat16)
-                pairs = {base: mxfp4.quantize(w)}  # the other half of the pair comes next in manifest order
+                # the other half of the pair comes next in manifest order; a rank quantizes its share only
+                pairs = {base: mxfp4.quantize(_expert_weight(spec, seed, device, tp, rank, cfg))}
             t = pairs[base][0 if spec.kind == "packed" else 1]
+            out[spec.name] = t
+            continue
         else:
             g = _device_generator(seed, spec.name, device)
             std = 1.0 if spec.kind == "embedding" else _linear_std(spec.name, spec.shape[-1], conditioning)
