@@ -335,3 +335,25 @@ def test_single_expert_copy_changes_no_bit_and_frees_the_checkpoint_layout(seed)
         tok = a.argmax(-1)
     assert all(r.graph for r in ex1.trace.records)
     assert fast_path_problems(summarize(list(ex1.trace.records))) == []
+
+
+def test_kernel_profile_sees_every_counted_kernel(seed):
+    """The CUPTI trace of a replayed fast step (runtime/kernel_profile.py) finds each fast kernel the trace's
+    counters report, at least as often per step as counted (a counted launch may be more than one device
+    kernel: split-K reductions, MLA's combine), with busy time inside the traced span."""
+    from k3_fastpath.runtime.graphs import bucket_for
+    from k3_fastpath.runtime.kernel_profile import profile_replays
+
+    model = _model("k3-tiny")
+    ex = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,))
+    ex.warmup_and_capture()
+    ref, cache, first = _filled(model, ex, 4, 8, seed, 48)
+    start = len(ex.trace)
+    ex.decode(first.argmax(-1), cache)
+    rec = ex.trace.since(start)[-1]
+    assert rec.graph and rec.fallback is None
+    prof = profile_replays(lambda: ex.graphs.replay(bucket_for(4, ex.buckets)), iters=3)
+    for op, n in rec.kernels.items():
+        assert op in prof["ops"], f"{op} counted {n}x per step, absent from the CUPTI trace: {list(prof['ops'])}"
+        assert prof["ops"][op]["launches"] >= n, (op, n, prof["ops"][op])
+    assert 0 < prof["busy_us"] <= prof["span_us"] and prof["idle_us"] >= 0

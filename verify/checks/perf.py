@@ -10,6 +10,7 @@ reader can tell a slow machine from a slow kernel. The check fails when the repe
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Any
 
 from verify.context import CheckContext
@@ -169,7 +170,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
                  layer_times: bool = True, standard_compiled_glue: bool = False,
                  fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False,
-                 tp_fast_pdl: bool = False) -> Any:
+                 tp_fast_pdl: bool = False, kernel_profile: bool = False) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
     measured in this run (verify/checks/perf_sweep.py says how each number is taken). ``reference_batches``:
     the batches that also time the eager reference model (information only, slow at long context; default
@@ -179,7 +180,9 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
     true}, fast_mma: {skinny_gemm_wgmma: "0"}}`` (TP1 points; ``perf_sweep.check_fast_variants``);
     ``single_expert_copy``: the executors keep the routed experts once, in the kernel's layout
     (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
-    points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache)."""
+    points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache); ``kernel_profile``: TP1
+    fast / standard graph rows also record device time per kernel and op and the GPU's idle time in the step
+    (``k3_fastpath/runtime/kernel_profile.py``)."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
@@ -234,6 +237,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
 
     if 1 in tp and rank_tp > 1:  # one TP rank's shards as a TP1 model, no communication (rank_emulation.py)
         max_len = max(contexts) + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
+        t_build = time.perf_counter()
         try:
             model, spec = emulation_model(preset, ctx.seed, "cuda", standard=standard_graph,
                                           single_copy=single_expert_copy,
@@ -243,7 +247,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
         except RankEmulationError as e:
             return ctx.failed(str(e))
         ctx.record({"probe": "rank_emulation", **emulation_record(spec, standard=standard_graph, batch=max(batches),
-                                                                  single_copy=single_expert_copy)})
+                                                                  single_copy=single_expert_copy),
+                    "build_s": round(time.perf_counter() - t_build, 1)})
         mixed = False
         notes.append(f"{spec.name}: rank 0 of TP{rank_tp} emulated on one GPU (no all-reduce; TP2 rows measure "
                      f"communication); mixed variant off")
@@ -254,6 +259,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
             if over_budget(f"tp=1 context={context}"):
                 continue
             max_len = context + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
+            t_exec = time.perf_counter()
             fast = DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches), max_len=max_len,
                                   kv_dtype=kv_dtype, single_expert_copy=single_expert_copy)
             std = DecodeExecutor(model, backend="standard", max_batch=max(batches), max_len=max_len, kv_dtype=kv_dtype)
@@ -266,16 +272,19 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                 variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches),
                                                  max_len=max_len, kv_dtype=kv_dtype, pool_from=fast,
                                                  single_expert_copy=single_expert_copy, **kw), opts, env)
+            notes.append(f"tp=1 context={context}: executors built in {time.perf_counter() - t_exec:.1f}s")
             for batch in sorted(batches):
                 for r in routing:
                     if over_budget(f"tp=1 batch={batch} context={context} {r}"):
                         continue
+                    t_point = time.perf_counter()
                     try:
-                        emit(S.run_point(model, fast, std, batch, context, r, bw=bw, iters=iters,
+                        emit([{**row, "point_wall_s": round(time.perf_counter() - t_point, 1)} for row in S.run_point(model, fast, std, batch, context, r, bw=bw, iters=iters,
                                          standard_iters=standard_iters, warmup=warmup, seed=ctx.seed,
                                          strong=strong, layer_times=layer_times,
                                          reference=reference_batches is None or batch in reference_batches,
-                                         floor_cfg=cfg, rank_tp=rank_tp, variants=variants))
+                                         floor_cfg=cfg, rank_tp=rank_tp, variants=variants,
+                                         kernel_profile=kernel_profile)])
                     except torch.cuda.OutOfMemoryError as e:
                         notes.append(f"tp=1 batch={batch} context={context} {r}: out of memory "
                                      f"({str(e).splitlines()[0][:120]})")

@@ -232,6 +232,15 @@ def _graph_row(ex: Any, tokens: torch.Tensor, cache: Any, out: torch.Tensor, ite
              "not_fast": "the executor did not run this step as a captured step"})
 
 
+def _kernel_profile(ex: Any, bucket: int) -> dict[str, Any]:
+    from k3_fastpath.runtime.kernel_profile import profile_replays
+
+    try:
+        return profile_replays(lambda: ex.graphs.replay(bucket))
+    except (RuntimeError, ValueError) as e:  # no CUPTI on the host: the point keeps its timings
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+
+
 def _glue_of(ex: Any) -> str:
     """What served a standard_graph executor's glue: ``torch.compile``, ``eager`` or partly both."""
     from k3_fastpath.runtime.standard_ops import glue_summary
@@ -242,11 +251,14 @@ def _glue_of(ex: Any) -> str:
 def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
               standard_iters: int, warmup: int, seed: int, strong: Any = None, layer_times: bool = True,
               reference: bool = True, floor_cfg: Any = None, rank_tp: int = 1,
-              variants: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] | None = None) -> list[dict[str, Any]]:
+              variants: dict[str, tuple[Any, dict[str, Any], dict[str, str]]] | None = None,
+              kernel_profile: bool = False) -> list[dict[str, Any]]:
     """The backends at one (batch, context, routing) on one cache: fast, standard (``strong``, the
     graph-captured library path, when given; it shares ``fast``'s slot pool), each fast variant
     (``variants``: row name -> (executor over ``fast``'s pool, its options, its environment overrides),
-    row ``vs_fast`` = fast's median / the variant's) and the eager reference (``std``); one record each. ``rank_tp > 1``: ``model`` is one emulated rank of TP ``rank_tp`` of
+    row ``vs_fast`` = fast's median / the variant's) and the eager reference (``std``); one record each.
+    ``kernel_profile``: the fast and standard graph rows also get ``kernel_profile`` (device time per kernel
+    and op, GPU idle time: ``runtime/kernel_profile.py``). ``rank_tp > 1``: ``model`` is one emulated rank of TP ``rank_tp`` of
     ``floor_cfg`` (the floor is that rank's share; rows say ``tp: rank_tp, emulated_rank: true``)."""
     from k3_fastpath.runtime.routing import touched_in_step
 
@@ -282,6 +294,10 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
         if layer_times:  # per-layer-type times of both graph paths (section graphs, runtime/section_timing.py)
             for row, ex in zip(rows, (fast, strong), strict=False):
                 row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
+        if kernel_profile:
+            for row, ex in zip(rows, (fast, strong), strict=False):
+                if row.get("timer") == "cuda_graph_replay":
+                    row["kernel_profile"] = _kernel_profile(ex, row["bucket"])
         for name, (ex, opts, env) in (variants or {}).items():
             try:
                 rows.append(_variant_row(name, ex, opts, env, common, rows[0], tokens, cache, out, fl, iters=iters,

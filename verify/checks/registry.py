@@ -70,7 +70,7 @@ _DECLS = [
                "mixed_batches": [1, 8], "mixed_prefill_tokens": 256, "mixed_max_context": 4096,
                "standard_graph": True, "reference_batches": None, "layer_times": True,
                "standard_compiled_glue": False, "fast_variants": None,
-               "single_expert_copy": False, "tp_fast_pdl": False}),
+               "single_expert_copy": False, "tp_fast_pdl": False, "kernel_profile": False}),
     # features.*: through the run's engines (--engine vs --baseline-engine); on a CPU builtin:reference
     _d("features.structured_output", "features", "structured_output",
        "JSON-schema / regex / choice constrained outputs all validate (100%), engine under test and baseline",

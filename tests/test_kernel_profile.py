@@ -1,0 +1,74 @@
+"""runtime/kernel_profile.py without a GPU: kernel names to ops, per-step totals, busy / idle time from
+overlapping intervals. (The CUPTI trace itself runs in perf.decode_sweep with ``kernel_profile: true`` on the
+GPU host.)"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from k3_fastpath.runtime.kernel_profile import op_of, summarize_kernels
+
+WGMMA = ("kernel_cutlass_kernel_k3_fastpathkernelsskinny_gemmkernel_wgmmaSkinnyGemmWgmmaKernel_object_at__CopyAtom_"
+         "ThrID10_TVLayoutSrc1409601_0")
+FMA = "kernel_cutlass_kernel_fma_k3_fastpathkernelsskinny_gemmkernelSkinnyGemmKernel_object_at__tensorptrbf16_0"
+
+
+@pytest.mark.parametrize("name,op", [
+    (WGMMA, "skinny_gemm"), (FMA, "skinny_gemm"),
+    ("kernel_cutlass_kernel_k3_fastpathkernelsmoe_expertskernelExpertsKernel_object_at_0", "moe_experts"),
+    ("kernel_cutlass_kernel_k3_fastpathkernelsmla_decodekernelSplitKernel_0", "mla_decode"),
+    ("kernel_cutlass_kernel_k3_fastpathruntimeprefetch_kernelPrefetch_0", "prefetch"),
+    ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "nccl"),
+    ("Memset (Device)", "memcpy_memset"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "other"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize64x64x64_warpgroupsize1x1x1", "other"),
+])
+def test_op_of(name, op):
+    assert op_of(name) == op
+
+
+def test_summarize_totals_per_step_and_overlap(seed):
+    rng = random.Random(seed)
+    steps = rng.randint(2, 5)
+    events, t = [], 0.0
+    want_gemm = want_other = 0.0
+    gaps = 0.0
+    for _ in range(steps):
+        for _ in range(rng.randint(3, 9)):
+            d = rng.uniform(1, 50)
+            name = WGMMA if rng.random() < 0.6 else "void at::native::elementwise_kernel"
+            events.append((name, t, t + d))
+            if name == WGMMA:
+                want_gemm += d
+            else:
+                want_other += d
+            gap = rng.uniform(0, 5)
+            gaps += gap
+            t += d + gap
+        gaps -= gap  # no idle time counted after a step's last kernel ... unless another step follows
+        t += 10.0
+        gaps += 10.0 + gap
+    gaps -= 10.0 + gap
+    # a PDL-style overlap: a kernel starting inside the first one adds launches and kernel time, not busy time
+    s0, e0 = events[0][1], events[0][2]
+    events.append((FMA, s0, (s0 + e0) / 2))
+    r = summarize_kernels(events, steps)
+    span = max(e for _, _, e in events) - min(s for _, s, _ in events)
+    assert r["ops"]["skinny_gemm"]["us"] == pytest.approx((want_gemm + (e0 - s0) / 2) / steps)
+    assert r["ops"].get("other", {"us": 0.0})["us"] == pytest.approx(want_other / steps)
+    assert r["span_us"] == pytest.approx(span / steps)
+    assert r["busy_us"] == pytest.approx((span - gaps) / steps)
+    assert r["idle_us"] == pytest.approx(gaps / steps)
+    assert r["kernel_us"] >= r["busy_us"]
+    assert sum(o["share"] for o in r["ops"].values()) == pytest.approx(1.0)
+    assert r["launches"] == pytest.approx(len(events) / steps)
+    assert r["top"][0]["us"] >= r["top"][-1]["us"]
+
+
+def test_no_events_is_an_error():
+    with pytest.raises(ValueError, match="no kernel records"):
+        summarize_kernels([], 3)
+    with pytest.raises(ValueError, match="steps"):
+        summarize_kernels([("k", 0, 1)], 0)
