@@ -72,3 +72,11 @@ def test_no_events_is_an_error():
         summarize_kernels([], 3)
     with pytest.raises(ValueError, match="steps"):
         summarize_kernels([("k", 0, 1)], 0)
+
+
+def test_launches_per_step_are_exact():
+    """Counts are divided once: 5 launches per step over 3 steps read 5.0, not 4.999... (a GPU test compares
+    them with the executor's launch counters)."""
+    ev = [("kernel_k3_fastpathkernelskda_decodekernel", 10.0 * i, 10.0 * i + 1) for i in range(15)]
+    r = summarize_kernels(ev, 3)
+    assert r["ops"]["kda_decode"]["launches"] == 5 and r["top"][0]["launches"] == 5

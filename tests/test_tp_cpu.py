@@ -249,3 +249,29 @@ def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed, backend):
     err_tp2, err_tp1, err_ref = rel_rms(r0["logits"]), rel_rms(tp1), rel_rms(ref)
     assert max(err_tp1, err_ref) < 0.1, (s, err_tp1, err_ref)  # the baselines themselves are BF16-close
     assert err_tp2 <= 3 * max(err_tp1, err_ref) + 0.02, (s, err_tp2, err_tp1, err_ref)
+
+
+def test_assign_state_dict_is_load_state_dict_assign():
+    """device_synthetic.assign_state_dict (linear in the tensors) leaves a model exactly as
+    ``load_state_dict(strict=True, assign=True)`` does, and refuses missing / unexpected names and wrong
+    shapes with the name."""
+    from k3_fastpath.reference.model import K3ForCausalLM
+    from k3_fastpath.runtime import device_synthetic as D
+
+    cfg = preset(PRESET).config
+    sd = D.device_state_dict(cfg, 1, "cpu")
+    with torch.device("meta"):
+        a, b = K3ForCausalLM(cfg), K3ForCausalLM(cfg)
+    a.load_state_dict(sd, strict=True, assign=True)
+    D.assign_state_dict(b, sd)
+    for (na, ta), (nb, tb) in zip(list(a.named_parameters()) + list(a.named_buffers()),
+                                  list(b.named_parameters()) + list(b.named_buffers()), strict=True):
+        assert na == nb and type(ta) is type(tb) and ta.requires_grad == tb.requires_grad, na
+        assert ta.is_meta == tb.is_meta and (ta.is_meta or ta.data_ptr() == tb.data_ptr()), na
+    with torch.device("meta"):
+        c = K3ForCausalLM(cfg)
+    name = next(iter(sd))
+    with pytest.raises(RuntimeError, match="missing"):
+        D.assign_state_dict(c, {k: v for k, v in sd.items() if k != name})
+    with pytest.raises(RuntimeError, match=f"{name}: shape"):
+        D.assign_state_dict(c, {**sd, name: sd[name][:1]})
