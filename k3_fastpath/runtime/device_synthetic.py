@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from typing import Any
 
 import torch
@@ -95,19 +96,22 @@ def device_state_dict(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, ran
 
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
-    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    ready: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # expert matrix -> its quantized (packed, scale)
     lac = rank_config(cfg, tp).linear_attn_config
-    for spec in tensor_specs(cfg):
+    specs = tensor_specs(cfg)
+    groups, where = _expert_groups(specs)
+    for spec in specs:
         if spec.numel < BIG and spec.kind not in ("packed", "scale"):
             t = synthetic.synthetic_tensor(cfg, spec, seed, conditioning).to(device) if conditioning != "default" \
                 else synthetic.synthetic_tensor(cfg, spec, seed).to(device)
         elif spec.kind in ("packed", "scale"):
             base = spec.name.rsplit(".", 1)[0]
-            if base not in pairs:
-                # the other half of the pair comes next in manifest order; a rank quantizes its share only
-                pairs = {base: mxfp4.quantize(_expert_weight(spec, seed, device, tp, rank, cfg))}
-            t = pairs[base][0 if spec.kind == "packed" else 1]
-            out[spec.name] = t
+            if base not in ready:
+                key, i = where[base]
+                ready.update(_quantize_chunk(groups[key][i: i + _chunk_experts(spec, tp)], seed, device, tp, rank,
+                                             cfg))
+            pair = ready[base] if spec.kind == "packed" else ready.pop(base)  # scale comes second
+            out[spec.name] = pair[0 if spec.kind == "packed" else 1]
             continue
         else:
             g = _device_generator(seed, spec.name, device)
@@ -123,6 +127,36 @@ def device_state_dict(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, ran
                 t = t.clone()  # a view would keep the whole tensor alive
         out[spec.name] = t
     return out
+
+
+def _expert_groups(specs) -> tuple[dict[str, list], dict[str, tuple[str, int]]]:
+    """Routed expert matrices grouped by layer and matrix (``...experts.*.w1``), in expert order:
+    (group -> the packed specs, matrix base name -> (its group, its index there))."""
+    groups: dict[str, list] = {}
+    where: dict[str, tuple[str, int]] = {}
+    for spec in specs:
+        if spec.kind == "packed":
+            base = spec.name.rsplit(".", 1)[0]
+            key = re.sub(r"\.experts\.\d+\.", ".experts.*.", base)
+            where[base] = (key, len(groups.setdefault(key, [])))
+            groups[key].append(spec)
+    return groups, where
+
+
+def _chunk_experts(spec, tp: int) -> int:
+    """Experts quantized in one ``mxfp4.quantize`` call: as many rank shares as one full matrix holds (``tp``),
+    so the call's temporaries stay those of one full matrix (``rank_emulation._draw_transient``)."""
+    return max(1, tp)
+
+
+def _quantize_chunk(chunk: list, seed: int, device: torch.device, tp: int, rank: int, cfg: K3Config
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Consecutive experts' same matrix (``chunk``: their packed specs): each share drawn by
+    ``_expert_weight``, all quantized in one call (MXFP4 is per row group: the same bytes as one call each),
+    each result cloned into its own allocation (the chunk's buffers are freed)."""
+    w = torch.stack([_expert_weight(s, seed, device, tp, rank, cfg) for s in chunk])
+    packed, scale = mxfp4.quantize(w)
+    return {s.name.rsplit(".", 1)[0]: (packed[j].clone(), scale[j].clone()) for j, s in enumerate(chunk)}
 
 
 def assign_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> None:
