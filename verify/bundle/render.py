@@ -18,6 +18,7 @@ from typing import Any
 
 from verify.bundle import plots as plots_mod
 from verify.bundle.compare import EvalDelta, eval_delta
+from verify.bundle.kernel_profiles import kernel_profiles, profile_section
 from verify.bundle.readers import (
     BASELINE,
     BENCH_CHECK,
@@ -449,6 +450,8 @@ def build_summary(
     h, dt = _sweep(points, d.status(SWEEP_CHECK))
     head += h
     detail += dt
+    profiles, profile_notes = kernel_profiles(d)
+    head += profile_section(profiles)
     h, dt = _bench(d, rows, bench_notes)
     head += h
     detail += dt
@@ -459,7 +462,7 @@ def build_summary(
         head += [f"![{title}]({link(name)})" for name, title in plot_files]
         head += ([""] if plot_files and skipped else []) + [f"- not drawn: {s}" for s in skipped] + [""]
     detail += _metrics_detail(d)
-    notes = list(d.notes) + sweep_notes
+    notes = list(d.notes) + sweep_notes + profile_notes
     if notes:
         detail += ["#### Records that could not be read", ""] + [f"- {_cell(n, 300)}" for n in notes] + [""]
     return _fit(head, detail, max_chars)
