@@ -461,3 +461,31 @@ def test_step_sections_follow_the_layers(sd_stable, seed):
     for s in step_sections(plan, OpCalls(ex.ops), io, pool):
         s.run()
     assert torch.equal(io.logits[:2], want_logits)
+
+
+def test_situ_glu_kernel_option_serves_every_mlp_activation(sd_stable, seed):
+    """``situ_glu_kernel=True`` puts the ``situ_glu`` op (kernels/situ_glu) in the table and the step calls it
+    once per MLP (the dense layers' and every MoE layer's shared experts) instead of the PyTorch glue. On a
+    CPU the kernel serves each call from its reference, which is the glue's formula: the logits are bitwise
+    the default executor's, and the trace counts the refused kernel calls with their reason (never silent)."""
+    m16 = load_reference(CFG, sd_stable, dtype=torch.bfloat16)
+    plain = DecodeExecutor(m16, max_len=16, max_batch=2, envelope=Envelope(emulate=True))
+    glu = DecodeExecutor(m16, max_len=16, max_batch=2, envelope=Envelope(emulate=True), situ_glu_kernel=True)
+    assert "situ_glu" not in plain.ops and glu.ops["situ_glu"].kernel == "situ_glu"
+    assert glu.trace.meta["ops"]["situ_glu"] == "situ_glu"
+    ids = _prompt(2, 5, seed)
+    lens = torch.tensor([5, 3])
+    ca, cb = plain.new_cache(2), glu.new_cache(2)
+    la = plain.prefill(ids, lens, ca)[torch.arange(2), lens - 1]
+    glu.prefill(ids, lens, cb)
+    tok = la.argmax(-1)
+    start = len(glu.trace)
+    for _ in range(2):
+        a, b = plain.decode(tok, ca), glu.decode(tok, cb)
+        assert torch.equal(a, b), f"seed {seed}"
+        tok = a.argmax(-1)
+    recs = glu.trace.since(start)
+    assert len(recs) == 2 and all(r.fallback is None for r in recs), recs
+    for r in recs:  # one refused kernel call per MLP per step (dense or the shared experts), with its reason
+        assert sum(r.kernel_fallbacks["situ_glu"].values()) == CFG.num_hidden_layers, r.kernel_fallbacks
+    assert all("situ_glu" not in r.kernel_fallbacks for r in plain.trace.records)

@@ -92,7 +92,7 @@ def _sass(kernel: str, key_args: dict) -> list[str]:
     """Instruction lines (predicate kept) of the cubin compiled for ``key_args``, plus labels."""
     api = registry.api(kernel)
     _compile(kernel, key_args)
-    shapes = {"skinny_gemm": ("N", "K"), "rmsnorm_residual": ("H",), "attn_res_mix": ("S", "H")}[kernel]
+    shapes = {"skinny_gemm": ("N", "K"), "rmsnorm_residual": ("H",), "attn_res_mix": ("S", "H"), "situ_glu": ("I",)}[kernel]
     key = compile_cache.CompileKey.make(api.NAME, key_args["dtype"], tuple(key_args[s] for s in shapes),
                                         key_args["config"])
     cubin = compile_cache.artifact_paths(key).get("cubin")
@@ -154,16 +154,19 @@ def test_gemm_sass_vector_loads_no_spills(case):
 def _row_kernel_cases():
     from k3_fastpath.kernels.attn_res_mix import AttnResConfig
     from k3_fastpath.kernels.rmsnorm_residual import RMSNormConfig
+    from k3_fastpath.kernels.situ_glu import SituGluConfig
 
     return [("rmsnorm_residual", {"dtype": "bf16", "H": 7168, "config": RMSNormConfig.from_heuristic(7168)}),
             ("attn_res_mix", {"dtype": "bf16", "S": 4, "H": 7168, "config": AttnResConfig.from_heuristic(4, 7168)}),
-            ("attn_res_mix", {"dtype": "bf16", "S": 9, "H": 7168, "config": AttnResConfig.from_heuristic(9, 7168)})]
+            ("attn_res_mix", {"dtype": "bf16", "S": 9, "H": 7168, "config": AttnResConfig.from_heuristic(9, 7168)}),
+            ("situ_glu", {"dtype": "bf16", "I": 384, "config": SituGluConfig.from_heuristic(384, 4.0, 25.0)}),
+            ("situ_glu", {"dtype": "bf16", "I": 2112, "config": SituGluConfig.from_heuristic(2112, 4.0, 25.0)})]
 
 
 @needs_dsl
 @needs_nvdisasm
 @pytest.mark.compile
-@pytest.mark.parametrize("case", _row_kernel_cases(), ids=lambda c: f"{c[0]}-{c[1].get('S', '')}")
+@pytest.mark.parametrize("case", _row_kernel_cases(), ids=lambda c: f"{c[0]}-{c[1].get('S', c[1].get('I', ''))}")
 def test_row_kernels_sass_vector_access_no_spills(case):
     kernel, args = case
     ops = Counter(opcode(x) for x in _sass(kernel, args) if not x.startswith(".L"))
@@ -172,6 +175,9 @@ def test_row_kernels_sass_vector_access_no_spills(case):
     stg = {op: n for op, n in ops.items() if op.startswith("STG")}
     assert set(ldg) == {"LDG.E.128"}, ldg
     assert set(stg) == {"STG.E.128"}, stg
+    if kernel == "situ_glu":  # two 16-byte loads (g, u) and one store per vector; tanh not the MUFU approximation
+        assert ldg["LDG.E.128"] == 2 * args["config"].vec_per_thread and stg["STG.E.128"] == args["config"].vec_per_thread
+        assert "MUFU.TANH" not in ops, ops
 
 
 def _nv_info(cubin: Path) -> dict[int, list[int]]:

@@ -19,7 +19,8 @@ GEMM (``test_executor_cpu.py`` checks that one) has a ``pdl`` config flag; for o
    GPU runs, after ptxas scheduling;
 4. where a kernel is meant to read weights before the wait (rmsnorm, attn_res_mix, kda, router, the MoE
    combine, the MLA combine's W_UV prefetch), it does; where nothing may be read (MLA attention, the MoE
-   plan and both grouped GEMMs: which experts they read depends on the router), nothing global is touched.
+   plan and both grouped GEMMs: which experts they read depends on the router; the SiTU-GLU activation,
+   which reads only activations), nothing global is touched.
 Besides: every kernel compiles with ``pdl=True`` for every decode variant of k3-tiny (the model the GPU
 executor test runs with ``pdl=True``), no PDL build spills, the analysis itself flags an early activation
 load or store on hand-written PTX / SASS, and ``op_table(pdl=True)`` swaps every kernel op for its PDL twin
@@ -43,7 +44,7 @@ needs_dsl = pytest.mark.skipif(not arch.is_available(),
                                reason=f"needs nvidia-cutlass-dsl: {arch.unavailable_reason()}")
 needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
 
-PDL_KERNELS = ("rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode", "moe_experts")
+PDL_KERNELS = ("rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode", "moe_experts", "situ_glu")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -190,6 +191,15 @@ def _moe_combine(pdl: bool):
                                          (COMBINE_THREADS, "pdl") if pdl else COMBINE_THREADS)
 
 
+def _situ_glu(pdl: bool):
+    from k3_fastpath.kernels.situ_glu import api
+
+    v = api.compile_variants("k3-tp8-rank")[0]
+    cfg = dataclasses.replace(v["config"], pdl=pdl)
+    api.compile_situ_glu("bf16", v["I"], cfg)
+    return compile_cache.CompileKey.make("situ_glu", "bf16", (v["I"],), cfg)
+
+
 _PLAN = ("n_active", "act_expert", "act_start", "act_count", "sorted_pair")
 CASES = [
     Case("rmsnorm_residual", _rmsnorm, ("x", "residual", "weight", "out", "residual_out", "eps"),
@@ -220,6 +230,7 @@ CASES = [
     Case("moe_experts-down", _moe_gemm(False), ("x", "w2", "w2_scale", *_PLAN, "out"),
          frozenset({"w2", "w2_scale"}), False),
     Case("moe_experts-combine", _moe_combine, ("y", "route_w", "out", "norm_w", "eps"), frozenset({"norm_w"}), True),
+    Case("situ_glu", _situ_glu, ("g", "u", "h"), frozenset(), False),
 ]
 
 

@@ -21,7 +21,7 @@ import importlib
 from types import ModuleType
 
 KERNELS = ("rmsnorm_residual", "skinny_gemm", "attn_res_mix", "kda_decode", "moe_router", "mla_decode",
-           "moe_experts")
+           "moe_experts", "situ_glu")
 REQUIRED_EXPORTS = ("NAME", "is_supported", "compile_kernel", "compile_variants", "precompile", "op", "reference")
 
 

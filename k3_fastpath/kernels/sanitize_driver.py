@@ -27,6 +27,7 @@ def main() -> int:
     from k3_fastpath.kernels.moe_experts.bench import make_experts
     from k3_fastpath.kernels.moe_router.api import moe_router, moe_router_select
     from k3_fastpath.kernels.rmsnorm_residual.api import rmsnorm_residual
+    from k3_fastpath.kernels.situ_glu.api import situ_glu
     from k3_fastpath.kernels.skinny_gemm.api import skinny_gemm
 
     torch.manual_seed(0)
@@ -70,6 +71,10 @@ def main() -> int:
         z = torch.randn(9, 64, device=dev).to(bf)
         moe_experts(z, ids, w, ex)
         moe_experts(z[:2], ids[:2], w[:2], ex, norm_weight=torch.ones(64, device=dev).to(bf))
+    for M, I in ((1, 384), (5, 2112)):  # TP16 shared experts (one predicated CTA), TP16 dense (two CTAs)
+        g, u = torch.randn(M, I, device=dev).to(bf), torch.randn(M, I, device=dev).to(bf)
+        situ_glu(g, u, 4.0, 25.0)
+        situ_glu(g, u, 4.0, 25.0, out=g, pdl=True)  # in place over g
     torch.cuda.synchronize()
     snap = counters.snapshot()
     print(f"sanitize_driver: launches {snap['launches']}", flush=True)
@@ -77,7 +82,7 @@ def main() -> int:
         print(f"sanitize_driver: FALLBACKS {snap['fallbacks']}", flush=True)
         return 1
     missing = {"skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode",
-               "mla_decode_merge", "moe_experts"} - set(snap["launches"])
+               "mla_decode_merge", "moe_experts", "situ_glu"} - set(snap["launches"])
     if missing:
         print(f"sanitize_driver: never launched {sorted(missing)}", flush=True)
         return 1

@@ -31,7 +31,10 @@ programmatic dependent launch of every kernel of the step, ``fast_ops.op_table(p
 test_pdl_changes_no_bit; measured in session 5 beside the same executor without it, perf.decode_sweep
 fast_variants: 4-11% faster steps on the emulated TP16 rank, within +-1% on k3-mini) and ``prefetch`` (off
 by default: the next layer's weights into L2 on a side stream, ``prefetch.py``; measured on/off by
-scripts/gpu/decode_executor_check.py).
+scripts/gpu/decode_executor_check.py). ``situ_glu_kernel`` (off by default, not yet run on a GPU): the
+shared experts' and dense MLP's SiTU-GLU activation as one kernel (``kernels/situ_glu``) instead of ~12
+PyTorch elementwise kernels per MLP (session 6's CUPTI profile of the full TP16 rank: 1604 glue kernels
+per step, ~3 ms at batch 1); to be measured with perf.decode_sweep fast_variants {situ_glu_kernel: true}.
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ def pdl_support() -> str:
             "table, ctx_len and the latent cache after the wait) and its combine prefetches W_UV into L2; "
             "moe_experts' plan reads nothing (ids after the wait), its two grouped GEMMs only build their "
             "shared-memory MXFP4 table (which experts they read depends on the router), its combine loads the "
-            "latent norm weight. The PyTorch glue between kernels launches normally; the standard_graph "
+            "latent norm weight; situ_glu (opt-in) reads g and u only after the wait (it reads no weight). "
+            "The PyTorch glue between kernels launches normally; the standard_graph "
             "backend and tp_fast.TPFastDecoder do not use PDL")
 
 
@@ -83,7 +87,8 @@ class DecodeExecutor:
                  envelope: Envelope | None = None, prefetch: bool = False,
                  prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = True,
                  shared_stream: bool = True, pool_from: DecodeExecutor | None = None,
-                 standard_compiled_glue: bool = False, single_expert_copy: bool = False) -> None:
+                 standard_compiled_glue: bool = False, single_expert_copy: bool = False,
+                 situ_glu_kernel: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -108,8 +113,11 @@ class DecodeExecutor:
         self.single_expert_copy = single_expert_copy  # ExpertBank(single_copy=...): the experts kept once
         self.pdl = bool(pdl and backend == "latency_specialized")  # the standard backends launch without PDL
         # standard_compiled_glue: the standard path's glue through torch.compile, compiled at warm-up (standard_ops)
+        # situ_glu_kernel (opt-in, latency_specialized only): the shared experts' and dense MLP's SiTU-GLU
+        # as one kernel (kernels/situ_glu) instead of the PyTorch glue
+        self.situ_glu_kernel = bool(situ_glu_kernel and backend == "latency_specialized")
         self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
-                    if backend == "standard_graph" else op_table(pdl=self.pdl))
+                    if backend == "standard_graph" else op_table(pdl=self.pdl, situ_glu_kernel=self.situ_glu_kernel))
         self.side = SideStream(self.device, enabled=shared_stream and self.fast)
         self.prefetcher = L2Prefetcher(self.device, prefetch_budget, enabled=prefetch and self.fast)
         self.pool: CachePool | None = None

@@ -71,10 +71,11 @@ def register_op(name: str, fn: Callable[..., Any], *, kernel: str | None = None,
     _REGISTRY[name] = OpImpl(name, fn, kernel, standard_reason)
 
 
-def op_table(pdl: bool = False) -> dict[str, OpImpl]:
+def op_table(pdl: bool = False, situ_glu_kernel: bool = False) -> dict[str, OpImpl]:
     """A snapshot of the registry (an executor keeps the table it was built with). ``pdl``: each op still
     served by its default kernel adapter gets that adapter's PDL twin (``PDL_VARIANTS``); an op registered
-    with another function keeps it."""
+    with another function keeps it. ``situ_glu_kernel``: the table also has the opt-in ``situ_glu`` op
+    (``OPT_IN_OPS``), which the step then calls instead of its PyTorch SiTU-GLU glue."""
     _register_defaults()
     table = dict(_REGISTRY)
     if pdl:
@@ -82,6 +83,9 @@ def op_table(pdl: bool = False) -> dict[str, OpImpl]:
             impl = table.get(name)
             if impl is not None and impl.fn is default_fn:
                 table[name] = OpImpl(name, pdl_fn, kernel=impl.kernel)
+    if situ_glu_kernel:
+        fn, pdl_fn, kernel = OPT_IN_OPS["situ_glu"]
+        table["situ_glu"] = OpImpl("situ_glu", pdl_fn if pdl else fn, kernel=kernel)
     return table
 
 
@@ -133,6 +137,16 @@ def _moe_router_kernel(x, gate_w, bias, top_k, renormalize, scale, *, pdl=False)
     from ..kernels.moe_router.api import moe_router
 
     return moe_router(x, gate_w, bias, top_k, renormalize, scale, pdl=pdl)
+
+
+def _situ_glu(g, u, beta, linear_beta, *, pdl=False):
+    from ..kernels.situ_glu.api import situ_glu
+
+    return situ_glu(g, u, beta, linear_beta, pdl=pdl)
+
+
+def _situ_glu_pdl(g, u, beta, linear_beta):
+    return _situ_glu(g, u, beta, linear_beta, pdl=True)
 
 
 # ------------------------------------------------------------------------------------ standard ops
@@ -242,6 +256,15 @@ PDL_VARIANTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
     "moe_router": (_moe_router_kernel, _moe_router_kernel_pdl),
     "mla_attention": (mla_attention_kernel, mla_attention_kernel_pdl),
     "moe_experts": (moe_experts_kernel, moe_experts_kernel_pdl),
+}
+
+
+# opt-in op -> (kernel adapter, its PDL twin, kernel): in a table only when asked (op_table(situ_glu_kernel=True),
+# DecodeExecutor(situ_glu_kernel=True)); without it the step keeps the PyTorch glue (GLUE_OPS "situ_glu").
+# ``situ_glu``: ``(g [Bk,I] bf16, u [Bk,I] bf16, beta, linear_beta) -> [Bk,I] bf16``, one kernel for the
+# shared experts' and the dense MLP's activation (kernels/situ_glu) instead of ~12 elementwise kernels.
+OPT_IN_OPS: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {
+    "situ_glu": (_situ_glu, _situ_glu_pdl, "situ_glu"),
 }
 
 

@@ -48,7 +48,7 @@ FILL_SEED = 11
 CONTEXT_SLACK = 64  # positions past the context for warm-up / timed standard steps
 # fast_variants: options a variant row may set (DecodeExecutor keywords, and skinny_gemm's variant switch,
 # an environment variable read when a GEMM's config is picked: at warm-up and capture, never at replay)
-VARIANT_EXECUTOR_OPTIONS = ("pdl", "prefetch")
+VARIANT_EXECUTOR_OPTIONS = ("pdl", "prefetch", "situ_glu_kernel")
 VARIANT_ENV_OPTIONS = {"skinny_gemm_wgmma": "K3_SKINNY_GEMM_WGMMA"}
 
 

@@ -1,0 +1,113 @@
+"""Torch-facing SiTU-GLU activation: compile cache, precompile, support gate, fallback.
+
+    h = situ_glu(g, u, beta, linear_beta)          # g, u: [M, I] bf16 (the gate / up projections) -> bf16
+
+``out=`` may alias ``g`` or ``u``. ``pdl=True`` launches the PDL build (``SituGluConfig.pdl``). Outside the
+envelope (not bf16, not on an sm_90 device, I % 8, non-contiguous, ...) the call is served by
+``reference.py`` and counted as a fallback with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from ..._lib import compile_cache, counters
+from ..._lib.dispatch import OK, Support, check_tensors, no
+from .config import VEC, SituGluConfig
+from .reference import situ_glu_ref
+
+NAME = "situ_glu"
+
+
+def compile_situ_glu(dtype: str, I: int, config: SituGluConfig) -> Any:  # noqa: E741
+    """Compile (or fetch) the kernel for width ``I``; M stays symbolic (one binary for every M)."""
+    if dtype != "bf16":
+        raise ValueError(f"{NAME}: only bf16 is implemented, got {dtype}")
+    key = compile_cache.CompileKey.make(NAME, dtype, (I,), config)
+
+    def build(options: str) -> Any:
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..._lib.tensor import fake_stream, fake_tensor
+        from .kernel import SituGluKernel
+
+        bf = cutlass.BFloat16
+        args = (fake_tensor(bf, (None, I)), fake_tensor(bf, (None, I)), fake_tensor(bf, (None, I)))
+        return cute.compile(SituGluKernel(I, config), *args, fake_stream(), options=options)
+
+    return compile_cache.get_or_compile(key, build)
+
+
+def compile_variants(preset_name: str) -> list[dict[str, Any]]:
+    """Every width a decode step of ``preset_name`` activates: its rank's shared experts (as one GLU) and
+    dense MLP."""
+    from ...config import preset, rank_shapes
+
+    p = preset(preset_name)
+    cfg = p.config
+    shapes = rank_shapes(cfg, p.tp_size)
+    out, seen = [], set()
+    for I in (shapes.shared_gate_up[0] // 2, shapes.dense_gate_up[0] // 2):  # noqa: E741
+        if I in seen or I % VEC or I == 0:
+            continue
+        seen.add(I)
+        out.append({"dtype": "bf16", "I": I, "config": SituGluConfig.from_heuristic(
+            I, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)})
+    return out
+
+
+def precompile(preset_name: str) -> int:
+    variants = compile_variants(preset_name)
+    for v in variants:
+        compile_situ_glu(**v)
+    return len(variants)
+
+
+def is_supported(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> Support:
+    if g.dim() != 2:
+        return no(f"g is {g.dim()}-d (needs [M, I])")
+    M, I = g.shape  # noqa: E741
+    if I % VEC:
+        return no(f"I={I} not a multiple of {VEC}")
+    if M == 0:
+        return no("M=0")
+    for name, t in (("u", u), ("out", out)):
+        if t is not None and t.shape != g.shape:
+            return no(f"{name} shape {tuple(t.shape)} != g's {tuple(g.shape)}")
+    s = check_tensors({"g": g, "u": u, "out": out}, torch.bfloat16)
+    return s if not s else OK
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float, *, out: torch.Tensor | None = None,
+             config: SituGluConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """bf16 ``beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)`` (FP32 math, one rounding).
+    ``config`` overrides the heuristic (its beta / linear_beta must be these); ``pdl``: the programmatic-
+    dependent-launch build (same bits)."""
+    support = is_supported(g, u, out)
+    if not support:
+        counters.count_fallback(NAME, support.reason)
+        h = situ_glu_ref(g, u, beta, linear_beta)
+        if out is not None:
+            out.copy_(h)
+            h = out
+        return h
+
+    from ..._lib.tensor import current_stream, to_cute
+
+    I = g.shape[1]  # noqa: E741
+    cfg = config or SituGluConfig.from_heuristic(I, beta, linear_beta)
+    if (cfg.beta, cfg.linear_beta) != (float(beta), float(linear_beta)):
+        raise ValueError(f"config is compiled for beta={cfg.beta}, linear_beta={cfg.linear_beta}; "
+                         f"the call asks {beta}, {linear_beta}")
+    if pdl and not cfg.pdl:
+        cfg = dataclasses.replace(cfg, pdl=True)
+    fn = compile_situ_glu("bf16", I, cfg)
+    if out is None:
+        out = torch.empty_like(g)
+    fn(to_cute(g), to_cute(u), to_cute(out), current_stream(g.device))
+    counters.count_launch(NAME)
+    return out
