@@ -108,7 +108,7 @@ def device_state_dict(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, ran
             base = spec.name.rsplit(".", 1)[0]
             if base not in ready:
                 key, i = where[base]
-                ready.update(_quantize_chunk(groups[key][i: i + _chunk_experts(spec, tp)], seed, device, tp, rank,
+                ready.update(_quantize_chunk(groups[key][i: i + _chunk_experts(tp)], seed, device, tp, rank,
                                              cfg))
             pair = ready[base] if spec.kind == "packed" else ready.pop(base)  # scale comes second
             out[spec.name] = pair[0 if spec.kind == "packed" else 1]
@@ -143,7 +143,7 @@ def _expert_groups(specs) -> tuple[dict[str, list], dict[str, tuple[str, int]]]:
     return groups, where
 
 
-def _chunk_experts(spec, tp: int) -> int:
+def _chunk_experts(tp: int) -> int:
     """Experts quantized in one ``mxfp4.quantize`` call: as many rank shares as one full matrix holds (``tp``),
     so the call's temporaries stay those of one full matrix (``rank_emulation._draw_transient``)."""
     return max(1, tp)
