@@ -257,8 +257,9 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
     graph-captured library path, when given; it shares ``fast``'s slot pool), each fast variant
     (``variants``: row name -> (executor over ``fast``'s pool, its options, its environment overrides),
     row ``vs_fast`` = fast's median / the variant's) and the eager reference (``std``); one record each.
-    ``kernel_profile``: the fast and standard graph rows also get ``kernel_profile`` (device time per kernel
-    and op, GPU idle time: ``runtime/kernel_profile.py``). ``rank_tp > 1``: ``model`` is one emulated rank of TP ``rank_tp`` of
+    ``kernel_profile``: the fast, standard and variant graph rows also get ``kernel_profile`` (device time per
+    kernel and op, GPU idle time: ``runtime/kernel_profile.py``; a ``pdl: false`` variant's kernel times are
+    free of the PDL wait that a PDL kernel's duration includes). ``rank_tp > 1``: ``model`` is one emulated rank of TP ``rank_tp`` of
     ``floor_cfg`` (the floor is that rank's share; rows say ``tp: rank_tp, emulated_rank: true``)."""
     from k3_fastpath.runtime.routing import touched_in_step
 
@@ -301,7 +302,8 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
         for name, (ex, opts, env) in (variants or {}).items():
             try:
                 rows.append(_variant_row(name, ex, opts, env, common, rows[0], tokens, cache, out, fl, iters=iters,
-                                         warmup=warmup, standard_iters=standard_iters, layer_times=layer_times))
+                                         warmup=warmup, standard_iters=standard_iters, layer_times=layer_times,
+                                         kernel_profile=kernel_profile))
             except (RuntimeError, ValueError) as e:  # a variant must not cost the point its fast / standard rows
                 rows[0].setdefault("variant_errors", {})[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         if not reference:
@@ -323,8 +325,10 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
 
 def _variant_row(name: str, ex: Any, opts: dict[str, Any], env: dict[str, str], common: dict[str, Any],
                  fast_row: dict[str, Any], tokens: torch.Tensor, cache: Any, out: torch.Tensor, fl: dict[str, Any], *,
-                 iters: int, warmup: int, standard_iters: int, layer_times: bool) -> dict[str, Any]:
-    """One fast variant's record at a point: captured and timed (and its sections) under its environment."""
+                 iters: int, warmup: int, standard_iters: int, layer_times: bool,
+                 kernel_profile: bool = False) -> dict[str, Any]:
+    """One fast variant's record at a point: captured and timed (and its sections, and with
+    ``kernel_profile`` its CUPTI profile) under its environment."""
     with env_override(env):
         samples, v_extra = _graph_row(ex, tokens, cache, out, iters, warmup, standard_iters)
         vs = stats(samples)
@@ -334,6 +338,8 @@ def _variant_row(name: str, ex: Any, opts: dict[str, Any], env: dict[str, str], 
                "vs_fast": fast_row["step_us_median"] / vs["step_us_median"], "expert_format": fast_row["expert_format"]}
         if layer_times:
             row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
+        if kernel_profile and row.get("timer") == "cuda_graph_replay":
+            row["kernel_profile"] = _kernel_profile(ex, row["bucket"])
     return row
 
 
