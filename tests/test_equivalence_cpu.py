@@ -138,6 +138,29 @@ def test_check_runs_emulated_on_a_cpu(seed, tmp_path):
     assert kfb["moe_experts: no cuda device"] == 2 * n_moe
 
 
+def test_check_passes_executor_options_and_refuses_unknown_ones(seed, tmp_path):
+    """``executor_options`` reach the fast side's executor (situ_glu_kernel: the SiTU-GLU kernel op, served
+    here by its reference and counted as refused per MLP per step) and are recorded; an unknown or
+    non-boolean option fails the check before anything runs."""
+    def ctx():
+        return CheckContext(check_id="equivalence.decode", preset="k3-tiny", device="cpu", seed=seed % 1000,
+                            writer=_Sink(), out=SimpleNamespace(note=lambda *_: None), tmp_dir=Path(tmp_path),
+                            budget_s=600)
+
+    c = ctx()
+    res = decode(c, batches=[2], contexts=["short"], steps=2, prompt_len=4, emulate=True,
+                 executor_options={"situ_glu_kernel": True})
+    assert res.status == "passed", res.reason
+    assert res.metrics["executor_options"] == {"situ_glu_kernel": True}
+    point = c.writer.rows[-1][1]
+    kfb = point["trace"]["kernel_fallbacks"]
+    assert kfb["situ_glu: no cuda device"] == 2 * CFG.num_hidden_layers
+    for bad in ({"situ_glu": True}, {"pdl": "yes"}):
+        res = decode(ctx(), batches=[2], contexts=["short"], steps=2, prompt_len=4, emulate=True,
+                     executor_options=bad)
+        assert res.status == "failed" and "executor_options" in res.reason
+
+
 def test_violation_after_the_first_divergence_counts_as_later():
     """A top-5 violation after a sequence's first divergence is a 'later' one (rate-bounded by the check), not
     a first-divergence one (which fails it)."""

@@ -280,14 +280,23 @@ def run_point(model: Any, executor: Any, batch: int, context: Any, steps: int, p
 def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: int, preset: str = "auto",
            conditioning: str = "stable", prompt_len: int = 16, top_k: int = 5, max_mean_kl: float = MAX_MEAN_KL,
            kv_cache: str = "bf16", use_graphs: bool = True, emulate: bool = False,
-           reference_dense_experts: Any = "auto", max_later_violation_rate: float = MAX_LATER_VIOLATION_RATE) -> Any:
+           reference_dense_experts: Any = "auto", max_later_violation_rate: float = MAX_LATER_VIOLATION_RATE,
+           executor_options: dict[str, bool] | None = None) -> Any:
     """The check (module docstring). ``reference_dense_experts``: keep the reference's MXFP4 experts
     dequantised (``reference.moe.cache_dense_experts``: bitwise the same reference, without dequantising every
-    touched expert per step); ``"auto"`` = on a GPU when it takes under 40% of the free memory."""
+    touched expert per step); ``"auto"`` = on a GPU when it takes under 40% of the free memory.
+    ``executor_options``: boolean ``DecodeExecutor`` switches for the fast side (those ``perf.decode_sweep``
+    variants take: ``pdl``, ``prefetch``, ``situ_glu_kernel``), e.g. to check an opt-in kernel before it
+    becomes the default; recorded in the metrics."""
     from k3_fastpath.runtime.envelope import Envelope
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.trace import fast_path_problems
+    from verify.checks.perf_sweep import VARIANT_EXECUTOR_OPTIONS
 
+    options = dict(executor_options or {})
+    bad = {k: v for k, v in options.items() if k not in VARIANT_EXECUTOR_OPTIONS or not isinstance(v, bool)}
+    if bad:
+        return ctx.failed(f"executor_options {bad}: expected true / false for {', '.join(VARIANT_EXECUTOR_OPTIONS)}")
     if preset == "auto":
         preset = "k3-mini" if ctx.device == "cuda" else ctx.preset
     kv_dtype = _kv_dtype(kv_cache)
@@ -302,7 +311,7 @@ def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: in
     for context in contexts:
         n = context_length(context)
         ex = DecodeExecutor(model, max_batch=max(batches), max_len=(n or prompt_len) + steps + 1, buckets=batches,
-                            use_graphs=use_graphs, kv_dtype=kv_dtype, envelope=Envelope(emulate=emulate))
+                            use_graphs=use_graphs, kv_dtype=kv_dtype, envelope=Envelope(emulate=emulate), **options)
         ex.warmup_and_capture()
         for batch in batches:
             where = f"batch {batch} context {context}"
@@ -358,7 +367,7 @@ def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: in
             torch.cuda.empty_cache()
     metrics = {"preset": preset, "conditioning": conditioning, "kv_cache": kv_cache, "steps": steps,
                "top_k": top_k, "max_mean_kl": max_mean_kl, "points": points,
-               "standard_ops_steps": standard_ops, "emulated": emulate,
+               "standard_ops_steps": standard_ops, "emulated": emulate, "executor_options": options,
                "reference_dense_expert_bytes": dense_kept,
                "worst_kl_mean": max((p["kl_mean"] for p in points), default=0.0),
                "worst_rel_logit_err": max((p["max_rel_logit_err"] for p in points), default=0.0)}

@@ -53,7 +53,7 @@ _DECLS = [
        requires=("cuda", "sm90", "cutlass"),
        params={"batches": [1, 8], "contexts": ["short"], "steps": 64, "preset": "auto", "conditioning": "stable",
                "prompt_len": 16, "top_k": 5, "max_mean_kl": 0.01, "kv_cache": "bf16", "use_graphs": True,
-               "reference_dense_experts": "auto", "max_later_violation_rate": 0.002}),
+               "reference_dense_experts": "auto", "max_later_violation_rate": 0.002, "executor_options": None}),
     _d("perf.bandwidth_probe", "perf", "bandwidth_probe",
        "the GPU's measured HBM read bandwidth and bf16 matmul rate (the floor every perf number is divided by)",
        requires=("cuda",), params={"bytes": 4 << 30}),
