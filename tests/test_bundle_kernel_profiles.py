@@ -49,7 +49,9 @@ def test_profile_table_and_error_note(tmp_path: Path, seed: int) -> None:
     row = next(line for line in text.splitlines() if line.startswith("| tp=1 uniform batch=8 ctx=1024 | fast |"))
     idle = prof["idle_us"] / prof["span_us"]
     assert f"{prof['span_us'] / 1000:.2f}" in row and f"{idle:.1%}" in row
-    assert "skinny_gemm" in row and "moe_experts" in row and "other" in row
+    assert "skinny_gemm" in row and "moe_experts" in row and "other" in row and " ms excl. (" in row
+    top = max(prof["ops"], key=lambda o: prof["ops"][o]["exclusive_us"])
+    assert row.split("| ")[-1].startswith(f"{top} {prof['ops'][top]['exclusive_us'] / 1000:.2f} ms excl.")
     assert "kernel profile not taken: RuntimeError: CUPTI unavailable" in text
 
 
@@ -59,3 +61,4 @@ def test_committed_full_rank_bundle_has_its_profiles() -> None:
     assert notes == [] and [p.label for p in profiles] == ["tp=16 uniform batch=1 ctx=1024",
                                                            "tp=16 uniform batch=64 ctx=1024"]
     assert all(p.backend == "fast" and "skinny_gemm" in p.ops and 0 < p.busy_us <= p.span_us for p in profiles)
+    assert not any("exclusive_us" in o for p in profiles for o in p.ops.values())  # recorded before them

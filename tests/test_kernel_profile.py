@@ -80,3 +80,26 @@ def test_launches_per_step_are_exact():
     ev = [("kernel_k3_fastpathkernelskda_decodekernel", 10.0 * i, 10.0 * i + 1) for i in range(15)]
     r = summarize_kernels(ev, 3)
     assert r["ops"]["kda_decode"]["launches"] == 5 and r["top"][0]["launches"] == 5
+
+
+def test_exclusive_time_counts_a_pdl_chain_once(seed):
+    """A PDL chain (each kernel starts inside its predecessor and waits) and a kernel hidden on a side stream:
+    each kernel's exclusive time is what it adds past every earlier-started one; they sum to the busy time,
+    while the plain durations double-count the overlaps."""
+    from k3_fastpath.runtime.kernel_profile import exclusive_us
+
+    assert exclusive_us([("a", 0, 10), ("b", 4, 15), ("side", 5, 9), ("c", 20, 22)]) == [10, 5, 0, 2]
+    rng = random.Random(seed)
+    ev, t = [], 0.0
+    for i in range(rng.randint(5, 40)):
+        s = t - rng.uniform(0, 3) if ev else 0.0  # starts early under PDL
+        e = max(s, t) + rng.uniform(1, 20)
+        ev.append((WGMMA if i % 2 else FMA, s, e))
+        if rng.random() < 0.2:  # a side-stream kernel somewhere inside
+            a = rng.uniform(s, e)
+            ev.append(("void at::native::elementwise_kernel", a, rng.uniform(a, e + 5)))
+        t = e + rng.uniform(0, 2)
+    r = summarize_kernels(ev, 1)
+    assert sum(o["exclusive_us"] for o in r["ops"].values()) == pytest.approx(r["busy_us"])
+    assert all(o["exclusive_us"] <= o["us"] + 1e-9 for o in r["ops"].values())
+    assert sum(x["exclusive_us"] for x in r["top"]) == pytest.approx(r["busy_us"])

@@ -45,10 +45,13 @@ def kernel_profiles(data: BundleData) -> tuple[list[KernelProfile], list[str]]:
             if span is None or busy is None or not isinstance(ops, dict) or span <= 0:
                 notes.append(f"{where}: kernel_profile without span_us / busy_us / ops; skipped")
                 continue
-            clean = {str(k): {f: float(v.get(f, 0.0)) for f in ("us", "launches", "share")}
+            clean = {str(k): {f: float(v[f]) for f in ("us", "exclusive_us", "launches", "share")
+                              if _num(v.get(f)) is not None}
                      for k, v in ops.items() if isinstance(v, dict)}
+            excl = all("exclusive_us" in o for o in clean.values())
+            order = "exclusive_us" if excl else "us"
             out.append(KernelProfile(label, str(r.get("backend")), span, busy,
-                                     dict(sorted(clean.items(), key=lambda kv: -kv[1]["us"])),
+                                     dict(sorted(clean.items(), key=lambda kv: -kv[1].get(order, 0.0))),
                                      _num(kp.get("launches")) or 0.0))
     return out, notes
 
@@ -59,12 +62,18 @@ def profile_section(profiles: list[KernelProfile]) -> list[str]:
         return []
     rows = []
     for p in profiles:
-        top = ", ".join(f"{op} {o['us'] / 1000:.2f} ms ({o['share']:.0%}, {o['launches']:.0f}x)"
-                        for op, o in list(p.ops.items())[:TOP_OPS])
+        if all("exclusive_us" in o for o in p.ops.values()):  # what each op adds to the step, of the busy time
+            top = ", ".join(f"{op} {o['exclusive_us'] / 1000:.2f} ms excl. ({o['exclusive_us'] / p.busy_us:.0%}, "
+                            f"{o['launches']:.0f}x)" for op, o in list(p.ops.items())[:TOP_OPS])
+        else:  # profiles recorded before exclusive times: each kernel's own interval, of all kernel time
+            top = ", ".join(f"{op} {o['us'] / 1000:.2f} ms ({o.get('share', 0.0):.0%}, {o['launches']:.0f}x)"
+                            for op, o in list(p.ops.items())[:TOP_OPS])
         rows.append(f"| {p.label} | {p.backend} | {p.span_us / 1000:.2f} | {1 - p.busy_us / p.span_us:.1%} | "
                     f"{p.launches:.0f} | {top} |")
     return ["### Where the step's device time goes (kernel_profile, CUPTI over graph replays)", "",
-            "Kernel times overlap under PDL (a kernel waiting in griddepcontrol.wait is counted as running), so "
-            "op times can add to more than the span; idle = the share of the span with no kernel running.", "",
+            "Per op: its exclusive time (what it adds past every earlier-started kernel; the ops add up to the "
+            "busy time) and its share of the busy time. Profiles without exclusive times show each kernel's own "
+            "interval, which under PDL includes waiting in griddepcontrol.wait for its predecessor (op times then "
+            "add to more than the span). Idle = the share of the span with no kernel running.", "",
             "| point | backend | span ms | GPU idle | kernels | ops with the most device time |",
             "|---|---|---|---|---|---|", *rows, ""]
