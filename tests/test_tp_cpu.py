@@ -275,3 +275,23 @@ def test_assign_state_dict_is_load_state_dict_assign():
         D.assign_state_dict(c, {k: v for k, v in sd.items() if k != name})
     with pytest.raises(RuntimeError, match=f"{name}: shape"):
         D.assign_state_dict(c, {**sd, name: sd[name][:1]})
+
+
+def test_tp_fast_decoder_situ_glu_kernel_option(seed):
+    """``TPFastDecoder(situ_glu_kernel=True)`` calls the ``situ_glu`` op once per MLP per step (here on one
+    rank, kernels served by their references: bitwise the default decoder's logits)."""
+    from k3_fastpath.runtime.tp import LocalComm, rank_model
+    from k3_fastpath.runtime.tp_fast import TPFastDecoder
+
+    cfg = preset(PRESET).config
+    model = rank_model(cfg, synthetic_state_dict(cfg, 0, conditioning="stable"), 1, 0)
+    decs = [TPFastDecoder(cfg, model, LocalComm(), max_batch=2, max_len=6, use_graphs=False, situ_glu_kernel=k)
+            for k in (False, True)]
+    assert "situ_glu" not in decs[0].ops and decs[1].ops["situ_glu"].kernel == "situ_glu"
+    caches = [d.new_cache(2) for d in decs]
+    tokens = torch.randint(3, cfg.vocab_size, (3, 2), generator=torch.Generator().manual_seed(seed))
+    for k in range(3):
+        a, b = (d.decode(tokens[k], c) for d, c in zip(decs, caches, strict=True))
+        assert torch.equal(a, b), f"seed {seed} step {k}"
+        assert decs[1].last_calls.calls["situ_glu"] == cfg.num_hidden_layers
+        assert "situ_glu" not in decs[0].last_calls.calls

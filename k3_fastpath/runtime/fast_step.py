@@ -330,7 +330,7 @@ class SideStream:
             t.record_stream(main)
 
 
-def _glu(ops: OpCalls, g: torch.Tensor, u: torch.Tensor, cfg: Any) -> torch.Tensor:
+def mlp_activation(ops: OpCalls, g: torch.Tensor, u: torch.Tensor, cfg: Any) -> torch.Tensor:
     """SiTU-GLU of the gate / up projections, rounded to their dtype: the ``situ_glu`` op (one kernel) where
     the table has it (``op_table(situ_glu_kernel=True)``), else the PyTorch glue."""
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
@@ -340,13 +340,13 @@ def _glu(ops: OpCalls, g: torch.Tensor, u: torch.Tensor, cfg: Any) -> torch.Tens
 
 
 def _shared_experts(ops: OpCalls, m: dict[str, Any], x: torch.Tensor, cfg: Any) -> torch.Tensor:
-    return _glu(ops, ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), cfg)
+    return mlp_activation(ops, ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), cfg)
 
 
 def _mlp(ops: OpCalls, m: dict[str, Any], x: torch.Tensor, eps: float, prefix: torch.Tensor, cfg: Any,
          side: SideStream | None = None) -> None:
     if "bank" not in m:  # the dense MLP of the first layers
-        h = _glu(ops, ops("linear", x, m["gate"]), ops("linear", x, m["up"]), cfg)
+        h = mlp_activation(ops, ops("linear", x, m["gate"]), ops("linear", x, m["up"]), cfg)
         ops("linear", h, m["down"], residual=prefix, out=prefix)
         return
     side = side or SideStream(x.device, enabled=False)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ..reference.common import rms_norm, situ_glu
+from ..reference.common import rms_norm
 from .tp import Communicator, rank_config
 
 
@@ -43,16 +43,16 @@ def _tp_mlp(ops: Any, m: dict[str, Any], x: torch.Tensor, eps: float, cfg: Any, 
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(partial, addend) of one MLP on this rank: partial = the row-parallel down projection's output,
     addend = the (replicated) routed output of a LatentMoE."""
-    beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+    from .fast_step import mlp_activation
     if "bank" not in m:
-        h = situ_glu(ops("linear", x, m["gate"]), ops("linear", x, m["up"]), beta, lb).to(x.dtype)
+        h = mlp_activation(ops, ops("linear", x, m["gate"]), ops("linear", x, m["up"]), cfg)
         return ops("linear", h, m["down"]), None
     ids, weights = ops("moe_router", x, m["router"], m["bias"], m["top_k"], m["renormalize"], m["scale"])
     z = ops("linear", x, m["latent_down"])
     acc = comm.all_reduce(ops("moe_experts", z, ids, weights, m["bank"]))  # the ranks' expert slices summed
     zr = (rms_norm(acc, m["latent_norm"], eps) if m["latent_norm"] is not None else acc).to(x.dtype)
     routed = ops("linear", zr, m["latent_up"])
-    h = situ_glu(ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), beta, lb).to(x.dtype)
+    h = mlp_activation(ops, ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), cfg)
     return ops("linear", h, m["shared_down"]), routed
 
 
@@ -103,13 +103,15 @@ class TPFastDecoder:
     and, given ``TorchComm``, NCCL all-reduces followed by separate PyTorch ops (captured too). ``pool_from``
     shares another decoder's slot pool, so both backends time the same cache. ``pdl``: our kernels launched
     with programmatic dependent launch (``fast_ops.op_table(pdl=True)``, the single-GPU executor's default);
-    off here until measured at TP2 (``perf.decode_sweep`` ``tp_fast_pdl``: a ``fast_pdl`` row beside ``fast``)."""
+    off here until measured at TP2 (``perf.decode_sweep`` ``tp_fast_pdl``: a ``fast_pdl`` row beside ``fast``).
+    ``situ_glu_kernel``: the MLPs' SiTU-GLU as one kernel (``DecodeExecutor``'s opt-in of the same name);
+    standard_graph's glue is compiled at warm-up when ``standard_compiled_glue``."""
 
     def __init__(self, cfg: Any, model: Any, comm: Communicator, *, max_batch: int = 64, max_len: int,
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
                  kv_dtype: torch.dtype | None = None, stacked_experts: bool | str = "auto",
                  backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None,
-                 standard_compiled_glue: bool = False, pdl: bool = False) -> None:
+                 standard_compiled_glue: bool = False, pdl: bool = False, situ_glu_kernel: bool = False) -> None:
         from .cache_pool import CachePool
         from .executor import STEP_BACKENDS, _buckets
         from .fast_ops import op_table
@@ -132,7 +134,7 @@ class TPFastDecoder:
         self.plan = ModelPlan.build(model, stacked_experts=bool(stacked_experts))
         self.backend = backend
         self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
-                    if backend == "standard_graph" else op_table(pdl=pdl))  # compiled glue: compiled at warm-up
+                    if backend == "standard_graph" else op_table(pdl=pdl, situ_glu_kernel=situ_glu_kernel))
         self.pdl = bool(pdl and backend == "latency_specialized")
         self.kv_dtype = kv_dtype or model.dtype
         if pool_from is not None:  # e.g. the standard path timed on the fast decoder's caches
