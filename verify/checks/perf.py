@@ -181,8 +181,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
     ``single_expert_copy``: the executors keep the routed experts once, in the kernel's layout
     (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
     points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache); ``kernel_profile``: TP1
-    fast / standard graph rows also record device time per kernel and op and the GPU's idle time in the step
-    (``k3_fastpath/runtime/kernel_profile.py``)."""
+    fast / standard / variant graph rows also record device time per kernel and op (own and exclusive) and
+    the GPU's idle time in the step (``k3_fastpath/runtime/kernel_profile.py``)."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
@@ -279,12 +279,14 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
                         continue
                     t_point = time.perf_counter()
                     try:
-                        emit([{**row, "point_wall_s": round(time.perf_counter() - t_point, 1)} for row in S.run_point(model, fast, std, batch, context, r, bw=bw, iters=iters,
-                                         standard_iters=standard_iters, warmup=warmup, seed=ctx.seed,
-                                         strong=strong, layer_times=layer_times,
-                                         reference=reference_batches is None or batch in reference_batches,
-                                         floor_cfg=cfg, rank_tp=rank_tp, variants=variants,
-                                         kernel_profile=kernel_profile)])
+                        rows = S.run_point(model, fast, std, batch, context, r, bw=bw, iters=iters,
+                                           standard_iters=standard_iters, warmup=warmup, seed=ctx.seed,
+                                           strong=strong, layer_times=layer_times,
+                                           reference=reference_batches is None or batch in reference_batches,
+                                           floor_cfg=cfg, rank_tp=rank_tp, variants=variants,
+                                           kernel_profile=kernel_profile)
+                        wall = round(time.perf_counter() - t_point, 1)
+                        emit([{**row, "point_wall_s": wall} for row in rows])
                     except torch.cuda.OutOfMemoryError as e:
                         notes.append(f"tp=1 batch={batch} context={context} {r}: out of memory "
                                      f"({str(e).splitlines()[0][:120]})")
