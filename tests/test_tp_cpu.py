@@ -295,3 +295,24 @@ def test_tp_fast_decoder_situ_glu_kernel_option(seed):
         assert torch.equal(a, b), f"seed {seed} step {k}"
         assert decs[1].last_calls.calls["situ_glu"] == cfg.num_hidden_layers
         assert "situ_glu" not in decs[0].last_calls.calls
+
+
+@pytest.mark.parametrize("tp,rows,cols", [(3, 96, 192), (5, 80, 320), (6, 96, 384)])
+def test_expert_share_is_a_cut_of_the_full_draw_when_blocks_do_not_align(tp, rows, cols, seed):
+    """Rank shares whose edges fall inside a generator block (TP sizes that do not divide the block count)
+    are still exact cuts of the full draw: the covering blocks are drawn and narrowed. A w1-like matrix
+    (``rows`` x 64) is cut along its rows; a w2-like one (64 x ``cols``, EXPERT_ROW) along its columns, in
+    whole MXFP4 groups."""
+    from k3_fastpath.manifest import EXPERT_COL, EXPERT_ROW, TensorSpec
+    from k3_fastpath.runtime import device_synthetic as D
+
+    cfg = preset(PRESET).config
+    for rule, shape, dim in ((EXPERT_COL, (rows, 32), 0), (EXPERT_ROW, (64, cols // 2), 1)):
+        spec = TensorSpec("model.layers.1.block_sparse_moe.experts.0.w9.weight_packed", shape, "U8", rule, "packed")
+        full = D._expert_weight(spec, seed % 997, torch.device("cpu"), 1, 0, cfg)
+        per = full.shape[dim] // tp
+        step = full.shape[dim] // D._expert_blocks(full.shape[dim], dim == 1)
+        assert per % step, f"{rule}: shares of {per} align with blocks of {step}: not the case under test"
+        for rank in range(tp):
+            share = D._expert_weight(spec, seed % 997, torch.device("cpu"), tp, rank, cfg)
+            assert torch.equal(share, full.narrow(dim, rank * per, per)), (rule, rank)
