@@ -5,9 +5,8 @@ and the ops with the most device time (``k3_fastpath/runtime/kernel_profile.py``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from verify.bundle.readers import SWEEP_CHECK, BundleData
+from verify.bundle.readers import SWEEP_CHECK, BundleData, _num
 
 TOP_OPS = 4
 
@@ -18,12 +17,8 @@ class KernelProfile:
     backend: str
     span_us: float
     busy_us: float
-    ops: dict[str, dict[str, float]]  # op -> {us, launches, share}, most device time first
+    ops: dict[str, dict[str, float]]  # op -> {us, exclusive_us (where recorded), launches, share}, largest first
     launches: float
-
-
-def _num(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def kernel_profiles(data: BundleData) -> tuple[list[KernelProfile], list[str]]:
