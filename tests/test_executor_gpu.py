@@ -22,6 +22,7 @@ import dataclasses
 import pytest
 import torch
 
+from k3_fastpath import kernels as registry
 from k3_fastpath.config import preset
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.runtime.trace import fast_path_problems, summarize
@@ -30,7 +31,8 @@ from verify.checks.equivalence import build_synthetic_model, compare_greedy, fil
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an sm_90 CUDA device")]
 
-KERNELS = ("skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode", "moe_experts")
+# the kernels a default step launches (their specs' in_default_step; situ_glu is opt-in)
+KERNELS = tuple(s.name for s in registry.all_specs() if s.in_default_step)
 
 
 def _cfg(name: str):

@@ -13,8 +13,9 @@
    load, the mma epilogue stores 16 bytes, no LDL/STL; the inner-loop instruction mix is printed
    (``-s``). Every cubin the module compiled is also checked for a zero stack frame (no spills) from
    its .nv.info (EIATTR_FRAME_SIZE), which is fast enough for the whole grid.
-3. The registry: every kernel folder is registered, has config/kernel/api/reference, exports the
-   required API and is named by another test file (this part needs neither cutlass-dsl nor a GPU).
+3. The registry: the registered kernels are the folders with a spec.py (``test_kernel_specs.py`` checks the
+   specs themselves); every one has spec/config/kernel/api/reference, exports the required API and is
+   named by another test file (this part needs neither cutlass-dsl nor a GPU).
 """
 
 from __future__ import annotations
@@ -229,18 +230,20 @@ def test_no_kernel_compiled_in_this_session_uses_local_memory():
 # ----------------------------------------------------------------------------------------- registry
 def test_registry_lists_every_kernel_folder():
     folders = sorted(p.parent.name for p in KERNEL_DIR.glob("*/kernel.py"))
-    assert folders == sorted(registry.names()), "a kernel folder is missing from kernels.KERNELS (or vice versa)"
+    assert folders == sorted(registry.names()), "a kernel folder has no spec.py (or a spec.py no kernel.py)"
+    assert registry.names() == registry.KERNELS == tuple(s.name for s in registry.all_specs())
 
 
 @pytest.mark.parametrize("kernel", registry.names())
 def test_registry_kernel_contract(kernel):
     folder = KERNEL_DIR / kernel
-    for f in ("__init__.py", "config.py", "kernel.py", "api.py", "reference.py"):
+    for f in ("__init__.py", "spec.py", "config.py", "kernel.py", "api.py", "reference.py"):
         assert (folder / f).is_file(), f"{kernel}/{f} missing"
     mod = registry.api(kernel)
     for name in registry.REQUIRED_EXPORTS:
         assert hasattr(mod, name), f"{kernel} does not export {name}"
-    assert mod.NAME == kernel
+    assert mod.NAME == kernel == registry.spec(kernel).name
+    assert registry.spec(kernel).gpu_tests, f"{kernel}: its spec names no GPU test"
     here = Path(__file__).resolve()
     refs = (f'"{kernel}"', f"kernels.{kernel}", f"kernels import {kernel}")
     covered = [p.name for p in here.parent.rglob("test_*.py")

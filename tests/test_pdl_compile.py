@@ -1,9 +1,10 @@
 """Programmatic dependent launch (PDL) builds of the decode kernels, checked on a CPU (no GPU needed).
 
 K3.md failure 2: a kernel launched with PDL that reads an activation before ``griddepcontrol.wait`` reads
-its predecessor's output before it is written (NaN logits under load). Every kernel other than the skinny
-GEMM (``test_executor_cpu.py`` checks that one) has a ``pdl`` config flag; for one shape per kernel
-(the k3-tp8-rank rank; each launch of the multi-launch kernels) this module compiles the PDL build and:
+its predecessor's output before it is written (NaN logits under load). Every kernel whose spec says
+``pdl`` has a ``pdl`` config flag (``PDL_KERNELS``, derived from the specs); for one shape per kernel other
+than the skinny GEMM (``test_executor_cpu.py`` checks that one: ``PDL_CHECKED_ELSEWHERE``; the k3-tp8-rank
+rank; each launch of the multi-launch kernels) this module compiles the PDL build and:
 
 1. the launch carries the PDL attribute (``launch(use_pdl=True)``, recorded while compiling), the flag is
    part of the compile-cache key, and the non-PDL twin has no griddepcontrol instruction at all;
@@ -20,7 +21,8 @@ GEMM (``test_executor_cpu.py`` checks that one) has a ``pdl`` config flag; for o
 4. where a kernel is meant to read weights before the wait (rmsnorm, attn_res_mix, kda, router, the MoE
    combine, the MLA combine's W_UV prefetch), it does; where nothing may be read (MLA attention, the MoE
    plan and both grouped GEMMs: which experts they read depends on the router; the SiTU-GLU activation,
-   which reads only activations), nothing global is touched.
+   which reads only activations), nothing global is touched; what is read is within the kernel spec's
+   ``pdl_prologue_reads``, which (checked without the DSL) is exactly the weights its cases expect read.
 Besides: every kernel compiles with ``pdl=True`` for every decode variant of k3-tiny (the model the GPU
 executor test runs with ``pdl=True``), no PDL build spills, the analysis itself flags an early activation
 load or store on hand-written PTX / SASS, and ``op_table(pdl=True)`` swaps every kernel op for its PDL twin
@@ -33,18 +35,23 @@ import dataclasses
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from pdl_tools import Param, ptx_params, ptx_pre_wait, sass_op, sass_pre_wait
 from sass_tools import NVDISASM, isolated_cache, sass_lines
 
+from k3_fastpath import kernels as registry
 from k3_fastpath._lib import arch, compile_cache
 
 needs_dsl = pytest.mark.skipif(not arch.is_available(),
                                reason=f"needs nvidia-cutlass-dsl: {arch.unavailable_reason()}")
 needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
 
-PDL_KERNELS = ("rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode", "moe_experts", "situ_glu")
+PDL_KERNELS = tuple(s.name for s in registry.all_specs() if s.pdl)  # every kernel with a PDL build
+# kernels whose PDL build's pre-wait reads are checked by another test instead of a Case below
+PDL_CHECKED_ELSEWHERE = {
+    "skinny_gemm": "tests/test_executor_cpu.py::test_pdl_skinny_gemm_waits_before_reading_activations"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -60,6 +67,10 @@ class Case:
     roles: tuple[str, ...]  # the kernel's parameters, in order
     weights: frozenset  # parameters a step never writes (may be read before the wait)
     reads_before_wait: bool  # the kernel is meant to read (or prefetch) weights before the wait
+
+    @property
+    def kernel(self) -> str:
+        return self.id.split("-")[0]
 
 
 @contextmanager
@@ -234,6 +245,33 @@ CASES = [
 ]
 
 
+def _assert_reads_declared(case: Case, loads) -> None:
+    """The parameters read before the wait are among those the kernel's spec declares (pdl_prologue_reads)."""
+    read = {n for _, names in loads for n in names}
+    declared = set(registry.spec(case.kernel).pdl_prologue_reads)
+    assert read <= declared, f"{case.id} reads {sorted(read - declared)} before the wait; its spec declares {declared}"
+
+
+def test_cases_cover_every_pdl_kernel_and_match_its_spec():
+    """Without the DSL: every kernel with a PDL build has a Case (or a check named in PDL_CHECKED_ELSEWHERE),
+    every Case is a registered PDL kernel's, and each spec's ``pdl_prologue_reads`` are exactly the weights
+    its Cases expect read before the wait (parameters a step never writes)."""
+    by_kernel: dict[str, list[Case]] = {}
+    for c in CASES:
+        by_kernel.setdefault(c.kernel, []).append(c)
+    assert set(by_kernel) <= set(PDL_KERNELS), f"Cases of kernels without a PDL spec: {set(by_kernel) - set(PDL_KERNELS)}"
+    assert not set(by_kernel) & set(PDL_CHECKED_ELSEWHERE)
+    assert set(by_kernel) | set(PDL_CHECKED_ELSEWHERE) == set(PDL_KERNELS), "a PDL kernel has no pre-wait check"
+    for test in PDL_CHECKED_ELSEWHERE.values():
+        path, _, name = test.partition("::")
+        assert f"def {name}(" in (Path(__file__).resolve().parents[1] / path).read_text(), test
+    for kernel, cases in by_kernel.items():
+        declared = set(registry.spec(kernel).pdl_prologue_reads)
+        expected = set().union(*(c.weights for c in cases if c.reads_before_wait))
+        assert declared == expected, f"{kernel}: spec pdl_prologue_reads {declared}, its cases expect {expected}"
+        assert declared <= set().union(*(c.weights for c in cases)), f"{kernel}: declares a non-weight read"
+
+
 def _artifacts(key):
     paths = compile_cache.artifact_paths(key)
     assert "ptx" in paths and "cubin" in paths, f"no PTX / cubin kept for {key}"
@@ -273,6 +311,7 @@ def test_ptx_reads_only_weights_before_the_wait(case):
     _, _, ptx, _ = _build(case, True)
     region = ptx_pre_wait(ptx, ptx_params(ptx, list(case.roles)), set(case.weights))
     assert not region.problems, "\n".join(region.problems)
+    _assert_reads_declared(case, region.loads)
     if case.reads_before_wait:
         assert region.loads, "expected the weights to be read (or prefetched) before the wait"
     else:
@@ -290,6 +329,7 @@ def test_sass_reads_only_weights_before_acqbulk(case):
     lines = sass_lines(cubin)
     region = sass_pre_wait(lines, ptx_params(ptx, list(case.roles)), set(case.weights))
     assert not region.problems, "\n".join(region.problems)
+    _assert_reads_declared(case, region.loads)
     if case.reads_before_wait:
         assert region.loads, "expected the weights to be read (or prefetched) before ACQBULK"
     else:
@@ -405,7 +445,7 @@ def test_op_table_pdl_swaps_every_default_kernel_op():
         assert plain[name].fn is default_fn and pdl[name].fn is twin, name
         assert pdl[name].kernel == plain[name].kernel
     text = pdl_support()
-    for kernel in ("skinny_gemm", *PDL_KERNELS):
+    for kernel in PDL_KERNELS:
         assert kernel in text, f"pdl_support() does not say what {kernel} does"
     saved = dict(fast_ops._REGISTRY)
     try:

@@ -1,4 +1,14 @@
-"""Registry of the CuTe DSL kernels (one folder each: config.py, kernel.py, api.py, reference.py).
+"""Registry of the CuTe DSL kernels: one folder each (spec.py, config.py, kernel.py, api.py, reference.py).
+
+A folder of this package is a kernel exactly when it holds a ``spec.py``: its ``SPEC``
+(``_lib.kernel_spec.KernelSpec``) is the kernel's one declaration: name and launch counter names, the api
+module, the config type, support check, reference and ``compile_variants`` as lazy ``"module:attr"``
+targets, the GPU test files that launch it, whether it has a PDL build and what that build reads before
+``griddepcontrol.wait``, and whether a default decode step launches it. ``KERNELS`` / ``names()`` are the
+folders with a spec, sorted by name; every other list of kernels is derived from the specs: the GPU tests
+``kernels.numerics`` runs (``gpu_test_files()``), the launches the sanitizer driver must see
+(``launch_names()``), the PDL compile tests, the executor GPU test's default-step kernels.
+``tests/test_kernel_specs.py`` checks the specs (``validate_specs``) on a CPU.
 
 Every kernel package exports (``REQUIRED_EXPORTS``):
 
@@ -11,17 +21,23 @@ Every kernel package exports (``REQUIRED_EXPORTS``):
   needs; ``precompile(preset)`` runs them;
 * ``op``: the torch-facing function; ``reference``: its FP32 oracle (``reference.py``).
 
-Importing this package (or any kernel's api) needs torch but not cutlass-dsl: ``kernel.py`` is imported
-only when something is compiled.
+Reading the specs (``spec``, ``all_specs``, ``launch_names``, ``gpu_test_files``) imports neither torch nor
+cutlass-dsl: each ``spec.py`` is loaded without its package. Importing a kernel package (``api(name)``)
+needs torch but not cutlass-dsl: ``kernel.py`` is imported only when something is compiled.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from pathlib import Path
 from types import ModuleType
 
-KERNELS = ("rmsnorm_residual", "skinny_gemm", "attn_res_mix", "kda_decode", "moe_router", "mla_decode",
-           "moe_experts", "situ_glu")
+from .._lib.kernel_spec import KernelSpec, load_spec
+
+_DIR = Path(__file__).resolve().parent
+
+KERNELS: tuple[str, ...] = tuple(sorted(p.parent.name for p in _DIR.glob("*/spec.py")))
 REQUIRED_EXPORTS = ("NAME", "is_supported", "compile_kernel", "compile_variants", "precompile", "op", "reference")
 
 
@@ -29,10 +45,36 @@ def names() -> tuple[str, ...]:
     return KERNELS
 
 
-def api(name: str) -> ModuleType:
-    """The kernel package ``k3_fastpath.kernels.<name>``."""
+def _check(name: str) -> None:
     if name not in KERNELS:
         raise KeyError(f"unknown kernel {name!r}; registered: {', '.join(KERNELS)}")
+
+
+@functools.cache
+def spec(name: str) -> KernelSpec:
+    """``kernels/<name>/spec.py``'s ``SPEC`` (loaded without importing the kernel package)."""
+    _check(name)
+    return load_spec(_DIR / name / "spec.py", f"{__name__}.{name}.spec")
+
+
+def all_specs() -> tuple[KernelSpec, ...]:
+    """Every kernel's spec, in ``KERNELS`` order."""
+    return tuple(spec(n) for n in KERNELS)
+
+
+def launch_names() -> tuple[str, ...]:
+    """Every counter name a registered kernel's launches count under (spec order, then each spec's)."""
+    return tuple(dict.fromkeys(n for s in all_specs() for n in s.launch_names))
+
+
+def gpu_test_files() -> tuple[str, ...]:
+    """The union of the specs' ``gpu_tests`` (repo-relative), first occurrence order."""
+    return tuple(dict.fromkeys(f for s in all_specs() for f in s.gpu_tests))
+
+
+def api(name: str) -> ModuleType:
+    """The kernel package ``k3_fastpath.kernels.<name>``."""
+    _check(name)
     return importlib.import_module(f"{__name__}.{name}")
 
 

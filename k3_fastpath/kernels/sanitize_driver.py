@@ -5,8 +5,9 @@ compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 
 Small shapes keep the sanitizer's 10-100x slowdown affordable; each kernel's variants that matter for
 races (the split-K reduction of the skinny GEMM, the block reductions of the norms) are all exercised.
-The driver exits non-zero, and never prints its closing line, if any call fell back to the reference:
-a sanitizer run over a fallback proves nothing.
+The driver exits non-zero, and never prints its closing line, if any call fell back to the reference
+(a sanitizer run over a fallback proves nothing) or if a launch counter of a registered kernel
+(``expected_launches()``: every spec's ``launch_names``) never moved.
 """
 
 from __future__ import annotations
@@ -14,6 +15,14 @@ from __future__ import annotations
 import sys
 
 import torch
+
+
+def expected_launches() -> tuple[str, ...]:
+    """Every counter name a registered kernel launches under (the specs' ``launch_names``): the driver
+    fails unless each one moved, so a kernel added to the registry but not to ``main`` fails here."""
+    from k3_fastpath import kernels as registry
+
+    return registry.launch_names()
 
 
 def main() -> int:
@@ -81,8 +90,7 @@ def main() -> int:
     if snap["fallbacks"]:
         print(f"sanitize_driver: FALLBACKS {snap['fallbacks']}", flush=True)
         return 1
-    missing = {"skinny_gemm", "rmsnorm_residual", "attn_res_mix", "kda_decode", "moe_router", "mla_decode",
-               "mla_decode_merge", "moe_experts", "situ_glu"} - set(snap["launches"])
+    missing = set(expected_launches()) - set(snap["launches"])
     if missing:
         print(f"sanitize_driver: never launched {sorted(missing)}", flush=True)
         return 1

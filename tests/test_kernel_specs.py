@@ -1,0 +1,142 @@
+"""The kernel specs (``kernels/<op>/spec.py``), checked on a CPU with neither cutlass-dsl nor a GPU.
+
+A kernel is declared once, by its spec; every list of kernels is derived from the specs. Here:
+
+1. every kernel folder has a spec and every spec a kernel folder; reading the specs imports neither
+   torch nor cutlass-dsl;
+2. ``validate_specs`` finds no problem: every ``"module:attr"`` target resolves (and is what the kernel
+   package exports), every GPU test file exists, is marked ``gpu``, names the kernel and reads the launch
+   counters, so a registered kernel without a GPU test that launches it fails here, not on an H200;
+3. the validation can fail: specs broken on purpose (no GPU test, a test file that never names the
+   kernel, one that is not a GPU test, a target that does not resolve, ...) are each rejected with the
+   problem named;
+4. the derived lists agree: ``kernels.numerics`` runs every spec's GPU tests, the sanitizer driver expects
+   every launch name and calls every kernel, the executor's op tables serve exactly the default-step
+   kernels (PDL twins for each with a PDL build) and the opt-in ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3_fastpath import kernels as registry
+from k3_fastpath._lib.kernel_spec import KernelSpec, names_kernel, validate_specs
+
+REPO = Path(__file__).resolve().parents[1]
+KERNEL_DIR = Path(registry.__file__).parent
+
+
+def test_every_kernel_folder_has_a_spec_and_every_spec_a_kernel():
+    with_kernel = sorted(p.parent.name for p in KERNEL_DIR.glob("*/kernel.py"))
+    with_spec = sorted(p.parent.name for p in KERNEL_DIR.glob("*/spec.py"))
+    assert with_kernel == with_spec, f"kernel.py without spec.py (or vice versa): {set(with_kernel) ^ set(with_spec)}"
+    assert list(registry.names()) == with_spec
+    assert [s.name for s in registry.all_specs()] == with_spec
+
+
+def test_reading_specs_imports_neither_torch_nor_cutlass():
+    code = ("import sys; import k3_fastpath.kernels as k; k.all_specs(); k.launch_names(); k.gpu_test_files(); "
+            "bad = [m for m in ('torch', 'cutlass') if m in sys.modules]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_specs_are_valid():
+    assert validate_specs(registry.all_specs(), REPO) == []
+
+
+@pytest.mark.parametrize("kernel", registry.names())
+def test_spec_targets_are_the_kernel_packages_exports(kernel):
+    spec = registry.spec(kernel)
+    pkg = registry.api(kernel)
+    assert spec.resolve("api").NAME == pkg.NAME == kernel
+    assert spec.resolve("support") is pkg.is_supported
+    assert spec.resolve("reference") is pkg.reference
+    assert spec.resolve("compile_variants") is pkg.compile_variants
+    assert dataclasses.is_dataclass(spec.resolve("config_type"))
+    assert spec.launch_names[0] == spec.name
+    assert spec.pdl or not spec.pdl_prologue_reads
+
+
+def _broken(**changes) -> KernelSpec:
+    return dataclasses.replace(registry.spec("kda_decode"), **changes)
+
+
+BROKEN = {  # id -> (the spec, a problem validate_specs must name)
+    "no-gpu-test": (_broken(gpu_tests=()), "no gpu_tests"),
+    "test-never-names-kernel": (_broken(gpu_tests=("tests/test_situ_glu_gpu.py",)), "never imports or calls"),
+    "not-a-gpu-test": (_broken(gpu_tests=("tests/test_kda_decode_compile.py",)), "is not marked gpu"),
+    "missing-test-file": (_broken(gpu_tests=("tests/test_kda_decode_gpu_gone.py",)), "does not exist"),
+    "test-outside-tests": (_broken(gpu_tests=("../tests/test_kda_decode_gpu.py",)), "under tests/"),
+    "unresolved-target": (_broken(support="k3_fastpath.kernels.kda_decode.api:is_supported_gone"), "does not resolve"),
+    "target-not-module-attr": (_broken(reference="k3_fastpath.kernels.kda_decode.reference"), "'module:attr'"),
+    "config-not-a-class": (_broken(config_type="k3_fastpath.kernels.kda_decode.api:is_supported"), "not a class"),
+    "api-of-another-kernel": (_broken(api="k3_fastpath.kernels.situ_glu.api"), "NAME is 'situ_glu'"),
+    "launch-names-without-name": (_broken(launch_names=("kda",)), "must start with the kernel's name"),
+    "reads-without-pdl": (_broken(pdl=False), "without a PDL build"),
+    "not-a-bool": (_broken(in_default_step="yes"), "in_default_step"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=str)
+def test_validation_rejects_a_broken_spec(case):
+    """The validation the registry test relies on can fail: each broken spec is rejected, the problem named;
+    the unbroken spec passes the same call."""
+    spec, problem = BROKEN[case]
+    problems = validate_specs([spec], REPO)
+    assert any(problem in p for p in problems), problems
+    assert validate_specs([registry.spec("kda_decode")], REPO) == []
+
+
+def test_validation_rejects_duplicate_kernels_and_launch_names():
+    mla = registry.spec("mla_decode")
+    twin = dataclasses.replace(registry.spec("kda_decode"), launch_names=("kda_decode", "mla_decode_merge"))
+    problems = validate_specs([mla, mla, twin], REPO)
+    assert any("declared by 2 specs" in p for p in problems), problems
+    assert any("'mla_decode_merge' is also mla_decode's" in p for p in problems), problems
+
+
+def test_names_kernel_reads_imports_and_calls():
+    assert names_kernel("from k3_fastpath.kernels import (\n    attn_res_mix,\n    skinny_gemm,\n)", "skinny_gemm")
+    assert names_kernel("from k3_fastpath.kernels.skinny_gemm import api", "skinny_gemm")
+    assert names_kernel("    y = situ_glu(g, u, 4.0, 25.0)", "situ_glu")
+    assert not names_kernel("def test_kda_decode(B):\n    test_kda_decode_tiny(1)", "kda_decode")
+    assert not names_kernel("from k3_fastpath.kernels import situ_glu as k", "skinny_gemm")
+
+
+def test_numerics_check_runs_every_specs_gpu_tests():
+    from verify.checks.kernels import GPU_KERNEL_TESTS
+
+    assert GPU_KERNEL_TESTS == registry.gpu_test_files()
+    for s in registry.all_specs():
+        assert set(s.gpu_tests) <= set(GPU_KERNEL_TESTS), s.name
+    assert all((REPO / f).is_file() for f in GPU_KERNEL_TESTS)
+
+
+def test_sanitizer_driver_expects_and_calls_every_kernel():
+    from k3_fastpath.kernels import sanitize_driver
+
+    assert set(sanitize_driver.expected_launches()) == set(registry.launch_names())
+    assert "mla_decode_merge" in registry.launch_names()
+    src = Path(sanitize_driver.__file__).read_text()
+    missing = [s.name for s in registry.all_specs() if f"from {s.api} import" not in src]
+    assert not missing, f"sanitize_driver never calls {missing}"
+
+
+def test_op_tables_serve_the_specs_kernels():
+    """``fast_ops``: the default op table's kernels are the specs with in_default_step, ``PDL_VARIANTS``
+    covers each of them with a PDL build, the opt-in ops serve the rest (with a PDL twin where pdl)."""
+    from k3_fastpath.runtime import fast_ops
+
+    specs = registry.all_specs()
+    plain = fast_ops.op_table()
+    assert {o.kernel for o in plain.values() if o.kernel is not None} == {s.name for s in specs if s.in_default_step}
+    assert {plain[n].kernel for n in fast_ops.PDL_VARIANTS} == {s.name for s in specs if s.in_default_step and s.pdl}
+    opt_in = {kernel: pdl_fn for _, pdl_fn, kernel in fast_ops.OPT_IN_OPS.values()}
+    assert set(opt_in) == {s.name for s in specs if not s.in_default_step}
+    assert all(opt_in[s.name] is not None for s in specs if not s.in_default_step and s.pdl)
