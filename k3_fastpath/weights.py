@@ -134,6 +134,17 @@ def _heads(cfg: K3Config | None) -> int | None:
     return None if cfg is None else cfg.linear_attn_config.num_heads
 
 
+def tp_split_problem(cfg: K3Config, tp_size: int) -> str | None:
+    """Why ``cfg``'s checkpoint cannot be split over ``tp_size`` ranks (the first tensor that cannot), or
+    None when every tensor splits."""
+    for spec in tensor_specs(cfg):
+        try:
+            _cut(spec, tp_size, 0, _heads(cfg))
+        except CheckpointError as e:
+            return str(e)
+    return None
+
+
 def rank_shape(spec: TensorSpec, tp_size: int, cfg: K3Config | None = None) -> tuple[int, ...]:
     """The shape of one rank's share of ``spec`` (the same for every rank)."""
     c = _cut(spec, tp_size, 0, _heads(cfg))
@@ -389,11 +400,13 @@ def _scan(root: Path, cfg: K3Config) -> _Layout:
             ignored.append(e)
         else:
             problems.append(f"{e.name} in {e.file}: unexpected tensor, not in the K3 manifest of this config")
+    where = f"{files[0]}" if len(files) == 1 else f"any of the {len(files)} shards"
     for s in specs:
         e = entries.get(s.name)
         if e is None:
             if s.name not in unreadable:
-                problems.append(f"{s.checkpoint_name}: missing (expected shape {rank_shape(s, tp, cfg)}, {s.dtype})")
+                problems.append(f"{s.checkpoint_name}: missing (expected shape {rank_shape(s, tp, cfg)}, {s.dtype}; "
+                                f"not in {where})")
             continue
         want = rank_shape(s, tp, cfg)
         if e.shape != want:
@@ -469,6 +482,7 @@ def load_checkpoint(path: str | Path, tp_size: int = 1, rank: int = 0, device: s
         by_file.setdefault(layout.entries[s.name].file, []).append(s.name)
     loaded: dict[str, torch.Tensor] = {}
     for fname, names in by_file.items():
+        stored = None  # the tensor being read when a read fails (None: opening the file failed)
         try:
             with safe_open(str(root / fname), framework="pt", device="cpu") as f:
                 for name in names:
@@ -480,8 +494,11 @@ def load_checkpoint(path: str | Path, tp_size: int = 1, rank: int = 0, device: s
                         idx = (slice(None),) * c.dim + (slice(c.start, c.start + c.length),)
                         t = f.get_slice(stored)[idx]
                     loaded[name] = t.to(device)
-        except SafetensorError as e:
-            raise CheckpointError(f"{fname}: cannot read: {e}") from e
+        except (SafetensorError, OSError) as e:
+            why = " ".join(str(e).split())
+            what = f"{stored} in {fname}" if stored else fname
+            raise CheckpointError(f"{what}: truncated or corrupt: cannot read {'it' if stored else 'the file'} "
+                                  f"({why})") from e
     out: dict[str, torch.Tensor] = {}
     for s in specs:
         if dequantize_experts and s.kind == "packed":
@@ -514,15 +531,35 @@ def checkpoint_files(path: str | Path) -> list[str]:
     return [CONFIG_NAME, SINGLE_NAME]
 
 
-def checkpoint_digest(path: str | Path) -> str:
-    """sha256 over ``name sha256`` lines of config.json, the index and every shard (for bundles)."""
+@dataclass(frozen=True)
+class FileDigest:
+    name: str  # as in checkpoint_files
+    bytes: int
+    sha256: str
+
+
+def checkpoint_file_digests(path: str | Path) -> list[FileDigest]:
+    """Name, size and sha256 of each of ``checkpoint_files(path)``, in that order."""
     root = Path(path)
-    h = hashlib.sha256()
+    out = []
     for name in checkpoint_files(root):
         if not (root / name).is_file():
             raise CheckpointError(f"{name}: missing from {root}")
-        h.update(f"{name} {_file_sha256(root / name)}\n".encode())
+        out.append(FileDigest(name, (root / name).stat().st_size, _file_sha256(root / name)))
+    return out
+
+
+def combined_digest(files: list[FileDigest]) -> str:
+    """``checkpoint_digest``'s combination of per-file digests: sha256 over ``name sha256`` lines."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.name} {f.sha256}\n".encode())
     return h.hexdigest()
+
+
+def checkpoint_digest(path: str | Path) -> str:
+    """sha256 over ``name sha256`` lines of config.json, the index and every shard (for bundles)."""
+    return combined_digest(checkpoint_file_digests(path))
 
 
 @dataclass(frozen=True)
@@ -541,6 +578,13 @@ class CheckpointSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def tensor_locations(path: str | Path) -> dict[str, tuple[str, str]]:
+    """``{manifest name: (name as stored, file)}`` of the checkpoint at ``path`` (headers only, validated)."""
+    root = Path(path)
+    layout = _scan(root, _load_cfg(root))
+    return {name: (e.name, e.file) for name, e in layout.entries.items()}
 
 
 def describe(path: str | Path) -> CheckpointSummary:

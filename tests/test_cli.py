@@ -128,7 +128,7 @@ def test_bad_input_is_one_line_and_exit_2(args, message, tmp_path):
 
 def test_bad_tier_writes_nothing(tmp_path):
     bad = tmp_path / "tier.yaml"
-    bad.write_text("name: x\ndescription: y\nbudget_s: 10\nchecks:\n  - id: no.such.check\n    budget_s: 1\n")
+    bad.write_text("name: x\ndescription: y\ntarget_s: 10\nchecks:\n  - id: no.such.check\n    budget_s: 1\n")
     out = tmp_path / "out"
     r = cli("run", "--tier", str(bad), "--output", str(out))
     assert r.returncode == 2 and "no.such.check" in r.stderr
@@ -179,7 +179,7 @@ def test_a_failing_check_fails_the_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ref, "determinism", broken)
     tier = tmp_path / "t.yaml"
-    tier.write_text("name: t\ndescription: d\nbudget_s: 100\nchecks:\n"
+    tier.write_text("name: t\ndescription: d\ntarget_s: 100\nchecks:\n"
                     "  - id: reference.determinism\n    budget_s: 100\n")
     runner = CliRunner()
     res = runner.invoke(cli_mod.app, ["run", "--tier", str(tier), "--output", str(tmp_path / "b"), "--format", "json"],

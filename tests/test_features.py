@@ -233,7 +233,7 @@ def test_run_builds_engines_once_records_them_and_verifies(tmp_path):
     import json
 
     tier = tmp_path / "t.yaml"
-    tier.write_text("name: t\ndescription: d\nbudget_s: 900\nchecks:\n"
+    tier.write_text("name: t\ndescription: d\ntarget_s: 1800\nchecks:\n"
                     "  - id: features.structured_output\n    budget_s: 900\n"
                     "    params: {cases: [prefixes], temperatures: [0.0], samples: 1, max_tokens: 8}\n"
                     "  - id: features.temperature_sampling\n    budget_s: 900\n"

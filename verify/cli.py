@@ -47,7 +47,11 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version_cb,
 def run(
     tier: str = typer.Option("smoke", "--tier", help="smoke | standard | full | path to a tier .yaml"),
     output: Path | None = typer.Option(None, "--output", "-o", help="bundle directory (default bundles/local/<timestamp>)"),
-    preset: str = typer.Option("auto", "--preset", help="model for reference checks: auto (k3-tiny), a preset, or a checkpoint dir"),
+    preset: str = typer.Option("auto", "--preset", help="model with seeded synthetic weights: auto (k3-tiny), a preset or "
+                               "preset spec (k3-tiny:experts=8), or a config.json; a directory is read as --checkpoint"),
+    checkpoint: Path | None = typer.Option(None, "--checkpoint", help="HF K3 checkpoint directory to verify: read in "
+                                           "full and validated before any check; every check and builtin engine "
+                                           "uses its tensors; the bundle records its digest (not with --preset)"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
     seed: int = typer.Option(0, "--seed", help="global seed (recorded in the bundle)"),
     engine: str | None = typer.Option(None, "--engine", help="engine under test for features/evals: builtin:reference | "
@@ -59,15 +63,22 @@ def run(
                                           "`vllm+latency_specialized` engine launches vLLM on (its log and launch "
                                           "config go to the bundle's logs/)"),
     require_complete: bool = typer.Option(False, "--require-complete", help="exit 1 unless the verdict is pass"),
+    resume: bool = typer.Option(False, "--resume", help="continue the unfinished bundle at --output: run only "
+                                "the checks without a result, as a new part (same tier, GPU model and source)"),
+    time_limit: float | None = typer.Option(None, "--time-limit", help="seconds: start no check whose budget "
+                                            "would end past this (the bundle ends interrupted; --resume goes on)"),
     fmt: str = FormatOpt,
 ) -> None:
     """Run a tier of checks and write a result bundle (directory + .tar.gz)."""
     out = Output(fmt)
+    from verify.model_source import model_argument
     from verify.runner import run_tier
 
+    preset = model_argument(preset, checkpoint)  # --checkpoint DIR: the model is DIR (--preset DIR is its alias)
     verdict, _ = run_tier(tier, output, preset, device, seed, out, argv=["k3-verify", *sys.argv[1:]],
                           engine=engine, baseline_engine=baseline_engine,
-                          model_dir=str(model_dir) if model_dir else None)
+                          model_dir=str(model_dir) if model_dir else None, resume=resume,
+                          time_limit_s=time_limit)
     out.finish()
     if verdict == "fail" or (require_complete and verdict != "pass"):
         raise _Exit(EXIT_FAILED)
@@ -104,18 +115,18 @@ def list_(fmt: str = FormatOpt) -> None:
     """List the tiers and every check (with what it needs and whether it runs here)."""
     out = Output(fmt)
     from verify.checks.registry import REGISTRY
-    from verify.requirements import first_unmet
+    from verify.requirements import first_unmet, missing_imports
     from verify.tiers import BUILTIN_TIERS, load_tier
 
     tiers = {name: load_tier(name) for name in BUILTIN_TIERS}
-    out.table("tiers", ["tier", "checks", "budget", "description"],
-              [(t.name, len(t.checks), f"{t.budget_s / 60:.0f} min", t.description) for t in tiers.values()],
-              key="tiers")
+    out.table("tiers", ["tier", "checks", "budget", "target", "description"],
+              [(t.name, len(t.checks), f"{t.budget_s / 60:.0f} min", f"{t.target_s / 60:.0f} min", t.description)
+               for t in tiers.values()], key="tiers")
     rows = []
     for d in REGISTRY.values():
         in_tiers = ",".join(n for n, t in tiers.items() if d.id in t.check_ids)
-        here = first_unmet(d.requires) or ("runs here" if d.implemented else f"not implemented ({d.issue})")
-        rows.append((d.id, in_tiers, ",".join(d.requires) or "-", here, d.description))
+        here = first_unmet(d.requires) or "; ".join(missing_imports(d.imports)) or "runs here"
+        rows.append((d.id, in_tiers, ",".join((*d.requires, *d.imports)) or "-", here, d.description))
     out.table("checks", ["check", "tiers", "needs", "here", "what it proves"], rows, key="checks")
     out.finish()
 
@@ -381,6 +392,11 @@ def main() -> None:
     except Exception as e:
         import click
 
+        from verify.bundle.schema import BundleError
+
+        if isinstance(e, BundleError):  # every command reads an unreadable bundle the same way
+            Output.error(str(e), e)
+            sys.exit(e.exit_code)
         if isinstance(e, click.exceptions.ClickException):
             e.show()
             sys.exit(EXIT_USAGE)

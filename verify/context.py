@@ -1,4 +1,4 @@
-"""What a check gets to work with: the model preset, the device, seeds, and the bundle to stream into."""
+"""What a check gets to work with: the model (preset or checkpoint), the device, seeds, and the bundle to stream into."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from verify.result import CheckResult
 @dataclass
 class CheckContext:
     check_id: str
-    preset: str  # model preset for reference/weights checks (k3-tiny on a CPU)
+    preset: str  # the model: a preset (k3-tiny on a CPU) or a checkpoint path (``model_source.preset``)
     device: str  # "cpu" or "cuda"
     seed: int
     writer: Any  # verify.bundle.writer.BundleWriter
@@ -23,12 +23,33 @@ class CheckContext:
     started: float = field(default_factory=time.monotonic)
     records_written: int = 0
     engines: Any = None  # verify.engines.EnginePool of the run (built lazily, closed by the runner)
+    # verify.model_source.ModelSource: the run's model, resolved (a checkpoint: read and validated) once by the
+    # runner before any check; a context made without one resolves ``preset`` itself
+    model_source: Any = None
+
+    def __post_init__(self) -> None:
+        if self.model_source is None:
+            from verify.model_source import resolve
+
+            self.model_source = resolve(self.preset, self.seed)
 
     @property
     def config(self):
-        from k3_fastpath.config import get_config
+        return self.model_source.config
 
-        return get_config(self.preset)
+    @property
+    def on_checkpoint(self) -> bool:
+        """True when the run verifies a checkpoint directory (then every check uses its tensors)."""
+        return self.model_source.is_checkpoint
+
+    def state_dict(self, seed: int | None = None, conditioning: str = "default") -> dict[str, Any]:
+        """The model's tensors: the checkpoint's (shared: never modify them in place), or the seeded synthetic
+        ones of the preset (``seed`` defaults to the run's)."""
+        return self.model_source.state_dict(self.seed if seed is None else seed, conditioning)
+
+    def weights(self, seed: int | None = None) -> str:
+        """What ``state_dict(seed)`` holds, for metrics: ``checkpoint <digest>`` or ``synthetic (seed N)``."""
+        return self.model_source.weights(self.seed if seed is None else seed)
 
     @property
     def stream(self) -> str:

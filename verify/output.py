@@ -43,7 +43,7 @@ class Output:
         if self._console is None:
             from rich.console import Console
 
-            self._console = Console(highlight=False, soft_wrap=True)  # long paths stay on one line
+            self._console = Console(highlight=False, soft_wrap=True, markup=False)  # long paths stay on one line
         return self._console
 
     @property
@@ -51,7 +51,7 @@ class Output:
         if self._err_console is None:
             from rich.console import Console
 
-            self._err_console = Console(stderr=True, highlight=False)
+            self._err_console = Console(stderr=True, highlight=False, markup=False)
         return self._err_console
 
     @property
@@ -78,12 +78,15 @@ class Output:
                 self.doc[key] = [dict(zip(columns, r, strict=False)) for r in rows]
             return
         from rich.table import Table
+        from rich.text import Text
 
-        t = Table(title=title, title_justify="left", show_lines=False)
-        for c in columns:
-            t.add_column(str(c))
+        # plain text everywhere: a reason such as "pip install 'k3-verify[gpu]'" is never read as markup
+        t = Table(title=Text(title), title_justify="left", show_lines=False)
+        for i, c in enumerate(columns):  # the first column (an id, a path) is never cut short
+            width = max([len(str(c)), *(len(_cell(r[0])) for r in rows if r)]) if i == 0 else None
+            t.add_column(Text(str(c)), no_wrap=i == 0, min_width=width)
         for r in rows:
-            t.add_row(*[_cell(v) for v in r])
+            t.add_row(*[Text(_cell(v)) for v in r])
         self.console.print(t)
 
     @contextlib.contextmanager

@@ -67,3 +67,36 @@ def first_unmet(requirements: tuple[str, ...]) -> str | None:
         if reason:
             return reason
     return None
+
+
+def _extra_of(distribution: str) -> str | None:
+    """The k3-verify extra whose requirements name ``distribution`` (from the installed package's metadata,
+    i.e. pyproject.toml), or None."""
+    import re
+    from importlib.metadata import PackageNotFoundError, requires
+
+    try:
+        reqs = requires("k3-verify") or []
+    except PackageNotFoundError:
+        return None
+    want = distribution.lower().replace("_", "-")
+    for r in reqs:
+        m = re.match(r"^\s*([A-Za-z0-9_.\-]+)", r)
+        extra = re.search(r"""extra\s*==\s*["']([^"']+)["']""", r)
+        if m and extra and m.group(1).lower().replace("_", "-") == want:
+            return extra.group(1)
+    return None
+
+
+def missing_imports(modules: tuple[str, ...]) -> list[str]:
+    """One line per module of ``modules`` that cannot be imported here, naming the extra that installs it
+    (a module ``a_b`` is the distribution ``a-b``: lm_eval -> lm-eval)."""
+    out = []
+    for mod in modules:
+        if importlib.util.find_spec(mod) is not None:
+            continue
+        dist = mod.split(".")[0].replace("_", "-")
+        extra = _extra_of(dist)
+        how = f"pip install 'k3-verify[{extra}]'" if extra else f"pip install {dist}"
+        out.append(f"needs the Python module {mod} ({how})")
+    return out

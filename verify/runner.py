@@ -11,7 +11,6 @@ moment it ends -> finalize (summary, SHA256SUMS, tarball). SIGINT/SIGTERM finali
 from __future__ import annotations
 
 import datetime as _dt
-import importlib
 import signal
 import tempfile
 import time
@@ -23,14 +22,14 @@ from typing import Any
 from verify.checks.registry import REGISTRY
 from verify.context import CheckContext
 from verify.output import Output, UserError
-from verify.requirements import first_unmet
+from verify.requirements import first_unmet, missing_imports
 from verify.result import CheckResult
 
 TOOL_VERSION = "0.1.0"
 
 
-class _Terminated(Exception):
-    pass
+class _Terminated(BaseException):
+    """SIGTERM / SIGINT during a run (a BaseException: a check's ``except Exception`` cannot swallow it)."""
 
 
 def _raise_terminated(signum: int, frame: Any) -> None:
@@ -43,17 +42,24 @@ def default_output_dir() -> Path:
 
 
 def resolve_preset(preset: str) -> str:
-    from k3_fastpath.config import PRESET_NAMES, ConfigError, get_config
+    """The preset name (``auto`` = k3-tiny) or checkpoint path the run's model resolves to (a checkpoint
+    directory is validated in full: ``resolve_model_source``)."""
+    from k3_fastpath.config import PRESET_NAMES
 
     if preset == "auto":
         return "k3-tiny"
     if preset in PRESET_NAMES:
         return preset
-    try:
-        get_config(preset)
-    except ConfigError as e:
-        raise UserError(str(e)) from None
-    return preset
+    return resolve_model_source(preset).preset
+
+
+def resolve_model_source(preset: str, seed: int = 0) -> Any:
+    """The run's model, a ``verify.model_source.ModelSource``, made once before anything is written: a preset
+    (seeded synthetic weights), or a checkpoint directory read tensor by tensor, validated and digested here.
+    Any problem is a one-line ``UserError`` (exit 2) naming the file and the tensor."""
+    from verify.model_source import resolve
+
+    return resolve(preset, seed)
 
 
 def resolve_device(device: str) -> str:
@@ -81,16 +87,66 @@ def _set_cpu_threads(device: str) -> int:
     return torch.get_num_threads()
 
 
+class OverBudget(BaseException):
+    """Raised in the main thread when a check outlives its budget. A BaseException, so a check's own
+    ``except Exception`` cannot swallow it; the runner turns it into ``error: over budget (N s)``."""
+
+
+def _raise_over_budget(signum: int, frame: Any) -> None:
+    raise OverBudget()
+
+
+def call_within_budget(fn: Any, budget_s: float) -> Any:
+    """``fn()``, stopped by ``OverBudget`` after ``budget_s`` seconds (SIGALRM; main thread only: elsewhere
+    it runs unbounded, as a library caller's thread would)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        return fn()
+    old = signal.signal(signal.SIGALRM, _raise_over_budget)
+    signal.setitimer(signal.ITIMER_REAL, max(float(budget_s), 0.001))
+    try:
+        return fn()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def run_check(ctx: CheckContext, decl: Any, params: dict[str, Any]) -> CheckResult:
     reason = first_unmet(decl.requires)
     if reason:
         return CheckResult(id=decl.id, status="skipped", reason=reason)
-    if not decl.implemented:
-        return CheckResult(id=decl.id, status="error",
-                           reason=f"not implemented in k3-verify {TOOL_VERSION}; tracked in issue {decl.issue}")
-    module = importlib.import_module(f"verify.checks.{decl.module}")
-    fn = getattr(module, decl.function)
-    return fn(ctx, **params)
+    fn = decl.load()
+    return call_within_budget(lambda: fn(ctx, **params), ctx.budget_s)
+
+
+def preflight(tier: Any) -> dict[str, str]:
+    """{check id: one line} for every check of ``tier`` whose Python imports are missing here, each line
+    naming the extra that installs it. Checks whose machine requirements are unmet are left out: they are
+    skipped with their own reason, not errors."""
+    out: dict[str, str] = {}
+    for spec in tier.checks:
+        decl = REGISTRY[spec.id]
+        if first_unmet(decl.requires):
+            continue
+        missing = missing_imports(decl.imports)
+        if missing:
+            out[spec.id] = "; ".join(missing)
+    return out
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    gc.collect()
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+    except Exception:  # a device left broken by the stopped check: the next check reports it
+        pass
 
 
 def make_engine_pool(engine: str | None, baseline_engine: str | None, preset: str, device: str, seed: int,
@@ -112,10 +168,50 @@ def make_engine_pool(engine: str | None, baseline_engine: str | None, preset: st
         raise UserError(str(e)) from None
 
 
+def _part(env: dict[str, Any], device: str, checks: list[str]) -> dict[str, Any]:
+    """What identifies the machine and code one part of a run ran on (``manifest.parts``)."""
+    torch_env = env.get("torch") or {}
+    return {"gpu": torch_env.get("device_name") if device == "cuda" else None, "device": device,
+            "source_tree_sha256": env.get("source_tree_sha256"), "commit": (env.get("git") or {}).get("commit"),
+            "hostname_sha256": env.get("hostname_sha256"), "checks": list(checks)}
+
+
+def _resume_problem(manifest: dict[str, Any], tier: Any, preset: str, device: str, part: dict[str, Any],
+                    model_digest: str | None = None) -> str | None:
+    """Why ``part`` may not continue the bundle whose manifest is ``manifest``, or None. The rule: the same
+    tier (checks in the same order), preset, device and checkpoint digest, and every part on the first part's GPU model
+    and source tree (``parts[0]``): numbers from two GPU models or two versions of the code are never mixed
+    in one verdict."""
+    if manifest.get("planned_checks") != tier.check_ids:
+        return f"the bundle's tier {manifest.get('tier')!r} plans other checks than {tier.name!r}"
+    cfg = manifest.get("config") or {}
+    for key, want in (("preset", preset), ("device", device)):
+        if cfg.get(key) != want:
+            return f"the bundle ran with {key} {cfg.get(key)!r}, this run has {want!r}"
+    recorded = (cfg.get("model") or {}).get("digest") if isinstance(cfg.get("model"), dict) else None
+    if recorded != model_digest:
+        return f"the bundle read checkpoint digest {recorded!r}, this run reads {model_digest!r}"
+    first = (manifest.get("parts") or [None])[0]
+    if not isinstance(first, dict):
+        return "the bundle records no parts (written by an older k3-verify): it cannot be resumed"
+    for key, what in (("gpu", "GPU model"), ("source_tree_sha256", "source tree")):
+        if first.get(key) != part.get(key):
+            return f"its first part ran on {what} {first.get(key)!r}, this machine has {part.get(key)!r}"
+    return None
+
+
 def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed: int, out: Output,
              argv: list[str], overrides: dict[str, dict[str, Any]] | None = None, engine: str | None = None,
-             baseline_engine: str | None = None, model_dir: str | None = None) -> tuple[str, Path]:
+             baseline_engine: str | None = None, model_dir: str | None = None,
+             resume: bool = False, time_limit_s: float | None = None) -> tuple[str, Path]:
+    """Run ``tier_name`` into the bundle at ``output`` (or a new ``bundles/local/<stamp>``); ``resume``
+    continues the unfinished bundle at ``output``, running only the checks without a result.
+    ``time_limit_s``: start no check whose budget would end past this many seconds from now (the first
+    check of the part always starts); the bundle then ends ``interrupted``, to be resumed."""
+    import json
+
     from verify import environment
+    from verify.bundle.schema import BundleError
     from verify.bundle.writer import BundleWriter
     from verify.tiers import TierError, load_tier
 
@@ -123,22 +219,71 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
         tier = load_tier(tier_name)
     except TierError as e:
         raise UserError(str(e)) from None
-    preset = resolve_preset(preset)
+    for cid, ov in (overrides or {}).items():
+        if cid in tier.check_ids:
+            try:
+                REGISTRY[cid].resolve_params(ov)
+            except (KeyError, TypeError) as e:
+                raise UserError(str(e.args[0] if e.args else e)) from None
+    source = resolve_model_source(preset, seed)  # a checkpoint is read and validated here, before any output
+    preset = source.preset
     device = resolve_device(device)
     cpu_threads = _set_cpu_threads(device)
+    if resume and output is None:
+        raise UserError("--resume needs --output: the bundle directory to continue")
     root = Path(output) if output else default_output_dir()
-    if root.exists() and any(root.iterdir()):
-        raise UserError(f"output directory {root} exists and is not empty")
+    if root.exists() and not root.is_dir():
+        raise UserError(f"--output {root} is a file, not a directory")
+    env = environment.capture()
+    if resume:
+        if not (root / "manifest.json").is_file():
+            raise UserError(f"--resume: {root} is not a bundle directory (no manifest.json)")
+        from verify.bundle.verify import verify_bundle
+
+        report = verify_bundle(root)
+        if report.exit_code != 0:
+            raise UserError(f"--resume: {root} does not verify: {report.problems[0] if report.problems else '?'}")
+        manifest = json.loads((root / "manifest.json").read_text())
+        if manifest.get("state") == "finished":
+            raise UserError(f"--resume: {root} is finished (verdict {manifest.get('verdict')}): nothing to resume")
+        done = set(_sealed_result_ids(root))
+        todo_ids = [c for c in tier.check_ids if c not in done]
+        part = _part(env, device, todo_ids)
+        problem = _resume_problem(manifest, tier, preset, device, part, source.digest)
+        if problem:
+            raise UserError(f"--resume: refusing to continue {root}: {problem}")
+    elif root.exists() and any(root.iterdir()):
+        raise UserError(f"output directory {root} exists and is not empty (continue it with --resume)")
     pool = make_engine_pool(engine, baseline_engine, preset, device, seed, model_dir=model_dir,
                             log_dir=str(root / "logs"))
-    out.note(f"tier {tier.name}: {len(tier.checks)} checks, preset {preset}, device {device} -> {root}")
-    env = environment.capture()
-    writer = BundleWriter(
-        root, tool_version=TOOL_VERSION, argv=argv, tier=tier.name, planned_checks=tier.check_ids,
-        engines=pool.manifest_entries(),
-        config={"preset": preset, "device": device, "tier_source": tier.source, "cpu_threads": cpu_threads},
-        seeds={"global": seed}, env=env,
-    )
+    pool.opts["model_source"] = source  # builtin engines serve the tensors the run read (not in the manifest)
+    try:
+        if resume:
+            part["index"] = len(manifest.get("parts") or [])
+            writer = BundleWriter.resume(root, part)
+        else:
+            part = dict(_part(env, device, tier.check_ids), index=0)
+            writer = BundleWriter(
+                root, tool_version=TOOL_VERSION, argv=argv, tier=tier.name, planned_checks=tier.check_ids,
+                engines=pool.manifest_entries(),
+                config={"preset": preset, "weights": source.weights(), "model": source.manifest(), "device": device,
+                        "tier_source": tier.source, "cpu_threads": cpu_threads,
+                        "tier_budget_s": tier.budget_s, "tier_target_s": tier.target_s},
+                seeds={"global": seed}, env=env, part=part,
+            )
+    except BundleError as e:
+        raise UserError(str(e)) from None
+    todo = [c for c in tier.checks if c.id not in set(writer.done_checks)]
+    out.note(f"tier {tier.name}: {len(todo)} of {len(tier.checks)} checks to run (budget {tier.budget_s:.0f} s, "
+             f"target {tier.target_s:.0f} s), preset {preset}, device {device} -> {root}"
+             + (f" (resumed: part {part['index']})" if resume else ""))
+    if resume:
+        writer.log(f"resumed as part {part['index']}: {len(todo)} checks left")
+    missing = preflight(tier)
+    for cid, line in missing.items():
+        if cid in part["checks"]:
+            out.note(f"preflight: {cid}: {line}")
+            writer.log(f"preflight: {cid}: {line}")
     pool.log = writer.log  # engine builds and descriptions go to logs/run.log
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, _raise_terminated)
@@ -146,27 +291,43 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
     state = "finished"
     rows = []
     try:
-        with tempfile.TemporaryDirectory(prefix="k3verify-") as tmp, out.progress(len(tier.checks), "checks") as bar:
-            for spec in tier.checks:
+        run_t0 = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="k3verify-") as tmp, out.progress(len(todo), "checks") as bar:
+            for n_done, spec in enumerate(todo):
+                left = None if time_limit_s is None else time_limit_s - (time.monotonic() - run_t0)
+                if left is not None and n_done and spec.budget_s > left:
+                    state = "interrupted"
+                    msg = (f"time limit: {spec.id} (budget {spec.budget_s:.0f} s) does not fit in the "
+                           f"{max(left, 0):.0f} s left of --time-limit {time_limit_s:.0f} s; stopping here "
+                           f"(continue with --resume)")
+                    writer.log(msg)
+                    out.note(msg)
+                    break
                 decl = REGISTRY[spec.id]
-                params = {**decl.params, **spec.params, **(overrides or {}).get(spec.id, {})}
+                params = decl.resolve_params({**spec.params, **(overrides or {}).get(spec.id, {})})
                 bar.advance(0, description=spec.id)
                 ctx = CheckContext(check_id=spec.id, preset=preset, device=device, seed=seed, writer=writer, out=out,
-                                   tmp_dir=Path(tmp), budget_s=spec.budget_s, engines=pool)
+                                   tmp_dir=Path(tmp), budget_s=spec.budget_s, engines=pool, model_source=source)
                 started = _dt.datetime.now(_dt.timezone.utc).isoformat()
                 t0 = time.monotonic()
                 try:
-                    result = run_check(ctx, decl, params)
+                    if spec.id in missing:
+                        result = CheckResult(id=spec.id, status="error", reason=f"preflight: {missing[spec.id]}")
+                    else:
+                        result = run_check(ctx, decl, params)
                 except _Terminated:
                     raise
+                except OverBudget:
+                    writer.log(f"{spec.id}: stopped at its budget of {spec.budget_s:.0f} s\n{traceback.format_exc()}")
+                    result = CheckResult(id=spec.id, status="error",
+                                         reason=f"over budget ({spec.budget_s:.0f} s): stopped after "
+                                                f"{time.monotonic() - t0:.0f} s")
+                    _free_device_memory()
                 except Exception as e:  # a crashing check is an error result, never a crashed run
                     writer.log(f"{spec.id}: exception\n{traceback.format_exc()}")
                     msg = " ".join(str(e).split())[:300]
                     result = CheckResult(id=spec.id, status="error", reason=f"{type(e).__name__}: {msg}")
                 dur = time.monotonic() - t0
-                if result.status == "passed" and dur > spec.budget_s:
-                    result = replace(result, status="failed",
-                                     reason=f"took {dur:.0f}s, over its time budget of {spec.budget_s:.0f}s")
                 result = replace(result, duration_s=round(dur, 3), started_at=started,
                                  ended_at=_dt.datetime.now(_dt.timezone.utc).isoformat())
                 writer.add_result(result)
@@ -184,9 +345,30 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
         for s, h in old.items():
             signal.signal(s, h)
     verdict = writer.finalize(state=state)
+    total = sum(r.duration_s or 0 for r in writer.results)
     out.table(f"k3-verify run --tier {tier.name}: verdict {verdict}", ["check", "status", "reason", "time"], rows,
               key="results")
     out.set("verdict", verdict)
     out.set("bundle", str(root))
-    out.line(f"verdict: {verdict}   bundle: {root}   archive: {root}.tar.gz")
+    out.set("checks_time_s", round(total, 1))
+    out.line(f"verdict: {verdict}   checks took {total:.0f} s (target {tier.target_s:.0f} s)   bundle: {root}   "
+             f"archive: {root}.tar.gz")
     return verdict, root
+
+
+def _sealed_result_ids(root: Path) -> list[str]:
+    """Ids in the sealed part of results.jsonl (an unsealed tail is dropped when the bundle is reopened)."""
+    import json
+
+    from verify.bundle.schema import parse_sums
+
+    _, entries, _ = parse_sums((root / "SHA256SUMS").read_bytes())
+    size = next((e.size for e in entries if e.path == "results.jsonl"), None)
+    data = (root / "results.jsonl").read_bytes()
+    ids = []
+    for line in (data if size is None else data[:size]).splitlines():
+        try:
+            ids.append(json.loads(line)["id"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return ids

@@ -50,6 +50,15 @@ class DataError(RuntimeError):
     """The dataset could not be found or read (one line: what was looked for, where)."""
 
 
+class NoDataError(DataError):
+    """No data was given and none is on this machine: the eval is skipped, not failed (the reason says
+    where it looked and the command that provides data)."""
+
+
+PROVIDE_DATA = ("pass data_dir (a local copy, see evals/README.md), or `python -m evals.data.make_synthetic "
+                "--out DIR` and data_dir: DIR (seeded stand-ins), or data_dir: synthetic")
+
+
 def kind_for(dataset: str, n_needles: int | None = None) -> str:
     if dataset == "mrcr":
         if n_needles not in (2, 4, 8):
@@ -104,14 +113,15 @@ def _from_hf_cache(kind: str) -> DataSource:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import LocalEntryNotFoundError
     except ImportError as e:  # pragma: no cover - huggingface_hub comes with the eval extra
-        raise DataError(f"{kind}: no data_dir given and huggingface_hub is not installed ({e})") from None
+        raise NoDataError(f"{kind}: no data_dir given and huggingface_hub is not installed ({e}); "
+                          f"{PROVIDE_DATA}") from None
     try:
         snap = Path(snapshot_download(repo_id=repo, repo_type="dataset", local_files_only=True,
                                       allow_patterns=list(patterns)))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError) as e:
-        raise DataError(f"{kind}: no data_dir given and {repo} is not in the HF cache "
-                        f"({' '.join(str(e).split())[:160]}); fill it with `hf download {repo} --repo-type dataset` "
-                        f"or pass data_dir") from None
+        raise NoDataError(f"{kind}: no data_dir given and {repo} is not in the HF cache "
+                          f"({type(e).__name__}); fill it with `hf download {repo} --repo-type dataset`, or "
+                          f"{PROVIDE_DATA}") from None
     for pattern in patterns:
         files = tuple(sorted(p for p in snap.glob(pattern) if p.is_file()))
         if files:

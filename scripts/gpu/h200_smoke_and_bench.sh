@@ -22,6 +22,9 @@
 #   tp2       python scripts/gpu/tp2_check.py                   (TP2 vs TP1, fused vs unfused all-reduce + norm)
 #   tier:NAME k3-verify run --tier scripts/gpu/NAME.yaml (any tier file there, e.g. tier:decode-sweep-s5,
 #             tier:rank-emulation-s5, tier:equivalence-b64); K3_STEP_TIMEOUT applies as for the others
+#   part:TIER one part of a resumable run of TIER (smoke | standard | full | a .yaml path) into
+#             /tmp/bundles/h200-TIER: `--time-limit` 30 s under K3_STEP_TIMEOUT, `--resume` when that bundle
+#             exists (a later call on the same warm machine, or the bundle carried back in .gpubundles/)
 # Usage on the GPU host, from the repo root:  bash scripts/gpu/h200_smoke_and_bench.sh STEP [STEP ...]
 # ("all" = smoke bench). Staging with the device tool (a later call's carry drops the earlier carried
 # folder, so park `a` in /tmp):
@@ -72,6 +75,10 @@ for what in "$@"; do
       rankemu) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/rank-emulation.yaml --output "/tmp/bundles/$stamp-h200-rank-emulation" 2>&1 | tee "$OUT/rankemu.log" || rc=1 ;;
       sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
       tp2) timeout -s TERM "$T" python3 scripts/gpu/tp2_check.py 2>&1 | tail -60 | tee "$OUT/tp2.log" || rc=1 ;;
+      part:*) name=${s#part:}; base=$(basename "$name" .yaml); dir=/tmp/bundles/h200-$base
+        [ -f "$dir/manifest.json" ] || [ ! -f ".gpubundles/h200-$base/manifest.json" ] || cp -r ".gpubundles/h200-$base" "$dir"
+        r=; [ -f "$dir/manifest.json" ] && r=--resume
+        timeout -s TERM "$T" python3 -m verify.cli run --tier "$name" --output "$dir" $r --time-limit $((T - 30)) 2>&1 | tee -a "$OUT/part-$base.log" || rc=1 ;;
       tier:*) name=${s#tier:}
         if [ -f "scripts/gpu/$name.yaml" ]; then
           timeout -s TERM "$T" python3 -m verify.cli run --tier "scripts/gpu/$name.yaml" --output "/tmp/bundles/$stamp-h200-$name" 2>&1 | tee "$OUT/$name.log" || rc=1

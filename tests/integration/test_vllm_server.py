@@ -318,7 +318,7 @@ def test_k3_verify_run_through_the_openai_engine(vllm_server, tmp_path):
 SWITCH_TIER = """\
 name: vllm-cpu-switch
 description: the decode_backend switch on a non-K3 model changes nothing (full context vs the plain server)
-budget_s: 1200
+target_s: 1200
 checks:
   - id: features.full_context
     budget_s: 600

@@ -24,6 +24,7 @@ from verify.bundle.schema import (
     RESULTS,
     BundleError,
     manifest_header_problem,
+    read_state,
     walk_bundle,
 )
 from verify.bundle.verify import open_bundle
@@ -112,6 +113,7 @@ def read_bundle(path: str | Path) -> BundleData:
         for rel in walk_bundle(root)[0]:
             if rel.startswith(RECORDS_DIR + "/") and rel.endswith(".jsonl"):
                 records[rel[len(RECORDS_DIR) + 1 : -6]] = _json_lines((root / rel).read_bytes(), rel, notes)
+    manifest = read_state(manifest, list(results.values()))
     planned = [c for c in manifest.get("planned_checks") or [] if isinstance(c, str)]
     order = tuple(dict.fromkeys(planned + list(results)))
     name = p.name[:-7] if p.name.endswith(".tar.gz") else p.name

@@ -200,6 +200,37 @@ def manifest_problems(m: dict) -> list[str]:
     return p
 
 
+PART_IDENTITY = (("gpu", "GPU model"), ("source_tree_sha256", "source tree"))
+
+
+def parts_problems(m: dict, result_ids: Sequence[str]) -> list[str]:
+    """How ``manifest.parts`` (optional: one entry per run or ``--resume`` of the bundle) breaks its rule:
+    each part names the checks it set out to run, disjoint from the other parts', every result belongs to
+    one, and every part ran on the first part's GPU model and source tree (``PART_IDENTITY``)."""
+    parts = m.get("parts")
+    if parts is None:
+        return []
+    if not (isinstance(parts, list) and parts and all(isinstance(x, dict) for x in parts)):
+        return [f"{MANIFEST}: parts must be a non-empty list of objects"]
+    p: list[str] = []
+    owner: dict[str, int] = {}
+    for i, part in enumerate(parts):
+        checks = part.get("checks")
+        if not (isinstance(checks, list) and all(isinstance(c, str) for c in checks)):
+            p.append(f"{MANIFEST}: parts[{i}].checks must be a list of check ids")
+            continue
+        for c in checks:  # a resumed part re-plans the check a killed part left without a result
+            owner.setdefault(c, i)
+        for key, what in PART_IDENTITY:
+            if part.get(key) != parts[0].get(key):
+                p.append(f"{MANIFEST}: parts[{i}] ran on {what} {part.get(key)!r}, parts[0] on "
+                         f"{parts[0].get(key)!r}: one bundle's parts share GPU model and source")
+    for cid in result_ids:
+        if cid not in owner:
+            p.append(f"{cid}: result outside every part's checks")
+    return p
+
+
 # ---------------------------------------------------------------- SHA256SUMS
 @dataclass(frozen=True)
 class SumEntry:
@@ -287,6 +318,17 @@ def compute_verdict(planned: Sequence[str], results: Sequence[CheckResult], stat
     if reasons:
         return INCOMPLETE, reasons
     return PASS, []
+
+
+def read_state(manifest: dict, results: Sequence[CheckResult]) -> dict:
+    """The manifest as every reader shows it (``verify``, ``show``, ``render``, ``compare``): a running
+    bundle's placeholder verdict replaced by the one its results give (``compute_verdict``), so a killed
+    run reads the same everywhere. A finished or interrupted manifest is returned as it is (``verify``
+    checks that its verdict follows from the results)."""
+    if manifest.get("state") != RUNNING or not isinstance(manifest.get("planned_checks"), list):
+        return manifest
+    verdict, reasons = compute_verdict(manifest["planned_checks"], results, RUNNING)
+    return dict(manifest, verdict=verdict, verdict_reasons=reasons)
 
 
 # ---------------------------------------------------------------- summary.md

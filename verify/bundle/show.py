@@ -16,6 +16,7 @@ from verify.bundle.schema import (
     RESULTS,
     BundleError,
     manifest_header_problem,
+    read_state,
     walk_bundle,
 )
 from verify.bundle.verify import open_bundle
@@ -62,7 +63,7 @@ def load_bundle(path: str | Path) -> LoadedBundle:
         for rel in files:
             if rel.startswith(RECORDS_DIR + "/") and rel.endswith(".jsonl"):
                 records[rel[len(RECORDS_DIR) + 1:-6]] = len(_complete_lines(root / rel))
-        return LoadedBundle(manifest=manifest, results=tuple(results), result_errors=tuple(errors),
+        return LoadedBundle(manifest=read_state(manifest, results), results=tuple(results), result_errors=tuple(errors),
                             records=records, files=tuple(files))
 
 

@@ -48,6 +48,7 @@ from verify.bundle.schema import (
     manifest_header_problem,
     manifest_problems,
     parse_sums,
+    parts_problems,
     sha256_file,
     verdict_line,
     walk_bundle,
@@ -317,6 +318,7 @@ def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]]) -> VerifyRep
             elif n > 1:
                 problems.append(f"{cid}: {n} results (a check has at most one)")
         counts["missing"] = sum(1 for c in planned if c not in per_id)
+        problems += parts_problems(manifest, [r.id for r in results])
         verdict, reasons = compute_verdict(planned, results, state)
         if state == RUNNING:
             if manifest["verdict"] != INCOMPLETE or manifest["verdict_reasons"] != [RUNNING_REASON]:

@@ -114,7 +114,7 @@ class BundleWriter:
     def __init__(self, root: str | os.PathLike, *, tool_version: str, argv: Sequence[str], tier: str,
                  planned_checks: Sequence[str], engines: Sequence[Any], config: Mapping[str, Any],
                  seeds: Mapping[str, Any], env: Mapping[str, Any], tool_name: str = TOOL_NAME,
-                 now: Callable[[], str] | None = None) -> None:
+                 now: Callable[[], str] | None = None, part: Mapping[str, Any] | None = None) -> None:
         self.root = Path(os.path.abspath(root))
         self.tarball = tarball_path(self.root)
         self._now = now or utc_now
@@ -130,6 +130,8 @@ class BundleWriter:
             tool_version=tool_version, argv=[str(a) for a in argv], tier=tier, planned_checks=planned,
             engines=list(engines), config=dict(config), seeds=dict(seeds), env=dict(env),
             started_at=self._now(), tool_name=tool_name)
+        if part is not None:  # the run's first part (``resume`` appends the later ones)
+            self._manifest["parts"] = [json_value(dict(part, started_at=self._manifest["started_at"]), "part")]
         self._results: list[CheckResult] = []
         self._seals: dict[str, tuple[Any, int]] = {}  # append-only path -> (sha256 of sealed prefix, length)
         self._whole: dict[str, SumEntry] = {}  # whole files sealed so far (manifest, artifacts of results)
@@ -139,6 +141,77 @@ class BundleWriter:
         self.verdict_reasons: list[str] | None = None
         self._refuse_existing()
         self._create()
+
+    @classmethod
+    def resume(cls, root: str | os.PathLike, part: Mapping[str, Any],
+               now: Callable[[], str] | None = None) -> BundleWriter:
+        """Reopen an unfinished bundle (state ``running`` or ``interrupted``) to run its remaining checks as a
+        new part: unsealed tails are dropped, summary.md and the tarball removed (finalize writes them again),
+        the manifest goes back to ``running`` with ``part`` appended to ``parts``. The caller checks first
+        that the bundle verifies and that the part may join it (``verify.runner``); BundleError otherwise."""
+        import json
+
+        from verify.bundle.schema import RUNNING_REASON, parse_sums
+
+        self = cls.__new__(cls)
+        self.root = Path(os.path.abspath(root))
+        self.tarball = tarball_path(self.root)
+        self._now = now or utc_now
+        self._lock = threading.RLock()
+        manifest = json.loads((self.root / MANIFEST).read_bytes())
+        if manifest.get("state") not in (RUNNING, INTERRUPTED):
+            raise BundleError(f"{self.root}: state {manifest.get('state')!r}: only a running or interrupted "
+                              "bundle can be resumed")
+        sealed, entries, problems = parse_sums((self.root / SUMS).read_bytes())
+        if problems:
+            raise BundleError(f"{self.root}: {problems[0]}", 1)
+        self._planned = list(manifest["planned_checks"])
+        self._seals, self._whole, self._fds = {}, {}, {}
+        for e in entries:
+            if e.path in (MANIFEST, SUMMARY):
+                continue
+            path = self.root / e.path
+            size = e.size if e.size is not None else path.stat().st_size
+            if is_append_only(e.path):
+                with open(path, "r+b") as f:
+                    f.truncate(size)  # an unsealed tail of the killed part
+                h = hashlib.sha256((self.root / e.path).read_bytes())
+                self._seals[e.path] = (h, size)
+            else:
+                self._whole[e.path] = SumEntry(e.path, e.sha256, size)
+        self._seals.setdefault(RESULTS, (hashlib.sha256(), 0))
+        self._results = [CheckResult.from_dict(json.loads(line))
+                         for line in (self.root / RESULTS).read_bytes().splitlines() if line.strip()]
+        for name in os.listdir(self.root):
+            if is_writer_temp(name):
+                os.unlink(self.root / name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / SUMMARY)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tarball)
+        parts = list(manifest.get("parts") or [])
+        parts.append(json_value(dict(part, started_at=self._now()), "part"))
+        self._manifest = dict(manifest, state=RUNNING, ended_at=None, verdict="incomplete",
+                              verdict_reasons=[RUNNING_REASON], parts=parts)
+        mdata = dumps_doc(self._manifest)
+        new_m = SumEntry(MANIFEST, hashlib.sha256(mdata).hexdigest(), len(mdata))
+        old = (self.root / MANIFEST).read_bytes()
+        old_m = SumEntry(MANIFEST, hashlib.sha256(old).hexdigest(), len(old))
+        self.state = RUNNING
+        self.verdict = None
+        self.verdict_reasons = None
+        self._atomic_write(SUMS, self._sealed_sums(pending_manifest=old_m), "resume:old")
+        self._whole[MANIFEST] = old_m
+        self._atomic_write(SUMS, self._sealed_sums(pending_manifest=new_m), "resume:pending")
+        self._atomic_write(MANIFEST, mdata, "resume:manifest")
+        self._whole[MANIFEST] = new_m
+        self._seal()
+        return self
+
+    @property
+    def done_checks(self) -> tuple[str, ...]:
+        """Ids of the checks that already have a result (skipped by a resumed run)."""
+        return tuple(r.id for r in self._results)
 
     # ------------------------------------------------------------ creation
     def _refuse_existing(self) -> None:
@@ -304,8 +377,10 @@ class BundleWriter:
                 del self._fds[rel]
             _crash("finalize:truncated")
             verdict, reasons = compute_verdict(self._planned, self._results, state)
-            final = dict(self._manifest, ended_at=self._now(), state=state, verdict=verdict,
-                         verdict_reasons=reasons)
+            ended = self._now()
+            final = dict(self._manifest, ended_at=ended, state=state, verdict=verdict, verdict_reasons=reasons)
+            if final.get("parts"):
+                final["parts"] = [*final["parts"][:-1], dict(final["parts"][-1], ended_at=ended, state=state)]
             mdata = dumps_doc(final)
             for name in os.listdir(self.root):
                 if is_writer_temp(name):

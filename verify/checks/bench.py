@@ -23,6 +23,7 @@ import importlib
 from functools import partial
 from typing import Any
 
+from verify.checks.registry import check
 from verify.context import CheckContext
 
 BIG_WEIGHT_BYTES = 32 * 2**20
@@ -152,7 +153,11 @@ KERNEL_BENCHES = {"moe_router": "k3_fastpath.kernels.moe_router.bench",
 PARTS = ("gemm", "norms", "kda", "kda_layer", *KERNEL_BENCHES)
 
 
-def kernels(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool,
+@check("bench.kernels",
+       "each kernel vs cuBLAS / PyTorch: CUDA-graph medians, cold L2, % of the HBM floor",
+       requires=("cuda", "sm90", "cutlass"))
+def kernels(ctx: CheckContext, presets: list[str] = ["k3-tp8-rank", "k3-tp16-rank"],
+            ms: list[int] = [1, 2, 4, 8, 16, 32, 64], sweep: bool = False,
             sweep_shapes: list[str] | None = None, parts: list[str] | None = None) -> Any:
     parts = list(parts or PARTS)
     unknown = sorted(set(parts) - set(PARTS))

@@ -34,6 +34,10 @@ batch 1/2/8/64 x short/32K/128K; bundles/runs/2026-11-30-h200-session4 and 2026-
 KL 2.9e-4 to 3.4e-4, max KL 0.003, max relative logit error 0.084; one violation at a first divergence in
 12 points x 256 steps (batch 64 at 128K on the mma GEMMs: a near-tie; the same point on the wgmma GEMMs, the
 default since, had none); later violations at 0.02-0.04% of row-steps, all near-ties by ``tie_margins``.
+
+On a checkpoint run (``--checkpoint DIR``) step 1's model holds the checkpoint's own tensors (``ctx.model_source``,
+read before any check): ``preset`` and ``conditioning`` apply to preset runs only, and the metrics say
+``weights: checkpoint <digest>``.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 
 import torch
 
+from verify.checks.registry import check
 from verify.context import CheckContext
 
 MAX_MEAN_KL = 0.01
@@ -277,7 +282,11 @@ def run_point(model: Any, executor: Any, batch: int, context: Any, steps: int, p
     return result
 
 
-def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: int, preset: str = "auto",
+@check("equivalence.decode",
+       "fast path vs reference: greedy tokens side by side, top-5 at first divergence, logit error, no fallback",
+       requires=("cuda", "sm90", "cutlass"))
+def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] = ["short"],
+           steps: int = 64, preset: str = "auto",
            conditioning: str = "stable", prompt_len: int = 16, top_k: int = 5, max_mean_kl: float = MAX_MEAN_KL,
            kv_cache: str = "bf16", use_graphs: bool = True, emulate: bool = False,
            reference_dense_experts: Any = "auto", max_later_violation_rate: float = MAX_LATER_VIOLATION_RATE,
@@ -297,10 +306,19 @@ def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: in
     bad = {k: v for k, v in options.items() if k not in VARIANT_EXECUTOR_OPTIONS or not isinstance(v, bool)}
     if bad:
         return ctx.failed(f"executor_options {bad}: expected true / false for {', '.join(VARIANT_EXECUTOR_OPTIONS)}")
-    if preset == "auto":
-        preset = "k3-mini" if ctx.device == "cuda" else ctx.preset
     kv_dtype = _kv_dtype(kv_cache)
-    model = _model(preset, ctx.seed, conditioning, ctx.device)
+    if ctx.on_checkpoint:  # the run's checkpoint, whatever the tier's preset says
+        from verify.model_source import build_reference_model
+
+        if preset != "auto":
+            ctx.note(f"preset {preset}: not used, this run verifies checkpoint {ctx.model_source.path}")
+        preset, conditioning, weights = ctx.preset, None, ctx.weights()
+        model = build_reference_model(ctx.config, ctx.state_dict(), ctx.device)
+    else:
+        if preset == "auto":
+            preset = "k3-mini" if ctx.device == "cuda" else ctx.preset
+        weights = f"synthetic (seed {ctx.seed}, conditioning {conditioning})"
+        model = _model(preset, ctx.seed, conditioning, ctx.device)
     from k3_fastpath.runtime.fast_step import ModelPlan
 
     ModelPlan.build(model)  # re-points the experts at their stacked tensors once, before their dense copies
@@ -365,7 +383,7 @@ def decode(ctx: CheckContext, batches: list[int], contexts: list[Any], steps: in
         del ex
         if ctx.device == "cuda":
             torch.cuda.empty_cache()
-    metrics = {"preset": preset, "conditioning": conditioning, "kv_cache": kv_cache, "steps": steps,
+    metrics = {"preset": preset, "weights": weights, "conditioning": conditioning, "kv_cache": kv_cache, "steps": steps,
                "top_k": top_k, "max_mean_kl": max_mean_kl, "points": points,
                "standard_ops_steps": standard_ops, "emulated": emulate, "executor_options": options,
                "reference_dense_expert_bytes": dense_kept,

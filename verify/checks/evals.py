@@ -12,7 +12,8 @@
 5. pass iff every gate of every task passed; the metrics carry each task's numbers, and ``bundle verify``
    re-derives all of it from the records (``verify.evals.rescore``).
 
-Missing data, a bad thresholds file or bad params are ``error`` results with a one-line reason.
+No data given and none on this machine: ``skipped``, the reason naming the command that provides data.
+Unreadable data, a bad thresholds file or bad params are ``error`` results with a one-line reason.
 """
 
 from __future__ import annotations
@@ -21,25 +22,35 @@ import time
 from pathlib import Path
 from typing import Any
 
+from verify.checks.registry import check
 from verify.context import CheckContext
 from verify.result import CheckResult
 
 SYNTHETIC = "synthetic"
 
 
+@check("evals.gsm8k",
+       "GSM8K through lm-eval, engine under test vs baseline in the same run (paired: McNemar, bootstrap)",
+       imports=("lm_eval",))
 def gsm8k(ctx: CheckContext, limit: int | None = None, max_tokens: int | None = None, data_dir: str | None = None,
           thresholds: str | None = None) -> CheckResult:
     return _run(ctx, "gsm8k", limit=limit, repeats=None, needles=(), max_tokens=max_tokens, data_dir=data_dir,
                 thresholds=thresholds)
 
 
+@check("evals.aime25",
+       "AIME25 through lm-eval with sampled repeats, per-problem means paired (bootstrap) vs baseline",
+       imports=("lm_eval",))
 def aime25(ctx: CheckContext, limit: int | None = None, repeats: int = 8, max_tokens: int | None = None,
            data_dir: str | None = None, thresholds: str | None = None) -> CheckResult:
     return _run(ctx, "aime25", limit=limit, repeats=repeats, needles=(), max_tokens=max_tokens, data_dir=data_dir,
                 thresholds=thresholds)
 
 
-def mrcr(ctx: CheckContext, limit: int | None = None, needles: list[int] | tuple[int, ...] = (2, 4, 8),
+@check("evals.mrcr",
+       "MRCR 2/4/8 needles through lm-eval (prefix + SequenceMatcher), paired bootstrap vs baseline",
+       imports=("lm_eval",))
+def mrcr(ctx: CheckContext, limit: int | None = None, needles: list[int] = [2, 4, 8],
          max_tokens: int | None = None, data_dir: str | None = None, thresholds: str | None = None) -> CheckResult:
     return _run(ctx, "mrcr", limit=limit, repeats=None, needles=tuple(needles), max_tokens=max_tokens,
                 data_dir=data_dir, thresholds=thresholds)
@@ -72,7 +83,7 @@ def _data_sources(ctx: CheckContext, dataset: str, needles: tuple[int, ...], dat
 
 def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | None, needles: tuple[int, ...],
          max_tokens: int | None, data_dir: str | None, thresholds: str | None) -> CheckResult:
-    from evals.data.sources import DataError
+    from evals.data.sources import DataError, NoDataError
     from verify.engines.base import EngineError
     from verify.evals.gates import ThresholdsError, compare, headline, load_thresholds
     from verify.evals.lm_adapter import EvalRunError
@@ -87,6 +98,8 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
         tasks = task_names(dataset, needles) if dataset == "mrcr" else task_names(dataset)
         th = load_thresholds(dataset, thresholds)
         data_dir, sources = _data_sources(ctx, dataset, needles, data_dir)
+    except NoDataError as e:  # nothing to score here: skipped with the whole reason, never cut short
+        return CheckResult(id=ctx.check_id, status="skipped", reason=" ".join(str(e).split()))
     except (ThresholdsError, DataError, EvalRunError) as e:
         return _error(ctx, str(e))
     data = [src.describe() for src in sources]

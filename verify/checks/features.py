@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from verify.checks.registry import check
 from verify.context import CheckContext
 from verify.engines.base import Constraint, ContextLimitError, EngineError, SamplingParams
 
@@ -130,7 +131,10 @@ def _validate(kind: str, spec: Any, text: str) -> str | None:
     return f"unknown constraint kind {kind}"
 
 
-def structured_output(ctx: CheckContext, temperatures: list[float] | None = None, samples: int = 2,
+@check("features.structured_output",
+       "JSON-schema / regex / choice constrained outputs all validate (100%), engine under test and baseline",
+       imports=("jsonschema", "xgrammar"))
+def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0], samples: int = 2,
                       max_tokens: int = 256, cases: list[str] | None = None) -> Any:
     try:
         import jsonschema  # noqa: F401
@@ -268,7 +272,9 @@ DEFAULT_FILTERS = [{"top_k": 0, "top_p": 1.0}, {"top_k": 20, "top_p": 1.0}, {"to
                    {"top_k": 50, "top_p": 0.9}]
 
 
-def temperature_sampling(ctx: CheckContext, temperatures: list[float] | None = None,
+@check("features.temperature_sampling",
+       "sampled token frequencies match softmax(logits/T) with top-k/top-p (G-test, Bonferroni); seeds reproduce")
+def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.0, 1.5],
                          filters: list[dict[str, Any]] | None = None, samples: int = 2000, alpha: float = 1e-3,
                          min_expected: float = 5.0, prompt_len: int = 12, logit_tol: float = 0.05,
                          mass_tol: float = 0.005, seq_tokens: int = 8, other_seeds: int = 3) -> Any:
@@ -396,6 +402,8 @@ def _expect_rejection(engine: Any, prompt: list[int], max_tokens: int, limit: in
             f"prompt_tokens {c.prompt_tokens}, {len(c.token_ids)} generated): silently truncated or overrun")
 
 
+@check("features.full_context",
+       "a request at the full configured context succeeds and matches the baseline; one token over is rejected")
 def full_context(ctx: CheckContext, max_tokens: int = 4, top_logprobs: int = 5,
                  max_model_len: int | None = None) -> Any:
     eut, base, info = _engines(ctx)

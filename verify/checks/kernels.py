@@ -4,11 +4,13 @@
 tier's presets (``CUTE_DSL_ARCH=sm_90a`` on a CPU) and record per (kernel, preset) the variant count,
 seconds and errors.
 
-``kernels.numerics`` (H100/H200): run the GPU kernel test modules (``GPU_KERNEL_TESTS``) under the
-``verify.pytest_records`` plugin: each test compares a kernel with the FP64 reference on fresh random
-inputs with NaN-poisoned outputs, asserts its launch counter moved and no fallback was counted, and
-repeats bitwise. Every test's outcome and counter deltas become records; the check fails on any failed
-test, on any skipped one (a skip on an H200 means the envelope shrank), and when no test ran at all.
+``kernels.numerics`` (H100/H200): run the GPU kernel test modules (``GPU_KERNEL_TESTS``: the union of the
+kernel specs' ``gpu_tests``) under the ``verify.pytest_records`` plugin: each test compares a kernel with
+the FP64 reference on fresh random inputs with NaN-poisoned outputs, asserts its launch counter moved and
+no fallback was counted, and repeats bitwise. Every test's outcome and counter deltas become records; the
+check fails on any failed test, on any skipped one (a skip on an H200 means the envelope shrank), when no
+test ran at all, and when a registered kernel's launch counter (each of its spec's ``launch_names``) never
+moved.
 
 ``kernels.sanitizer``: ``compute-sanitizer --tool T`` over ``k3_fastpath.kernels.sanitize_driver``,
 which launches every kernel once on small shapes; clean means "ERROR SUMMARY: 0 errors" and the
@@ -25,12 +27,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from k3_fastpath import kernels as registry
+from verify.checks.registry import check
 from verify.context import CheckContext
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def compile_all(ctx: CheckContext, presets: list[str]) -> Any:
+@check("kernels.compile", "every CuTe DSL kernel compiles for sm_90a at every decode shape of the presets",
+       requires=("cutlass",))
+def compile_all(ctx: CheckContext, presets: list[str] = ["k3-tp8-rank", "k3-tp16-rank"]) -> Any:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     from k3_fastpath._lib import compile_cache
 
@@ -48,8 +54,8 @@ def compile_all(ctx: CheckContext, presets: list[str]) -> Any:
                                   "kernels": sorted({r["kernel"] for r in rows})})
 
 
-GPU_KERNEL_TESTS = ("tests/test_kernels_gpu.py", "tests/test_kda_decode_gpu.py", "tests/test_moe_router_gpu.py",
-                    "tests/test_mla_decode_gpu.py", "tests/test_moe_experts_gpu.py")
+# every registered kernel's GPU test files (its spec's gpu_tests), derived: never a hand-kept list
+GPU_KERNEL_TESTS = registry.gpu_test_files()
 
 
 def _pytest_gpu(ctx: CheckContext, test_files: tuple[str, ...], extra: list[str]) -> list[dict[str, Any]]:
@@ -65,10 +71,11 @@ def _pytest_gpu(ctx: CheckContext, test_files: tuple[str, ...], extra: list[str]
     return [json.loads(line) for line in rec_file.read_text().splitlines()] if rec_file.exists() else []
 
 
+@check("kernels.numerics",
+       "every fast kernel vs the FP64 reference on an H200, launch counters asserted, bitwise repeat",
+       requires=("cuda", "sm90", "cutlass"), imports=("pytest",))
 def numerics(ctx: CheckContext) -> Any:
     tests = _pytest_gpu(ctx, GPU_KERNEL_TESTS, [])
-    from k3_fastpath import kernels as registry
-
     problems = []
     other_skips = []
     by_kernel: dict[str, int] = {}
@@ -87,8 +94,9 @@ def numerics(ctx: CheckContext) -> Any:
     ran = [t for t in tests if t["outcome"] == "passed"]
     if not ran:
         problems.append("no kernel test ran (see artifacts pytest.log)")
-    untested = [k for k in registry.names() if k not in by_kernel]
-    problems += [f"{k}: no GPU test launched this kernel" for k in untested]
+    problems += [f"{k}: no GPU test launched this kernel" for k in registry.names() if k not in by_kernel]
+    problems += [f"{n} (a launch of {s.name}): no GPU test launched it" for s in registry.all_specs()
+                 for n in s.launch_names[1:] if n not in by_kernel]
     metrics = {"tests": len(tests), "passed": len(ran), "launches_by_kernel": by_kernel,
                "skipped_non_numerics": other_skips}
     return ctx.verdict(problems, metrics, artifacts=[f"artifacts/{ctx.check_id}/pytest.log"])
@@ -115,7 +123,10 @@ def classify_sanitizer_errors(out: str, total: int) -> tuple[int, dict[str, int]
     return total - sum(tolerated.values()), tolerated
 
 
-def sanitizer(ctx: CheckContext, tools: list[str]) -> Any:
+@check("kernels.sanitizer",
+       "compute-sanitizer memcheck/racecheck/synccheck/initcheck clean on small shapes of every kernel",
+       requires=("cuda", "sm90", "cutlass", "compute-sanitizer"))
+def sanitizer(ctx: CheckContext, tools: list[str] = ["memcheck"]) -> Any:
     from verify.requirements import compute_sanitizer_path
 
     exe = compute_sanitizer_path()

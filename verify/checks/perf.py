@@ -13,6 +13,7 @@ import statistics
 import time
 from typing import Any
 
+from verify.checks.registry import check
 from verify.context import CheckContext
 
 MAX_SPREAD = 0.10
@@ -55,7 +56,10 @@ def _matmul_probe() -> tuple[list[float], float]:
     return times, 2 * 8192**3 / (statistics.median(times) * 1e-3) / 1e12
 
 
-def bandwidth_probe(ctx: CheckContext, bytes: int) -> Any:
+@check("perf.bandwidth_probe",
+       "the GPU's measured HBM read bandwidth and bf16 matmul rate (the floor every perf number is divided by)",
+       requires=("cuda",))
+def bandwidth_probe(ctx: CheckContext, bytes: int = 4 << 30) -> Any:
     import torch
 
     read = measure_read_bandwidth(int(bytes))
@@ -163,10 +167,14 @@ def _sweep_targets(points: list[dict], allreduce: list[dict]) -> tuple[dict[str,
     return targets, problems
 
 
-def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp: list[int],
-                 routing: list[str] = ("uniform", "real"), mixed: bool = True, preset: str = SWEEP_PRESET,
+@check("perf.decode_sweep",
+       "decode step time, fast vs standard, batch x context x TP x routing, against the HBM floor",
+       requires=("cuda", "sm90", "cutlass"))
+def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int] = [1024],
+                 tp: list[int] = [1], routing: list[str] = ["uniform", "real"], mixed: bool = True,
+                 preset: str = SWEEP_PRESET,
                  iters: int = 20, standard_iters: int = 5, warmup: int = 3, kv_cache: str = "bf16",
-                 mixed_batches: list[int] = (1, 8), mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
+                 mixed_batches: list[int] = [1, 8], mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
                  layer_times: bool = True, standard_compiled_glue: bool = False,
                  fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False,
@@ -182,7 +190,9 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
     (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
     points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache); ``kernel_profile``: TP1
     fast / standard / variant graph rows also record device time per kernel and op (own and exclusive) and
-    the GPU's idle time in the step (``k3_fastpath/runtime/kernel_profile.py``)."""
+    the GPU's idle time in the step (``k3_fastpath/runtime/kernel_profile.py``). On a checkpoint run the
+    model is the checkpoint (TP1: the tensors the run read; TP > 1: each rank reads its slices from the same
+    directory) and ``preset`` is not used."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
@@ -210,9 +220,13 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
         emulation_record,
     )
 
+    if ctx.on_checkpoint:  # the run's checkpoint, whatever the tier's preset says (TP1: its tensors as read)
+        if preset != SWEEP_PRESET:
+            ctx.note(f"preset {preset}: not used, this run verifies checkpoint {ctx.model_source.path}")
+        preset = ctx.preset
     spec = preset_spec(preset) if is_preset_spec(preset) else None
     rank_tp = spec.tp_size if spec is not None else 1
-    cfg = spec.config if spec is not None else get_config(preset)
+    cfg = spec.config if spec is not None else ctx.config if ctx.on_checkpoint else get_config(preset)
     if rank_tp > 1 and list(tp) != [1]:
         return ctx.failed(f"preset {preset} is one emulated rank of TP{rank_tp} on one GPU: tp must be [1], got {tp}")
     bw = read_bandwidth_gbs() * 1e9
@@ -252,6 +266,10 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
         mixed = False
         notes.append(f"{spec.name}: rank 0 of TP{rank_tp} emulated on one GPU (no all-reduce; TP2 rows measure "
                      f"communication); mixed variant off")
+    elif 1 in tp and ctx.on_checkpoint:
+        from verify.model_source import build_reference_model
+
+        model = build_reference_model(cfg, ctx.state_dict(), "cuda")
     elif 1 in tp:
         model = device_model(cfg, ctx.seed, "cuda")
     if 1 in tp:
@@ -324,7 +342,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
         params = {"preset": preset, "batches": sorted(batches), "contexts": sorted(contexts), "routing": routing,
                   "iters": iters, "standard_iters": standard_iters, "seed": ctx.seed, "bw": bw,
                   "reference_batches": sorted(reference_batches or batches),
-                  "standard_compiled_glue": standard_compiled_glue, "tp_fast_pdl": tp_fast_pdl}
+                  "standard_compiled_glue": standard_compiled_glue, "tp_fast_pdl": tp_fast_pdl,
+                  "checkpoint": ctx.model_source.path}  # a checkpoint: each rank reads its slices of it
         merged = S.merge_ranks(launch(S.tp_worker, size, (params,), backend="nccl",
                                       timeout_s=max(60.0, ctx.budget_s - ctx.elapsed())))
         emit(merged["rows"])
@@ -334,7 +353,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int], contexts: list[int], tp:
     for n in notes:
         ctx.note(n)
     targets, problems = _sweep_targets(points, allreduce)
-    metrics = {"preset": preset, "read_bandwidth_tb_per_s": bw / 1e12, "points": len(points), "targets": targets,
+    weights = ctx.weights() if ctx.on_checkpoint else f"synthetic (seed {ctx.seed}, drawn on the GPU)"
+    metrics = {"preset": preset, "weights": weights, "read_bandwidth_tb_per_s": bw / 1e12, "points": len(points), "targets": targets,
                "notes": notes,
                "cold_l2": "weights are not rotated: each step streams its whole weight set (>> the 60 MB L2) once, "
                           "so every weight is cold when read; per point in records[cold_l2]"}

@@ -436,7 +436,15 @@ def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
     comms = {"unfused": TorchComm(), "fused": SymmMemComm()}
     ar = allreduce_rows(comms, params["batches"], cfg.hidden_size, cfg.num_attn_res_blocks + 1, params["iters"],
                         params["seed"])
-    model = device_model(cfg, params["seed"], dev, tp=world, rank=rank)
+    if params.get("checkpoint"):  # the run's checkpoint: this rank's slices read from disk, straight to the GPU
+        from k3_fastpath.runtime.tp import rank_config
+        from verify.model_source import build_reference_model, checkpoint_rank_state_dict
+
+        sd = checkpoint_rank_state_dict(params["checkpoint"], cfg, world, rank, dev)
+        model = build_reference_model(rank_config(cfg, world), sd, dev, copy=False)
+        del sd
+    else:
+        model = device_model(cfg, params["seed"], dev, tp=world, rank=rank)
     tps = {k: TPModel(cfg, model, c) for k, c in comms.items()}
     rows, notes = [], []
     for context in params["contexts"]:

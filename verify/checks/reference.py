@@ -8,6 +8,9 @@ a bf16 pass records the error seen in the serving dtype (bounded, not bitwise).
 
 ``reference.determinism``: two runs from the same seed give bitwise identical logits and greedy tokens;
 weights from another seed give different ones (so the check can fail).
+
+Both run on the run's model (``ctx.model_source``): a preset's seeded synthetic weights, or a checkpoint's
+own tensors (determinism's control is then the checkpoint with ``lm_head.weight`` perturbed).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 
+from verify.checks.registry import check
 from verify.context import CheckContext
 
 F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
@@ -25,11 +29,24 @@ F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math
 BF16_MEDIAN_TOL = 0.05
 
 
-def _model(cfg, seed: int, dtype: torch.dtype, device: str):
+def _model(cfg, sd: dict, dtype: torch.dtype, device: str):
     from k3_fastpath.reference.model import load_reference
-    from k3_fastpath.synthetic import synthetic_state_dict
 
-    return load_reference(cfg, synthetic_state_dict(cfg, seed), dtype=dtype, device=device)
+    return load_reference(cfg, sd, dtype=dtype, device=device)  # copies: ``sd`` is never modified
+
+
+def _control_weights(ctx: CheckContext) -> tuple[dict, str]:
+    """Weights that must give different logits: the next seed's synthetic ones, or on a checkpoint its own
+    tensors with ``lm_head.weight`` perturbed by 5% of its std (seeded)."""
+    if not ctx.on_checkpoint:
+        return ctx.state_dict(seed=ctx.seed + 1), ctx.weights(ctx.seed + 1)
+    sd = ctx.state_dict()
+    name = "lm_head.weight"
+    t = sd[name]
+    gen = torch.Generator().manual_seed(ctx.seed + 11)
+    noise = torch.randn(t.shape, generator=gen) * (0.05 * float(t.float().std()) + 1e-3)
+    sd[name] = (t.float() + noise.to(t.device)).to(t.dtype)
+    return sd, f"{ctx.weights()} with {name} perturbed (seed {ctx.seed + 11})"
 
 
 def _lengths(batch: int, prompt_len: int, ragged: bool) -> list[int]:
@@ -119,21 +136,21 @@ def _mla_case(cfg, layer: int, sd: dict, batch: int, lengths: list[int], steps: 
     return {"max_rel_err": worst}
 
 
-def prefill_decode_consistency(ctx: CheckContext, batches: list[int], ragged: bool, decode_steps: int,
-                               prompt_len: int) -> Any:
-    from k3_fastpath.synthetic import synthetic_state_dict
-
+@check("reference.prefill_decode_consistency",
+       "step-by-step decode logits equal prefill logits at every position (KDA, MLA, whole model; ragged batches)")
+def prefill_decode_consistency(ctx: CheckContext, batches: list[int] = [1, 3], ragged: bool = True,
+                               decode_steps: int = 6, prompt_len: int = 12) -> Any:
     cfg = ctx.config
     device = ctx.device
-    sd = synthetic_state_dict(cfg, ctx.seed)
+    sd = ctx.state_dict()
     problems: list[str] = []
-    metrics: dict[str, Any] = {"preset": ctx.preset, "f64_max_rel_tolerance": F64_TOL,
+    metrics: dict[str, Any] = {"preset": ctx.preset, "weights": ctx.weights(), "f64_max_rel_tolerance": F64_TOL,
                                "bf16_median_rel_tolerance": BF16_MEDIAN_TOL}
     gen = torch.Generator().manual_seed(ctx.seed + 1)
     kda_layer = cfg.kda_layer_ids[0]
     mla_layer = cfg.mla_layer_ids[0]
-    model64 = _model(cfg, ctx.seed, torch.float64, device)
-    model16 = _model(cfg, ctx.seed, torch.bfloat16, device)
+    model64 = _model(cfg, sd, torch.float64, device)
+    model16 = _model(cfg, sd, torch.bfloat16, device)
     worst = {"kda": 0.0, "mla": 0.0, "model_f64": 0.0, "model_bf16": 0.0}
     for batch in batches:
         lengths = _lengths(batch, prompt_len, ragged)
@@ -176,22 +193,26 @@ def _greedy(model, cfg, batch: int, prompt_len: int, steps: int, seed: int, devi
     return torch.stack(all_logits, 1), torch.stack(tokens, 1)
 
 
-def determinism(ctx: CheckContext, batch: int, prompt_len: int, decode_steps: int) -> Any:
+@check("reference.determinism",
+       "two identical runs give bitwise identical logits and tokens; another seed gives different ones")
+def determinism(ctx: CheckContext, batch: int = 2, prompt_len: int = 10, decode_steps: int = 4) -> Any:
     cfg = ctx.config
     dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float32
     runs = []
-    for weight_seed in (ctx.seed, ctx.seed, ctx.seed + 1):
-        model = _model(cfg, weight_seed, dtype, ctx.device)
+    control, control_desc = _control_weights(ctx)
+    for sd in (ctx.state_dict(), ctx.state_dict(), control):  # a preset's weights are drawn anew each time
+        model = _model(cfg, sd, dtype, ctx.device)
         runs.append(_greedy(model, cfg, batch, prompt_len, decode_steps, ctx.seed + 7, ctx.device))
-        del model
+        del model, sd
     (l1, t1), (l2, t2), (l3, _) = runs
     problems = []
     same = torch.equal(l1, l2) and torch.equal(t1, t2)
     if not same:
         diff = float((l1.float() - l2.float()).abs().max())
-        problems.append(f"two runs from seed {ctx.seed} differ: max logit difference {diff:.3g}")
+        problems.append(f"two runs on {ctx.weights()} differ: max logit difference {diff:.3g}")
     if torch.equal(l1, l3):
-        problems.append(f"weights from seed {ctx.seed + 1} gave the same logits as seed {ctx.seed}: the check is blind")
+        problems.append(f"{control_desc} gave the same logits as {ctx.weights()}: the check is blind")
     ctx.record({"dtype": str(dtype), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
-                "bitwise_equal": same, "tokens": t1.tolist()})
-    return ctx.verdict(problems, {"dtype": str(dtype), "bitwise_equal": same, "tokens_checked": t1.numel()})
+                "weights": ctx.weights(), "control": control_desc, "bitwise_equal": same, "tokens": t1.tolist()})
+    return ctx.verdict(problems, {"dtype": str(dtype), "weights": ctx.weights(), "bitwise_equal": same,
+                                  "tokens_checked": t1.numel()})

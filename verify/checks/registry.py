@@ -1,99 +1,133 @@
-"""Every check ``k3-verify`` knows, declared without importing the heavy modules that implement it.
+"""Every check ``k3-verify`` knows, registered next to its code by ``@check``.
 
-A check is a function ``fn(ctx: CheckContext, **params) -> CheckResult`` in ``verify/checks/<module>.py``.
-Its declaration says what it needs (``requires``): the runner turns an unmet need into a ``skipped``
-result whose reason names it ("needs a CUDA device"), so a CPU run lists GPU checks as skipped instead of
-pretending. A declared check whose implementation has not landed yet returns ``error`` wherever its
-requirements are met: a missing implementation is never a pass and never a quiet skip.
+A check is a function ``fn(ctx: CheckContext, *, name=default, ...) -> CheckResult`` in a module of
+``verify/checks/``, declared where it is defined::
+
+    @check("reference.determinism", "two identical runs give bitwise identical logits",
+           imports=("torch",))
+    def determinism(ctx, *, batch: int = 2, prompt_len: int = 10, decode_steps: int = 4): ...
+
+The function's keyword parameters are the check's parameters and their defaults are the only defaults
+(``CheckDecl.params_type`` is a frozen dataclass built from them); a tier YAML holds overrides, validated
+against those fields. ``requires`` names what the machine must have (``verify.requirements.unmet``:
+cuda, sm90, cutlass, compute-sanitizer): an unmet one makes the check ``skipped`` with the reason.
+``imports`` names the Python modules the check needs; the run's preflight records a check whose module
+is missing as ``error`` with the extra that installs it, before any GPU work starts.
+
+``REGISTRY`` maps id -> ``CheckDecl``; reading it imports every module of this package once (the
+declarations are the modules themselves, so there is no second list to keep).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+import importlib
+import inspect
+import pkgutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_NOT_CHECK_MODULES = frozenset({"registry"})
 
 
 @dataclass(frozen=True)
 class CheckDecl:
     id: str
-    module: str  # verify.checks.<module>
+    module: str  # the defining module, e.g. verify.checks.reference
     function: str
     description: str
     requires: tuple[str, ...] = ()
-    params: dict[str, object] = field(default_factory=dict)  # allowed parameters with defaults
-    implemented: bool = True
-    issue: str = ""  # where the missing implementation is tracked
+    imports: tuple[str, ...] = ()  # Python modules the check needs (the preflight's list)
+    params_type: type | None = None  # frozen dataclass of the parameters, defaults from the signature
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """{name: default} of every parameter (a fresh copy: mutable defaults are never shared)."""
+        if self.params_type is None:
+            return {}
+        return {f.name: _default(f) for f in dataclasses.fields(self.params_type)}
+
+    def resolve_params(self, overrides: Mapping[str, Any]) -> dict[str, Any]:
+        """The defaults with ``overrides`` applied; an unknown name raises ``KeyError`` naming it."""
+        unknown = sorted(set(overrides) - set(self.params))
+        if unknown:
+            raise KeyError(f"check {self.id!r} has no parameter(s) {', '.join(unknown)} "
+                           f"(its parameters: {', '.join(self.params) or 'none'})")
+        return dataclasses.asdict(self.params_type(**{**self.params, **overrides})) if self.params_type else {}
+
+    def load(self) -> Callable[..., Any]:
+        return getattr(importlib.import_module(self.module), self.function)
 
 
-def _d(id: str, module: str, function: str, description: str, requires=(), params=None, implemented=True,
-       issue="") -> CheckDecl:
-    return CheckDecl(id, module, function, description, tuple(requires), dict(params or {}), implemented, issue)
+def _default(f: dataclasses.Field) -> Any:
+    import copy
+
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return copy.deepcopy(f.default)
 
 
-_DECLS = [
-    _d("reference.prefill_decode_consistency", "reference", "prefill_decode_consistency",
-       "step-by-step decode logits equal prefill logits at every position (KDA, MLA, whole model; ragged batches)",
-       params={"batches": [1, 3], "ragged": True, "decode_steps": 6, "prompt_len": 12}),
-    _d("reference.determinism", "reference", "determinism",
-       "two identical runs give bitwise identical logits and tokens; another seed gives different ones",
-       params={"batch": 2, "prompt_len": 10, "decode_steps": 4}),
-    _d("weights.roundtrip", "weights", "roundtrip",
-       "synthetic checkpoint -> load -> identical tensors; MXFP4 against an independent decoder; TP slices reassemble",
-       params={"tp_sizes": [2, 4]}),
-    _d("kernels.compile", "kernels", "compile_all",
-       "every CuTe DSL kernel compiles for sm_90a at every decode shape of the presets",
-       requires=("cutlass",), params={"presets": ["k3-tp8-rank", "k3-tp16-rank"]}),
-    _d("kernels.numerics", "kernels", "numerics",
-       "every fast kernel vs the FP64 reference on an H200, launch counters asserted, bitwise repeat",
-       requires=("cuda", "sm90", "cutlass"), params={}),
-    _d("kernels.sanitizer", "kernels", "sanitizer",
-       "compute-sanitizer memcheck/racecheck/synccheck/initcheck clean on small shapes of every kernel",
-       requires=("cuda", "sm90", "cutlass", "compute-sanitizer"), params={"tools": ["memcheck"]}),
-    _d("equivalence.decode", "equivalence", "decode",
-       "fast path vs reference: greedy tokens side by side, top-5 at first divergence, logit error, no fallback",
-       requires=("cuda", "sm90", "cutlass"),
-       params={"batches": [1, 8], "contexts": ["short"], "steps": 64, "preset": "auto", "conditioning": "stable",
-               "prompt_len": 16, "top_k": 5, "max_mean_kl": 0.01, "kv_cache": "bf16", "use_graphs": True,
-               "reference_dense_experts": "auto", "max_later_violation_rate": 0.002, "executor_options": None}),
-    _d("perf.bandwidth_probe", "perf", "bandwidth_probe",
-       "the GPU's measured HBM read bandwidth and bf16 matmul rate (the floor every perf number is divided by)",
-       requires=("cuda",), params={"bytes": 4 << 30}),
-    _d("bench.kernels", "bench", "kernels",
-       "each kernel vs cuBLAS / PyTorch: CUDA-graph medians, cold L2, % of the HBM floor, issue #3 targets",
-       requires=("cuda", "sm90", "cutlass"),
-       params={"presets": ["k3-tp8-rank", "k3-tp16-rank"], "ms": [1, 2, 4, 8, 16, 32, 64], "sweep": False,
-               "sweep_shapes": None, "parts": None}),
-    _d("perf.decode_sweep", "perf", "decode_sweep",
-       "decode step time, fast vs standard, batch x context x TP x routing, against the HBM floor; issue #5 targets",
-       requires=("cuda", "sm90", "cutlass"),
-       params={"batches": [1], "contexts": [1024], "tp": [1], "routing": ["uniform", "real"], "mixed": True,
-               "preset": "k3-mini", "iters": 20, "standard_iters": 5, "warmup": 3, "kv_cache": "bf16",
-               "mixed_batches": [1, 8], "mixed_prefill_tokens": 256, "mixed_max_context": 4096,
-               "standard_graph": True, "reference_batches": None, "layer_times": True,
-               "standard_compiled_glue": False, "fast_variants": None,
-               "single_expert_copy": False, "tp_fast_pdl": False, "kernel_profile": False}),
-    # features.*: through the run's engines (--engine vs --baseline-engine); on a CPU builtin:reference
-    _d("features.structured_output", "features", "structured_output",
-       "JSON-schema / regex / choice constrained outputs all validate (100%), engine under test and baseline",
-       params={"temperatures": [0.0, 1.0], "samples": 2, "max_tokens": 256, "cases": None}),
-    _d("features.temperature_sampling", "features", "temperature_sampling",
-       "sampled token frequencies match softmax(logits/T) with top-k/top-p (G-test, Bonferroni); seeds reproduce",
-       params={"temperatures": [0.5, 1.0, 1.5], "filters": None, "samples": 2000, "alpha": 1e-3,
-               "min_expected": 5.0, "prompt_len": 12, "logit_tol": 0.05, "mass_tol": 0.005, "seq_tokens": 8,
-               "other_seeds": 3}),
-    _d("features.full_context", "features", "full_context",
-       "a request at the full configured context succeeds and matches the baseline; one token over is rejected",
-       params={"max_tokens": 4, "top_logprobs": 5, "max_model_len": None}),
-    # evals.*: lm-eval tasks from evals/ on the run's engines (--engine vs --baseline-engine), paired gates from
-    # evals/thresholds.yaml; data from data_dir, $K3_EVAL_DATA_DIR or the offline HF cache ("synthetic": made-up)
-    _d("evals.gsm8k", "evals", "gsm8k",
-       "GSM8K through lm-eval, engine under test vs baseline in the same run (paired: McNemar, bootstrap)",
-       params={"limit": None, "max_tokens": None, "data_dir": None, "thresholds": None}),
-    _d("evals.aime25", "evals", "aime25",
-       "AIME25 through lm-eval with sampled repeats, per-problem means paired (bootstrap) vs baseline",
-       params={"limit": None, "repeats": 8, "max_tokens": None, "data_dir": None, "thresholds": None}),
-    _d("evals.mrcr", "evals", "mrcr",
-       "MRCR 2/4/8 needles through lm-eval (prefix + SequenceMatcher), paired bootstrap vs baseline",
-       params={"limit": None, "needles": [2, 4, 8], "max_tokens": None, "data_dir": None, "thresholds": None}),
-]
+_DECLS: dict[str, CheckDecl] = {}
 
-REGISTRY: dict[str, CheckDecl] = {d.id: d for d in _DECLS}
+
+def params_dataclass(check_id: str, fn: Callable[..., Any]) -> type:
+    """A frozen dataclass of ``fn``'s keyword parameters (after ``ctx``), each with its default."""
+    fields = []
+    for p in list(inspect.signature(fn).parameters.values())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            raise TypeError(f"check {check_id}: {fn.__name__} takes **/*args; declare each parameter")
+        if p.default is inspect.Parameter.empty:
+            raise TypeError(f"check {check_id}: parameter {p.name!r} of {fn.__name__} has no default")
+        d = p.default
+        if isinstance(d, (list, dict, set)):
+            fields.append((p.name, Any, dataclasses.field(default_factory=lambda d=d: type(d)(d))))
+        else:
+            fields.append((p.name, Any, dataclasses.field(default=d)))
+    name = "".join(w.capitalize() for w in check_id.replace(".", "_").split("_")) + "Params"
+    return dataclasses.make_dataclass(name, fields, frozen=True)
+
+
+def check(check_id: str, description: str, *, requires: tuple[str, ...] = (),
+          imports: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register the decorated function as check ``check_id`` (see the module docstring)."""
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        module = fn.__module__
+        if check_id in _DECLS and (_DECLS[check_id].module, _DECLS[check_id].function) != (module, fn.__name__):
+            raise ValueError(f"check {check_id} is registered twice ({_DECLS[check_id].module} and {module})")
+        _DECLS[check_id] = CheckDecl(check_id, module, fn.__name__, description, tuple(requires), tuple(imports),
+                                     params_dataclass(check_id, fn))
+        return fn
+    return deco
+
+
+def check_modules() -> list[str]:
+    """Every module of ``verify.checks`` (each may register checks)."""
+    import verify.checks as pkg
+
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if m.name not in _NOT_CHECK_MODULES)
+
+
+class _Registry(Mapping[str, CheckDecl]):
+    """id -> CheckDecl, loading every check module on first use."""
+
+    _loaded = False
+
+    def _load(self) -> dict[str, CheckDecl]:
+        if not self._loaded:
+            for m in check_modules():
+                importlib.import_module(f"verify.checks.{m}")
+            type(self)._loaded = True
+        return _DECLS
+
+    def __getitem__(self, key: str) -> CheckDecl:
+        return self._load()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._load()))
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+
+REGISTRY: Mapping[str, CheckDecl] = _Registry()

@@ -1,7 +1,10 @@
 """``weights.roundtrip``: the checkpoint layer, tested on real files.
 
-1. Write the seeded synthetic checkpoint of the preset (safetensors shards + index + config.json).
-2. Load it back: every tensor bitwise identical to the in-memory synthetic tensor, FP32 stays FP32.
+1. On a preset: write its seeded synthetic checkpoint (safetensors shards + index + config.json). On a
+   checkpoint run (``--checkpoint DIR``): take DIR itself, whose tensors the run read before any check
+   (``ctx.model_source``), and check its digest still is the one the run recorded.
+2. Load it back: every tensor bitwise identical to the in-memory one (the synthetic tensor, or the
+   checkpoint's tensor as the run read it), FP32 stays FP32.
 3. MXFP4: dequantise routed experts with ``k3_fastpath.mxfp4`` and with the independent slow decoder
    below (bit arithmetic per element, no lookup table); they must agree exactly.
 4. TP: for each tp size, load every rank's slice from disk and reassemble; it must equal the full tensor
@@ -14,6 +17,7 @@ from typing import Any
 
 import torch
 
+from verify.checks.registry import check
 from verify.context import CheckContext
 
 
@@ -45,29 +49,48 @@ def _reassemble(parts: list[torch.Tensor], rule: str) -> torch.Tensor:
     return parts[0]
 
 
-def roundtrip(ctx: CheckContext, tp_sizes: list[int]) -> Any:
+@check("weights.roundtrip",
+       "checkpoint -> load -> identical tensors; MXFP4 against an independent decoder; TP slices reassemble")
+def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
+    from pathlib import Path
+
     from k3_fastpath import manifest as mf
     from k3_fastpath import mxfp4
-    from k3_fastpath.synthetic import synthetic_state_dict
-    from k3_fastpath.weights import checkpoint_digest, load_checkpoint, write_synthetic_checkpoint
+    from k3_fastpath.weights import (
+        checkpoint_digest,
+        load_checkpoint,
+        tp_split_problem,
+        write_synthetic_checkpoint,
+    )
 
     cfg = ctx.config
-    ckpt = ctx.tmp_dir / f"ckpt-{ctx.preset}-{ctx.seed}"
-    write_synthetic_checkpoint(cfg, ckpt, seed=ctx.seed)
-    digest = checkpoint_digest(ckpt)
-    want = synthetic_state_dict(cfg, ctx.seed)
-    specs = {s.name: s for s in mf.tensor_specs(cfg)}
+    source = ctx.model_source
     problems: list[str] = []
+    if source.is_checkpoint:  # the checkpoint under verification, as the run read it
+        ckpt = Path(source.path)
+        digest = checkpoint_digest(ckpt)
+        if digest != source.digest:
+            problems.append(f"{ckpt}: digest {digest} differs from {source.digest}, read at the start of the run: "
+                            "the checkpoint changed during the run")
+        written = "the one the run read"
+    else:
+        ckpt = ctx.tmp_dir / f"ckpt-{ctx.preset}-{ctx.seed}"
+        write_synthetic_checkpoint(cfg, ckpt, seed=ctx.seed)
+        digest = checkpoint_digest(ckpt)
+        written = "the written one"
+    want = ctx.state_dict()
+    specs = {s.name: s for s in mf.tensor_specs(cfg)}
     _, got = load_checkpoint(ckpt)
     if set(got) != set(want):
         problems.append(f"loaded names differ from the manifest: missing {sorted(set(want) - set(got))[:3]}, "
                         f"extra {sorted(set(got) - set(want))[:3]}")
     mismatched = [n for n in want if n in got and (got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n]))]
-    problems += [f"{n}: loaded tensor differs from the written one" for n in mismatched[:10]]
+    problems += [f"{n}: loaded tensor differs from {written}" for n in mismatched[:10]]
     fp32 = [n for n, s in specs.items() if s.dtype == "F32"]
     problems += [f"{n}: loaded as {got[n].dtype}, the checkpoint stores F32" for n in fp32
                  if n in got and got[n].dtype != torch.float32]
-    ctx.record({"step": "load", "tensors": len(got), "mismatched": len(mismatched), "digest": digest})
+    ctx.record({"step": "load", "source": source.kind, "checkpoint": str(ckpt) if source.is_checkpoint else None,
+                "weights": ctx.weights(), "tensors": len(got), "mismatched": len(mismatched), "digest": digest})
 
     # MXFP4: fast codec vs the independent decoder, on the first expert of every MoE layer (w1, w2, w3)
     packed_names = sorted(n for n, s in specs.items() if s.kind == "packed" and ".experts.0." in n)
@@ -82,8 +105,14 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int]) -> Any:
             problems.append(f"{name}: MXFP4 dequantisation differs from the independent decoder by {err:.3g}")
     ctx.record({"step": "mxfp4", "tensors_checked": len(packed_names), "max_abs_diff": worst})
 
-    # TP slices from disk reassemble to the full tensors
+    # TP slices from disk reassemble to the full tensors, at every size the model can be split by
+    not_applicable: dict[int, str] = {}
     for tp in tp_sizes:
+        why = tp_split_problem(cfg, tp)
+        if why:  # e.g. k3-tiny's 4 KDA heads over 8 ranks: a size this model is never served at
+            not_applicable[tp] = why
+            ctx.record({"step": "tp", "tp_size": tp, "applicable": False, "reason": why})
+            continue
         try:
             ranks = [load_checkpoint(ckpt, tp_size=tp, rank=r)[1] for r in range(tp)]
         except Exception as e:
@@ -109,8 +138,12 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int]) -> Any:
                     continue
             if whole.shape != full.shape or not torch.equal(whole, full):
                 bad.append(name)
-        ctx.record({"step": "tp", "tp_size": tp, "tensors": len(specs), "mismatched": bad[:20]})
+        ctx.record({"step": "tp", "tp_size": tp, "applicable": True, "tensors": len(specs), "mismatched": bad[:20]})
         problems += [f"tp {tp}: {n}: rank slices do not reassemble to the full tensor" for n in bad[:5]]
-    metrics = {"preset": ctx.preset, "tensors": len(want), "checkpoint_digest": digest,
-               "mxfp4_tensors_checked": len(packed_names), "tp_sizes": list(tp_sizes)}
+    if tp_sizes and len(not_applicable) == len(tp_sizes):
+        problems.append(f"none of tp_sizes {list(tp_sizes)} splits this model: no TP slice was checked")
+    metrics = {"preset": ctx.preset, "source": source.kind, "weights": ctx.weights(), "tensors": len(want),
+               "checkpoint_digest": digest, "checkpoint": str(ckpt) if source.is_checkpoint else None,
+               "mxfp4_tensors_checked": len(packed_names), "tp_sizes": [t for t in tp_sizes if t not in not_applicable],
+               "tp_sizes_not_applicable": {str(t): why for t, why in not_applicable.items()}}
     return ctx.verdict(problems, metrics)

@@ -4,7 +4,8 @@
 
 - the model: a preset with seeded synthetic weights (``k3_fastpath.synthetic``, weight seed ``seed``), or
   a checkpoint directory (``k3_fastpath.weights.load_checkpoint``), in FP32 on a CPU and BF16 on CUDA
-  unless ``dtype`` says otherwise;
+  unless ``dtype`` says otherwise; inside ``k3-verify run`` the runner hands over the run's
+  ``model_source`` and a checkpoint's tensors come from it (read once, the digest the bundle records);
 - the stepper: ``path="reference"`` runs the PyTorch reference (``K3ForCausalLM``, the standard path);
   ``path="fast"`` runs the fast-path ``DecodeExecutor`` (``k3_fastpath/runtime/executor.py``), which needs
   the CuTe DSL and an sm_90 GPU: anywhere else it raises ``EngineError`` saying what is missing;
@@ -38,9 +39,13 @@ def fast_path_unavailable_reason(device: str) -> str | None:
     return arch.sm90_unsupported_reason(torch.device(device))
 
 
-def _load_weights(preset: str, seed: int) -> tuple[Any, dict[str, torch.Tensor], str, Path | None]:
+def _load_weights(preset: str, seed: int, model_source: Any = None
+                  ) -> tuple[Any, dict[str, torch.Tensor], str, Path | None]:
     from k3_fastpath.config import get_config, is_preset_spec
 
+    if model_source is not None and model_source.is_checkpoint and model_source.preset == preset:
+        return (model_source.config, model_source.state_dict(), f"checkpoint {model_source.path} "
+                f"(digest {model_source.digest})", Path(model_source.path))
     if is_preset_spec(preset):  # a preset or a preset spec with overrides (e.g. k3-tiny:experts=8)
         from k3_fastpath.synthetic import synthetic_state_dict
 
@@ -96,7 +101,7 @@ class BuiltinEngine:
 
     def __init__(self, preset: str = "k3-tiny", path: str = "reference", device: str = "cpu", seed: int = 0,
                  max_model_len: int | None = None, dtype: torch.dtype | str | None = None,
-                 tokenizer_seed: int = 0, max_batch: int = 256) -> None:
+                 tokenizer_seed: int = 0, max_batch: int = 256, model_source: Any = None) -> None:
         from k3_fastpath.reference.model import load_reference
         from k3_fastpath.runtime.generator import Generator
 
@@ -115,7 +120,7 @@ class BuiltinEngine:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.dtype = dtype or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
-        cfg, sd, self.weights_source, checkpoint = _load_weights(preset, self.seed)
+        cfg, sd, self.weights_source, checkpoint = _load_weights(preset, self.seed, model_source)
         self.cfg = cfg
         self.preset = preset
         limit = cfg.max_position_embeddings

@@ -88,6 +88,8 @@ def load_thresholds(dataset: str, path: str | Path | None = None) -> Thresholds:
     import yaml
 
     p = Path(path) if path else default_thresholds_path()
+    if not p.is_absolute() and not p.exists():  # a tier's path names a file of the repository
+        p = Path(__file__).resolve().parents[2] / p
     try:
         doc = yaml.safe_load(p.read_text(encoding="utf-8"))
     except OSError as e:
