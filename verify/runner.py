@@ -292,17 +292,22 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
     rows = []
     try:
         run_t0 = time.monotonic()
+        queue = list(todo)
         with tempfile.TemporaryDirectory(prefix="k3verify-") as tmp, out.progress(len(todo), "checks") as bar:
-            for n_done, spec in enumerate(todo):
+            while queue:
                 left = None if time_limit_s is None else time_limit_s - (time.monotonic() - run_t0)
-                if left is not None and n_done and spec.budget_s > left:
+                # under --time-limit: the next check (in tier order) whose budget fits the time left; the
+                # first check of a part always starts
+                spec = next((c for c in queue if left is None or len(queue) == len(todo) or c.budget_s <= left), None)
+                if spec is None:
                     state = "interrupted"
-                    msg = (f"time limit: {spec.id} (budget {spec.budget_s:.0f} s) does not fit in the "
-                           f"{max(left, 0):.0f} s left of --time-limit {time_limit_s:.0f} s; stopping here "
-                           f"(continue with --resume)")
+                    msg = (f"time limit: none of the {len(queue)} checks left (smallest budget "
+                           f"{min(c.budget_s for c in queue):.0f} s) fits in the {max(left, 0):.0f} s left of "
+                           f"--time-limit {time_limit_s:.0f} s; stopping here (continue with --resume)")
                     writer.log(msg)
                     out.note(msg)
                     break
+                queue.remove(spec)
                 decl = REGISTRY[spec.id]
                 params = decl.resolve_params({**spec.params, **(overrides or {}).get(spec.id, {})})
                 bar.advance(0, description=spec.id)
