@@ -9,8 +9,9 @@ named too) unless the host image already holds it.
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from verify import image_build
 from verify.checks.registry import REGISTRY

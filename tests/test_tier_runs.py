@@ -220,3 +220,18 @@ def test_bundle_show_of_a_truncated_archive_is_exit_2_like_verify(tmp_path):
         proc = subprocess.run([*CLI, *cmd, str(cut)], cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (cmd, proc.stderr)
         assert "not a readable .tar.gz" in proc.stderr
+
+
+def test_time_limit_stops_before_a_check_that_would_not_fit_and_resume_finishes(tmp_path):
+    t = _tier(tmp_path, "  - id: reference.determinism\n    budget_s: 30\n"
+                        "  - id: weights.roundtrip\n    budget_s: 30\n"
+                        "  - id: reference.prefill_decode_consistency\n    budget_s: 5\n")
+    verdict, root = _run(t, tmp_path / "b", time_limit_s=31)
+    ids = [json.loads(x)["id"] for x in (root / "results.jsonl").read_text().splitlines()]
+    # the first check always starts; then the 30 s budget no longer fits, the 5 s one further down does
+    assert ids == ["reference.determinism", "reference.prefill_decode_consistency"]
+    m = json.loads((root / "manifest.json").read_text())
+    assert m["state"] == "interrupted" and verdict == "incomplete" and verify_bundle(root).ok
+    assert "time limit: none of the 1 checks left" in (root / "logs" / "run.log").read_text()
+    verdict, root = _run(t, root, resume=True)
+    assert verdict == "pass" and verify_bundle(root).ok
