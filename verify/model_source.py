@@ -79,8 +79,6 @@ class ModelSource:
         from k3_fastpath.synthetic import synthetic_state_dict
 
         s = int(self.seed or 0) if seed is None else int(seed)
-        if conditioning == "default":
-            return synthetic_state_dict(self.config, s)
         return synthetic_state_dict(self.config, s, conditioning=conditioning)
 
     def manifest(self) -> dict[str, Any]:
@@ -121,16 +119,22 @@ def _stat(root: Path, names: list[str]) -> dict[str, tuple[int, int] | None]:
     return out
 
 
-def _nonfinite(tensors: dict[str, Any], locations: dict[str, tuple[str, str]]) -> list[str]:
+def _nonfinite(root: Path, tensors: dict[str, Any]) -> list[str]:
+    """One line per floating-point tensor holding NaN or Inf, naming it as stored and its file (the headers
+    are read again only when there is something to name)."""
     import torch
 
+    from k3_fastpath.weights import tensor_locations
+
+    bad = {name: int((~torch.isfinite(t)).sum()) for name, t in tensors.items() if t.is_floating_point()}
+    bad = {name: n for name, n in bad.items() if n}
+    if not bad:
+        return []
+    locations = tensor_locations(root)
     problems = []
-    for name, t in tensors.items():
-        if t.is_floating_point():
-            bad = int((~torch.isfinite(t)).sum())
-            if bad:
-                stored, fname = locations.get(name, (name, "?"))
-                problems.append(f"{stored} in {fname}: corrupt: {bad} of {t.numel()} values are NaN or Inf")
+    for name, n in bad.items():
+        stored, fname = locations.get(name, (name, "?"))
+        problems.append(f"{stored} in {fname}: corrupt: {n} of {tensors[name].numel()} values are NaN or Inf")
     return problems
 
 
@@ -165,7 +169,7 @@ def read_checkpoint(path: str | Path) -> ModelSource:
         names = W.checkpoint_files(root)
         before = _stat(root, names)
         cfg, sd = W.load_checkpoint(root)
-        problems = _nonfinite(sd, W.tensor_locations(root))
+        problems = _nonfinite(root, sd)
         if problems:
             raise W.CheckpointError(problems)
         files = W.checkpoint_file_digests(root)

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from verify.bundle.schema import PART_IDENTITY
 from verify.checks.registry import REGISTRY
 from verify.context import CheckContext
 from verify.output import Output, UserError
@@ -39,27 +40,6 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 def default_output_dir() -> Path:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return Path("bundles") / "local" / stamp
-
-
-def resolve_preset(preset: str) -> str:
-    """The preset name (``auto`` = k3-tiny) or checkpoint path the run's model resolves to (a checkpoint
-    directory is validated in full: ``resolve_model_source``)."""
-    from k3_fastpath.config import PRESET_NAMES
-
-    if preset == "auto":
-        return "k3-tiny"
-    if preset in PRESET_NAMES:
-        return preset
-    return resolve_model_source(preset).preset
-
-
-def resolve_model_source(preset: str, seed: int = 0) -> Any:
-    """The run's model, a ``verify.model_source.ModelSource``, made once before anything is written: a preset
-    (seeded synthetic weights), or a checkpoint directory read tensor by tensor, validated and digested here.
-    Any problem is a one-line ``UserError`` (exit 2) naming the file and the tensor."""
-    from verify.model_source import resolve
-
-    return resolve(preset, seed)
 
 
 def resolve_device(device: str) -> str:
@@ -194,7 +174,7 @@ def _resume_problem(manifest: dict[str, Any], tier: Any, preset: str, device: st
     first = (manifest.get("parts") or [None])[0]
     if not isinstance(first, dict):
         return "the bundle records no parts (written by an older k3-verify): it cannot be resumed"
-    for key, what in (("gpu", "GPU model"), ("source_tree_sha256", "source tree")):
+    for key, what in PART_IDENTITY:
         if first.get(key) != part.get(key):
             return f"its first part ran on {what} {first.get(key)!r}, this machine has {part.get(key)!r}"
     return None
@@ -212,7 +192,7 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
 
     from verify import environment
     from verify.bundle.schema import BundleError
-    from verify.bundle.writer import BundleWriter
+    from verify.bundle.writer import BundleWriter, sealed_results
     from verify.tiers import TierError, load_tier
 
     try:
@@ -225,7 +205,9 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
                 REGISTRY[cid].resolve_params(ov)
             except (KeyError, TypeError) as e:
                 raise UserError(str(e.args[0] if e.args else e)) from None
-    source = resolve_model_source(preset, seed)  # a checkpoint is read and validated here, before any output
+    from verify.model_source import resolve as resolve_model
+
+    source = resolve_model(preset, seed)  # a checkpoint is read in full and validated here, before any output
     preset = source.preset
     device = resolve_device(device)
     cpu_threads = _set_cpu_threads(device)
@@ -246,7 +228,7 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
         manifest = json.loads((root / "manifest.json").read_text())
         if manifest.get("state") == "finished":
             raise UserError(f"--resume: {root} is finished (verdict {manifest.get('verdict')}): nothing to resume")
-        done = set(_sealed_result_ids(root))
+        done = {r.id for r in sealed_results(root)}
         todo_ids = [c for c in tier.check_ids if c not in done]
         part = _part(env, device, todo_ids)
         problem = _resume_problem(manifest, tier, preset, device, part, source.digest)
@@ -359,21 +341,3 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
     out.line(f"verdict: {verdict}   checks took {total:.0f} s (target {tier.target_s:.0f} s)   bundle: {root}   "
              f"archive: {root}.tar.gz")
     return verdict, root
-
-
-def _sealed_result_ids(root: Path) -> list[str]:
-    """Ids in the sealed part of results.jsonl (an unsealed tail is dropped when the bundle is reopened)."""
-    import json
-
-    from verify.bundle.schema import parse_sums
-
-    _, entries, _ = parse_sums((root / "SHA256SUMS").read_bytes())
-    size = next((e.size for e in entries if e.path == "results.jsonl"), None)
-    data = (root / "results.jsonl").read_bytes()
-    ids = []
-    for line in (data if size is None else data[:size]).splitlines():
-        try:
-            ids.append(json.loads(line)["id"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return ids

@@ -103,6 +103,30 @@ def write_tarball(root: Path, dest: Path | None = None) -> Path:
     return dest
 
 
+def _sum_entries(root: Path) -> list[SumEntry]:
+    from verify.bundle.schema import parse_sums
+
+    _, entries, problems = parse_sums((root / SUMS).read_bytes())
+    if problems:
+        raise BundleError(f"{root}: {problems[0]}", 1)
+    return entries
+
+
+def _results(root: Path, sealed_len: int | None) -> list[CheckResult]:
+    import json
+
+    data = (root / RESULTS).read_bytes()
+    data = data if sealed_len is None else data[:sealed_len]
+    return [CheckResult.from_dict(json.loads(line)) for line in data.splitlines() if line.strip()]
+
+
+def sealed_results(root: str | os.PathLike) -> list[CheckResult]:
+    """The results in the sealed part of a bundle's results.jsonl (what ``BundleWriter.resume`` keeps)."""
+    root = Path(root)
+    size = next((e.size for e in _sum_entries(root) if e.path == RESULTS), None)
+    return _results(root, size)
+
+
 class BundleWriter:
     """Writes one run's bundle under ``root`` (which must not exist, or be an empty directory).
 
@@ -151,7 +175,7 @@ class BundleWriter:
         that the bundle verifies and that the part may join it (``verify.runner``); BundleError otherwise."""
         import json
 
-        from verify.bundle.schema import RUNNING_REASON, parse_sums
+        from verify.bundle.schema import RUNNING_REASON
 
         self = cls.__new__(cls)
         self.root = Path(os.path.abspath(root))
@@ -162,9 +186,7 @@ class BundleWriter:
         if manifest.get("state") not in (RUNNING, INTERRUPTED):
             raise BundleError(f"{self.root}: state {manifest.get('state')!r}: only a running or interrupted "
                               "bundle can be resumed")
-        sealed, entries, problems = parse_sums((self.root / SUMS).read_bytes())
-        if problems:
-            raise BundleError(f"{self.root}: {problems[0]}", 1)
+        entries = _sum_entries(self.root)
         self._planned = list(manifest["planned_checks"])
         self._seals, self._whole, self._fds = {}, {}, {}
         for e in entries:
@@ -180,8 +202,7 @@ class BundleWriter:
             else:
                 self._whole[e.path] = SumEntry(e.path, e.sha256, size)
         self._seals.setdefault(RESULTS, (hashlib.sha256(), 0))
-        self._results = [CheckResult.from_dict(json.loads(line))
-                         for line in (self.root / RESULTS).read_bytes().splitlines() if line.strip()]
+        self._results = _results(self.root, self._seals[RESULTS][1])
         for name in os.listdir(self.root):
             if is_writer_temp(name):
                 os.unlink(self.root / name)
