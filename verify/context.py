@@ -104,7 +104,8 @@ class CheckContext:
         """passed when ``problems`` is empty, else failed with the first problem (and a count) as reason."""
         if not problems:
             return self.passed(metrics, artifacts)
-        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        from verify.checks.status_rules import verdict_reason
+
         m = dict(metrics or {})
         m["problems"] = problems[:50]
-        return self.failed(problems[0] + more, m, artifacts)
+        return self.failed(verdict_reason(problems), m, artifacts)

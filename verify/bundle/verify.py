@@ -167,8 +167,12 @@ def load_builtin_rescorers() -> None:
     ``bundle compare``, tests) re-derives the same things from the raw records."""
     import importlib
 
+    from verify.checks import status_rules
+
     for name in BUILTIN_RESCORERS:
         importlib.import_module(name)
+    for check_id in status_rules.RULES:  # reference.*, weights.roundtrip, kernels.*: status from the records
+        register_rescorer(check_id, status_rules.rescore)
 
 
 def verify_bundle(path: str | Path, *, rescorers: Sequence[tuple[str, Rescorer]] | None = None) -> VerifyReport:
@@ -244,6 +248,7 @@ def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]]) -> VerifyRep
     if state == RUNNING and SUMS in files and not sealed:
         problems.append(f"{SUMS}: a running bundle's sums must be in sealed-prefix form")
     sealed_len: dict[str, int] = {MANIFEST: len(mbytes)} if manifest_ok else {}
+    broken: set[str] = set()  # listed files that are missing, truncated or changed (already a problem each)
     on_disk = set(files)
     for rel, es in listed.items():
         if rel == MANIFEST:
@@ -251,14 +256,17 @@ def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]]) -> VerifyRep
         e, full = es[0], root / rel
         if rel not in on_disk:
             problems.append(f"{rel}: listed in {SUMS} but missing")
+            broken.add(rel)
             continue
         size = full.stat().st_size
         want = size if e.size is None else e.size
         if size < want:
             problems.append(f"{rel}: {size} bytes, shorter than its sealed {want} (truncated)")
+            broken.add(rel)
             continue
         if sha256_file(full, want)[0] != e.sha256:
             problems.append(f"{rel}: sha256 mismatch")
+            broken.add(rel)
             continue
         if size > want:
             if running and is_append_only(rel):
@@ -340,6 +348,8 @@ def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]]) -> VerifyRep
         for a in r.artifacts:
             if a not in sealed_len:
                 problems.append(f"{r.id}: artifact {a} is not in the bundle's sealed files")
+        if f"{RECORDS_DIR}/{r.id}.jsonl" in broken:
+            continue  # its records failed their hash: re-scoring what is left would only repeat that problem
         for prefix, fn in rescorers:
             if not r.id.startswith(prefix):
                 continue

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from k3_fastpath import kernels as registry
+from verify.checks import status_rules as rules
 from verify.checks.registry import check
 from verify.context import CheckContext
 
@@ -41,17 +42,11 @@ def compile_all(ctx: CheckContext, presets: list[str] = ["k3-tp8-rank", "k3-tp16
     from k3_fastpath._lib import compile_cache
 
     rows = compile_cache.compile_report(list(presets))
-    problems = []
-    total = 0
     for r in rows:
         ctx.record(r)
-        total += r["variants"]
-        problems += [f"{r['kernel']} ({r['preset']}): {e}" for e in r["errors"]]
-        if r["variants"] == 0:
-            problems.append(f"{r['kernel']} ({r['preset']}): no variants to compile: the kernel serves no shape")
-    seconds = sum(r["seconds"] for r in rows)
-    return ctx.verdict(problems, {"variants": total, "seconds": round(seconds, 1), "presets": list(presets),
-                                  "kernels": sorted({r["kernel"] for r in rows})})
+    metrics = {"variants": sum(r["variants"] for r in rows), "seconds": round(sum(r["seconds"] for r in rows), 1),
+               "presets": list(presets), "kernels": sorted({r["kernel"] for r in rows})}
+    return ctx.verdict(rules.compile_problems(rows), metrics)
 
 
 # every registered kernel's GPU test files (its spec's gpu_tests), derived: never a hand-kept list
@@ -76,30 +71,17 @@ def _pytest_gpu(ctx: CheckContext, test_files: tuple[str, ...], extra: list[str]
        requires=("cuda", "sm90", "cutlass"), imports=("pytest",))
 def numerics(ctx: CheckContext) -> Any:
     tests = _pytest_gpu(ctx, GPU_KERNEL_TESTS, [])
-    problems = []
-    other_skips = []
-    by_kernel: dict[str, int] = {}
     for t in tests:
         ctx.record(t)
-        name = t["test"].split("::")[-1]
-        is_kernel_test = any(name.startswith(f"test_{k}") for k in registry.names())
-        if t["outcome"] == "failed":
-            problems.append(f"{t['test']}: {t.get('reason', 'failed')}")
-        elif t["outcome"] == "skipped" and is_kernel_test:
-            problems.append(f"{t['test']}: skipped on a GPU ({t.get('reason', '')})")
-        elif t["outcome"] == "skipped":  # e.g. the on-disk compile cache: reported, not a numerics result
-            other_skips.append(f"{t['test']}: {t.get('reason', '')}"[:300])
-        for k, n in (t.get("counters") or {}).get("launches", {}).items():
-            by_kernel[k] = by_kernel.get(k, 0) + n
-    ran = [t for t in tests if t["outcome"] == "passed"]
-    if not ran:
-        problems.append("no kernel test ran (see artifacts pytest.log)")
-    problems += [f"{k}: no GPU test launched this kernel" for k in registry.names() if k not in by_kernel]
-    problems += [f"{n} (a launch of {s.name}): no GPU test launched it" for s in registry.all_specs()
-                 for n in s.launch_names[1:] if n not in by_kernel]
-    metrics = {"tests": len(tests), "passed": len(ran), "launches_by_kernel": by_kernel,
-               "skipped_non_numerics": other_skips}
-    return ctx.verdict(problems, metrics, artifacts=[f"artifacts/{ctx.check_id}/pytest.log"])
+    kernels = list(registry.names())
+    other_skips = [f"{t['test']}: {t.get('reason', '')}"[:300] for t in tests if t["outcome"] == "skipped"
+                   and not any(t["test"].split("::")[-1].startswith(f"test_{k}") for k in kernels)]
+    # what the rule needs besides the records: the kernels and every launch name they count under
+    metrics = {"tests": len(tests), "passed": sum(t["outcome"] == "passed" for t in tests),
+               "launches_by_kernel": rules.launches_by_kernel(tests), "skipped_non_numerics": other_skips,
+               "kernels": kernels, "expected_launches": list(registry.launch_names())}
+    return ctx.verdict(rules.numerics_problems(tests, metrics), metrics,
+                       artifacts=[f"artifacts/{ctx.check_id}/pytest.log"])
 
 
 # memcheck/synccheck/initcheck end with "ERROR SUMMARY: N errors"; racecheck with
@@ -130,7 +112,7 @@ def sanitizer(ctx: CheckContext, tools: list[str] = ["memcheck"]) -> Any:
     from verify.requirements import compute_sanitizer_path
 
     exe = compute_sanitizer_path()
-    problems = []
+    records: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}
     for tool in tools:
         cmd = [exe, "--tool", tool, "--error-exitcode", "3", sys.executable, "-m",
@@ -148,18 +130,9 @@ def sanitizer(ctx: CheckContext, tools: list[str] = ["memcheck"]) -> Any:
             errors, tolerated = classify_sanitizer_errors(out, errors)
         launched = "sanitize_driver: all kernels launched" in out
         overlap = "sanitize_driver: executor step with the side stream ran" in out
-        ctx.record({"tool": tool, "returncode": proc.returncode, "errors": errors, "tolerated_api_probes": tolerated,
-                    "all_kernels_launched": launched,
-                    "executor_step_with_side_stream": overlap})
+        row = {"tool": tool, "returncode": proc.returncode, "errors": errors, "tolerated_api_probes": tolerated,
+               "all_kernels_launched": launched, "executor_step_with_side_stream": overlap}
+        records.append(row)
+        ctx.record(row)
         metrics[f"{tool}_errors"] = errors
-        if errors is None:
-            problems.append(f"{tool}: no ERROR SUMMARY in compute-sanitizer output (exit {proc.returncode})")
-        elif errors:
-            problems.append(f"{tool}: {errors} error(s), see artifacts/{ctx.check_id}/{tool}.log")
-        elif proc.returncode != 0 and not tolerated:
-            problems.append(f"{tool}: exit code {proc.returncode} with 0 errors reported")
-        if not launched:
-            problems.append(f"{tool}: the driver did not launch every kernel (a fallback proves nothing)")
-        if not overlap:
-            problems.append(f"{tool}: the executor step with the shared experts on the side stream did not run")
-    return ctx.verdict(problems, metrics, artifacts=[f"artifacts/{ctx.check_id}/{t}.log" for t in tools])
+    return ctx.verdict(rules.sanitizer_problems(records, metrics, ctx.check_id), metrics, artifacts=[f"artifacts/{ctx.check_id}/{t}.log" for t in tools])

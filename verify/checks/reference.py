@@ -19,14 +19,10 @@ from typing import Any
 
 import torch
 
+from verify.checks import status_rules as rules
 from verify.checks.registry import check
+from verify.checks.status_rules import BF16_MEDIAN_TOL, F64_TOL
 from verify.context import CheckContext
-
-F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
-# bf16: decode and prefill round at different places (chunked vs recurrent KDA, plain vs absorbed MLA), and
-# a routing near-tie can flip one position's experts, so a pointwise bound would be flaky on synthetic
-# weights. The bound is on the MEDIAN per-position relative gap (observed 1-2% on k3-tiny).
-BF16_MEDIAN_TOL = 0.05
 
 
 def _model(cfg, sd: dict, dtype: torch.dtype, device: str):
@@ -143,7 +139,7 @@ def prefill_decode_consistency(ctx: CheckContext, batches: list[int] = [1, 3], r
     cfg = ctx.config
     device = ctx.device
     sd = ctx.state_dict()
-    problems: list[str] = []
+    records: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {"preset": ctx.preset, "weights": ctx.weights(), "f64_max_rel_tolerance": F64_TOL,
                                "bf16_median_rel_tolerance": BF16_MEDIAN_TOL}
     gen = torch.Generator().manual_seed(ctx.seed + 1)
@@ -165,16 +161,14 @@ def prefill_decode_consistency(ctx: CheckContext, batches: list[int] = [1, 3], r
             r = fn(*head, batch, lengths, decode_steps, gen, device, *tail)
             stat = "median_rel_err" if name == "model_bf16" else "max_rel_err"
             tol = BF16_MEDIAN_TOL if name == "model_bf16" else F64_TOL
-            ok = r[stat] <= tol
-            ctx.record({"case": name, "batch": batch, "lengths": lengths, "decode_steps": decode_steps, **r,
-                        "statistic": stat, "tolerance": tol, "ok": ok})
+            rec = {"case": name, "batch": batch, "lengths": lengths, "decode_steps": decode_steps, **r,
+                   "statistic": stat, "tolerance": tol, "ok": r[stat] <= tol}
+            ctx.record(rec)
+            records.append(rec)
             worst[name] = max(worst[name], r[stat])
-            if not ok:
-                problems.append(f"{name} batch {batch} lengths {lengths}: decode vs prefill {stat} "
-                                f"{r[stat]:.3g} > {tol:g}")
     metrics.update({f"worst_{'median' if k == 'model_bf16' else 'max'}_rel_err_{k}": v for k, v in worst.items()})
     metrics["batches"] = list(batches)
-    return ctx.verdict(problems, metrics)
+    return ctx.verdict(rules.prefill_decode_problems(records), metrics)
 
 
 @torch.no_grad()
@@ -205,14 +199,11 @@ def determinism(ctx: CheckContext, batch: int = 2, prompt_len: int = 10, decode_
         runs.append(_greedy(model, cfg, batch, prompt_len, decode_steps, ctx.seed + 7, ctx.device))
         del model, sd
     (l1, t1), (l2, t2), (l3, _) = runs
-    problems = []
     same = torch.equal(l1, l2) and torch.equal(t1, t2)
-    if not same:
-        diff = float((l1.float() - l2.float()).abs().max())
-        problems.append(f"two runs on {ctx.weights()} differ: max logit difference {diff:.3g}")
-    if torch.equal(l1, l3):
-        problems.append(f"{control_desc} gave the same logits as {ctx.weights()}: the check is blind")
-    ctx.record({"dtype": str(dtype), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
-                "weights": ctx.weights(), "control": control_desc, "bitwise_equal": same, "tokens": t1.tolist()})
-    return ctx.verdict(problems, {"dtype": str(dtype), "weights": ctx.weights(), "bitwise_equal": same,
+    rec = {"dtype": str(dtype), "batch": batch, "prompt_len": prompt_len, "decode_steps": decode_steps,
+           "weights": ctx.weights(), "control": control_desc, "bitwise_equal": same,
+           "max_logit_diff": float((l1.float() - l2.float()).abs().max()), "control_differs": not torch.equal(l1, l3),
+           "tokens": t1.tolist()}
+    ctx.record(rec)
+    return ctx.verdict(rules.determinism_problems([rec]), {"dtype": str(dtype), "weights": ctx.weights(), "bitwise_equal": same,
                                   "tokens_checked": t1.numel()})

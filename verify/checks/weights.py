@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from verify.checks import status_rules as rules
 from verify.checks.registry import check
 from verify.context import CheckContext
 
@@ -65,45 +66,42 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
 
     cfg = ctx.config
     source = ctx.model_source
-    problems: list[str] = []
+    records: list[dict[str, Any]] = []
+
+    def record(rec: dict[str, Any]) -> None:
+        ctx.record(rec)
+        records.append(rec)
+
     if source.is_checkpoint:  # the checkpoint under verification, as the run read it
         ckpt = Path(source.path)
-        digest = checkpoint_digest(ckpt)
-        if digest != source.digest:
-            problems.append(f"{ckpt}: digest {digest} differs from {source.digest}, read at the start of the run: "
-                            "the checkpoint changed during the run")
         written = "the one the run read"
     else:
         ckpt = ctx.tmp_dir / f"ckpt-{ctx.preset}-{ctx.seed}"
         write_synthetic_checkpoint(cfg, ckpt, seed=ctx.seed)
-        digest = checkpoint_digest(ckpt)
         written = "the written one"
+    digest = checkpoint_digest(ckpt)
     want = ctx.state_dict()
     specs = {s.name: s for s in mf.tensor_specs(cfg)}
     _, got = load_checkpoint(ckpt)
-    if set(got) != set(want):
-        problems.append(f"loaded names differ from the manifest: missing {sorted(set(want) - set(got))[:3]}, "
-                        f"extra {sorted(set(got) - set(want))[:3]}")
     mismatched = [n for n in want if n in got and (got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n]))]
-    problems += [f"{n}: loaded tensor differs from {written}" for n in mismatched[:10]]
-    fp32 = [n for n, s in specs.items() if s.dtype == "F32"]
-    problems += [f"{n}: loaded as {got[n].dtype}, the checkpoint stores F32" for n in fp32
-                 if n in got and got[n].dtype != torch.float32]
-    ctx.record({"step": "load", "source": source.kind, "checkpoint": str(ckpt) if source.is_checkpoint else None,
-                "weights": ctx.weights(), "tensors": len(got), "mismatched": len(mismatched), "digest": digest})
+    record({"step": "load", "source": source.kind, "checkpoint": str(ckpt) if source.is_checkpoint else None,
+            "weights": ctx.weights(), "tensors": len(got), "digest": digest,
+            "digest_expected": source.digest if source.is_checkpoint else None,
+            "names_missing": sorted(set(want) - set(got))[:3], "names_extra": sorted(set(got) - set(want))[:3],
+            "mismatched": len(mismatched), "mismatched_names": mismatched[:10], "compared_with": written,
+            "fp32_violations": [[n, str(got[n].dtype)] for n, s in specs.items()
+                                if s.dtype == "F32" and n in got and got[n].dtype != torch.float32]})
 
     # MXFP4: fast codec vs the independent decoder, on the first expert of every MoE layer (w1, w2, w3)
     packed_names = sorted(n for n, s in specs.items() if s.kind == "packed" and ".experts.0." in n)
-    worst = 0.0
+    errs = {}
     for name in packed_names:
         sname = name.replace("weight_packed", "weight_scale")
         fast = mxfp4.dequantize(got[name], got[sname], torch.float64)
         slow = slow_mxfp4_decode(got[name], got[sname])
-        err = float((fast - slow).abs().max())
-        worst = max(worst, err)
-        if err != 0.0:
-            problems.append(f"{name}: MXFP4 dequantisation differs from the independent decoder by {err:.3g}")
-    ctx.record({"step": "mxfp4", "tensors_checked": len(packed_names), "max_abs_diff": worst})
+        errs[name] = float((fast - slow).abs().max())
+    record({"step": "mxfp4", "tensors_checked": len(packed_names), "max_abs_diff": max(errs.values(), default=0.0),
+            "differing": [[n, e] for n, e in errs.items() if e != 0.0]})
 
     # TP slices from disk reassemble to the full tensors, at every size the model can be split by
     not_applicable: dict[int, str] = {}
@@ -111,12 +109,12 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
         why = tp_split_problem(cfg, tp)
         if why:  # e.g. k3-tiny's 4 KDA heads over 8 ranks: a size this model is never served at
             not_applicable[tp] = why
-            ctx.record({"step": "tp", "tp_size": tp, "applicable": False, "reason": why})
+            record({"step": "tp", "tp_size": tp, "applicable": False, "reason": why})
             continue
         try:
             ranks = [load_checkpoint(ckpt, tp_size=tp, rank=r)[1] for r in range(tp)]
         except Exception as e:
-            problems.append(f"tp {tp}: loading the rank slices failed: {e}")
+            record({"step": "tp", "tp_size": tp, "applicable": True, "load_error": str(e)})
             continue
         bad = []
         for name, spec in specs.items():
@@ -138,10 +136,8 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
                     continue
             if whole.shape != full.shape or not torch.equal(whole, full):
                 bad.append(name)
-        ctx.record({"step": "tp", "tp_size": tp, "applicable": True, "tensors": len(specs), "mismatched": bad[:20]})
-        problems += [f"tp {tp}: {n}: rank slices do not reassemble to the full tensor" for n in bad[:5]]
-    if tp_sizes and len(not_applicable) == len(tp_sizes):
-        problems.append(f"none of tp_sizes {list(tp_sizes)} splits this model: no TP slice was checked")
+        record({"step": "tp", "tp_size": tp, "applicable": True, "tensors": len(specs), "mismatched": bad[:20]})
+    problems = rules.roundtrip_problems(records)
     metrics = {"preset": ctx.preset, "source": source.kind, "weights": ctx.weights(), "tensors": len(want),
                "checkpoint_digest": digest, "checkpoint": str(ckpt) if source.is_checkpoint else None,
                "mxfp4_tensors_checked": len(packed_names), "tp_sizes": [t for t in tp_sizes if t not in not_applicable],

@@ -1,0 +1,192 @@
+"""Forgeries of the reference, weights and kernels checks' verdicts fail ``bundle verify``.
+
+On copies of the committed H200 standard-tier bundle (every one of these checks passed there): a status
+flipped and the bundle re-sealed consistently (manifest verdict and reasons, summary.md, SHA256SUMS all
+made to agree, as a forger would) must fail on the rescorer alone, which re-derives each status from the
+records with the rule the check itself used (``verify.checks.status_rules``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from verify.bundle import schema
+from verify.bundle.schema import (
+    SumEntry,
+    compute_verdict,
+    format_sums,
+    render_summary,
+    sha256_file,
+    walk_bundle,
+)
+from verify.bundle.verify import verify_bundle
+from verify.checks.status_rules import RULES
+from verify.result import CheckResult
+
+REPO = Path(__file__).resolve().parents[1]
+STANDARD = REPO / "bundles" / "runs" / "2026-12-01-h200-session7" / "standard"
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
+
+
+def forge(root: Path, check_id: str, result: dict | None = None, record=None) -> None:
+    """Edit ``check_id``'s result (``result``: fields to set) and/or its records (``record(rows)`` edits
+    them in place), then make the manifest's verdict, summary.md and SHA256SUMS agree with the edit."""
+    if result:
+        rows = _lines(root / schema.RESULTS)
+        for r in rows:
+            if r["id"] == check_id:
+                r.update(result)
+        _write(root / schema.RESULTS, rows)
+    if record:
+        path = root / schema.RECORDS_DIR / f"{check_id}.jsonl"
+        rows = _lines(path)
+        record(rows)
+        _write(path, rows)
+    m = json.loads((root / schema.MANIFEST).read_text())
+    results = [CheckResult.from_dict(r) for r in _lines(root / schema.RESULTS)]
+    m["verdict"], m["verdict_reasons"] = compute_verdict(m["planned_checks"], results, m["state"])
+    (root / schema.MANIFEST).write_bytes(schema.dumps_doc(m))
+    (root / schema.SUMMARY).write_text(render_summary(m, results))
+    files, _ = walk_bundle(root)
+    entries = [SumEntry(f, sha256_file(root / f)[0]) for f in files if f != schema.SUMS]
+    (root / schema.SUMS).write_bytes(format_sums(entries, sealed=False))
+
+
+def _as_the_current_writer_records(root: Path) -> None:
+    """The committed bundle was written (commit ad19aac) before three fields joined the records; add them
+    with the values the run's own records imply, so the copy reads as this version writes it (a fresh CPU
+    run of the reference and weights checks is tested below without this)."""
+    det = root / "records" / "reference.determinism.jsonl"
+    _write(det, [dict(r, max_logit_diff=0.0, control_differs=True) for r in _lines(det)])
+    w = root / "records" / "weights.roundtrip.jsonl"
+    rows = _lines(w)
+    for r in rows:
+        if r.get("step") == "load":
+            r.update(digest_expected=None, names_missing=[], names_extra=[], mismatched_names=[],
+                     compared_with="the written one", fp32_violations=[])
+        if r.get("step") == "mxfp4":
+            r["differing"] = []
+    _write(w, rows)
+    from k3_fastpath import kernels
+
+    res = _lines(root / schema.RESULTS)
+    for r in res:
+        if r["id"] == "kernels.numerics":
+            r["metrics"].update(kernels=list(kernels.names()), expected_launches=list(kernels.launch_names()))
+    _write(root / schema.RESULTS, res)
+
+
+@pytest.fixture
+def copy(tmp_path: Path) -> Path:
+    dest = tmp_path / "standard"
+    shutil.copytree(STANDARD, dest)
+    _as_the_current_writer_records(dest)
+    forge(dest, "reference.determinism")  # re-seal
+    return dest
+
+
+def _only_rescore_problems(root: Path, check_id: str) -> list[str]:
+    report = verify_bundle(root)
+    assert not report.ok and report.exit_code == 1
+    assert all(p.startswith(f"{check_id}: rescore: ") for p in report.problems), report.problems
+    return list(report.problems)
+
+
+def test_the_committed_bundle_verifies_and_every_rule_has_records_there(copy):
+    assert verify_bundle(copy).ok
+    statuses = {r["id"]: r["status"] for r in _lines(copy / schema.RESULTS)}
+    for cid in RULES:
+        assert statuses[cid] == "passed" and (copy / "records" / f"{cid}.jsonl").stat().st_size > 0, cid
+
+
+@pytest.mark.parametrize("check_id", sorted(RULES))
+def test_a_pass_flipped_to_fail_and_resealed_fails_verify(copy, check_id):
+    forge(copy, check_id, result={"status": "failed", "reason": "forged"})
+    problems = _only_rescore_problems(copy, check_id)
+    assert "status 'failed', but its" in problems[0] and "records give 'passed'" in problems[0]
+
+
+def _sanitizer_errors(rows):
+    rows[1]["errors"] = 3  # racecheck
+
+
+def _weights_tp_mismatch(rows):
+    next(r for r in rows if r.get("step") == "tp" and r.get("applicable"))["mismatched"] = ["lm_head.weight"]
+
+
+def _numerics_failed_test(rows):
+    rows[5]["outcome"] = "failed"
+
+
+def _compile_error(rows):
+    rows[0]["errors"] = ["cute.compile raised"]
+
+
+def _prefill_over_tolerance(rows):
+    rows[2]["max_rel_err"] = 1e-3  # model_f64: far over 1e-8
+
+
+def _determinism_differs(rows):
+    rows[0]["bitwise_equal"] = False
+
+
+RECORD_EDITS = {
+    "kernels.sanitizer": _sanitizer_errors,
+    "weights.roundtrip": _weights_tp_mismatch,
+    "kernels.numerics": _numerics_failed_test,
+    "kernels.compile": _compile_error,
+    "reference.prefill_decode_consistency": _prefill_over_tolerance,
+    "reference.determinism": _determinism_differs,
+}
+
+
+def test_every_rule_has_a_record_forgery():
+    assert set(RECORD_EDITS) == set(RULES)
+
+
+@pytest.mark.parametrize("check_id", sorted(RECORD_EDITS))
+def test_records_showing_a_failure_under_a_passed_status_fail_verify(copy, check_id):
+    """What a run that failed and was then flipped to 'passed' looks like: its records still show why."""
+    forge(copy, check_id, record=RECORD_EDITS[check_id])
+    problems = _only_rescore_problems(copy, check_id)
+    assert "status 'passed', but its" in problems[0] and "records give 'failed'" in problems[0]
+
+
+@pytest.mark.parametrize("check_id", sorted(RECORD_EDITS))
+def test_a_failed_status_must_carry_the_reason_its_records_give(copy, check_id):
+    forge(copy, check_id, result={"status": "failed", "reason": "something milder"}, record=RECORD_EDITS[check_id])
+    problems = _only_rescore_problems(copy, check_id)
+    assert "reason 'something milder' is not what its records give" in problems[0]
+
+
+def test_a_skipped_result_with_records_fails_verify(copy):
+    forge(copy, "kernels.sanitizer", result={"status": "skipped", "reason": "needs a CUDA device"})
+    assert "skipped, yet 4 records were written" in _only_rescore_problems(copy, "kernels.sanitizer")[0]
+
+
+def test_a_fresh_cpu_run_records_all_the_rules_need(tmp_path):
+    """The reference and weights checks as this version writes them: the bundle verifies; a flip fails."""
+    from verify.output import Output
+    from verify.runner import run_tier
+
+    tier = tmp_path / "t.yaml"
+    tier.write_text("name: t\ndescription: d\ntarget_s: 600\nchecks:\n"
+                    "  - id: reference.determinism\n    budget_s: 120\n"
+                    "  - id: weights.roundtrip\n    budget_s: 120\n")
+    verdict, root = run_tier(str(tier), tmp_path / "b", "auto", "cpu", 0, Output("json"), argv=["test"])
+    assert verdict == "pass" and verify_bundle(root).ok
+    for cid in ("reference.determinism", "weights.roundtrip"):
+        forge(root, cid, result={"status": "failed", "reason": "forged"})
+        assert any(p.startswith(f"{cid}: rescore: status 'failed'") for p in verify_bundle(root).problems), cid
+        forge(root, cid, result={"status": "passed", "reason": ""})

@@ -1,0 +1,200 @@
+"""The pass/fail rules of the reference, weights and kernels checks, as functions of their raw records.
+
+Each rule takes a check's records (and, where the check states them, its result's metrics) and returns
+the problems, in the order the check reports them. The check computes its verdict by calling the same
+rule on the records it just wrote, and ``bundle verify`` calls it again on the bundle's records
+(``RESCORERS``): a result whose status or reason does not follow from its records fails verification,
+so flipping a status and re-sealing the bundle is caught. Nothing here imports torch.
+
+A record field an older writer did not record leaves the sub-rule that needs it out (the bundle is read
+as that writer wrote it); every bundle this version writes carries all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
+# bf16: decode and prefill round at different places (chunked vs recurrent KDA, plain vs absorbed MLA), and
+# a routing near-tie can flip one position's experts, so a pointwise bound would be flaky on synthetic
+# weights. The bound is on the MEDIAN per-position relative gap (observed 1-2% on k3-tiny).
+BF16_MEDIAN_TOL = 0.05
+TOLERANCES = {"max_rel_err": F64_TOL, "median_rel_err": BF16_MEDIAN_TOL}
+
+Records = Sequence[Mapping[str, Any]]
+
+
+def verdict_reason(problems: Sequence[str]) -> str:
+    """A failed result's reason: the first problem, and how many more there are."""
+    more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+    return problems[0] + more
+
+
+# ------------------------------------------------------------------------------------------ reference
+def prefill_decode_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    cases = [r for r in records if "case" in r]
+    problems = [] if cases else ["no prefill/decode case ran"]
+    for r in cases:
+        stat = r.get("statistic")
+        tol = TOLERANCES.get(stat)
+        if tol is None or r.get("tolerance") != tol:
+            problems.append(f"{r['case']} batch {r.get('batch')}: tolerance {r.get('tolerance')!r} for {stat!r} is "
+                            f"not the check's ({tol!r})")
+            continue
+        value = r.get(stat)
+        if not isinstance(value, (int, float)) or not value <= tol:
+            problems.append(f"{r['case']} batch {r['batch']} lengths {r['lengths']}: decode vs prefill {stat} "
+                            f"{value:.3g} > {tol:g}" if isinstance(value, (int, float)) else
+                            f"{r['case']} batch {r.get('batch')}: no {stat} recorded")
+    return problems
+
+
+def determinism_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    if not records:
+        return ["no run was recorded"]
+    r = records[-1]
+    problems = []
+    if not r.get("bitwise_equal"):
+        diff = r.get("max_logit_diff")
+        problems.append(f"two runs on {r.get('weights')} differ: max logit difference "
+                        + (f"{diff:.3g}" if isinstance(diff, (int, float)) else "not recorded"))
+    if "control_differs" in r and not r["control_differs"]:
+        problems.append(f"{r.get('control')} gave the same logits as {r.get('weights')}: the check is blind")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------ weights
+def roundtrip_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    steps = {r.get("step"): r for r in records if r.get("step") in ("load", "mxfp4")}
+    if "load" not in steps:
+        return ["no load step was recorded"]
+    load, problems = steps["load"], []
+    if load.get("digest_expected") is not None and load.get("digest") != load["digest_expected"]:
+        problems.append(f"{load.get('checkpoint')}: digest {load.get('digest')} differs from {load['digest_expected']}, "
+                        "read at the start of the run: the checkpoint changed during the run")
+    if load.get("names_missing") or load.get("names_extra"):
+        problems.append(f"loaded names differ from the manifest: missing {load.get('names_missing')}, "
+                        f"extra {load.get('names_extra')}")
+    if "mismatched_names" in load:
+        problems += [f"{n}: loaded tensor differs from {load.get('compared_with')}" for n in load["mismatched_names"]]
+    elif load.get("mismatched"):
+        problems.append(f"{load['mismatched']} loaded tensors differ")
+    problems += [f"{n}: loaded as {dtype}, the checkpoint stores F32" for n, dtype in load.get("fp32_violations", [])]
+    mx = steps.get("mxfp4", {})
+    if "differing" in mx:
+        problems += [f"{n}: MXFP4 dequantisation differs from the independent decoder by {err:.3g}"
+                     for n, err in mx["differing"]]
+    elif mx.get("max_abs_diff"):
+        problems.append(f"MXFP4 dequantisation differs from the independent decoder by {mx['max_abs_diff']:.3g}")
+    tps = [r for r in records if r.get("step") == "tp"]
+    for r in tps:
+        if r.get("applicable") is False:
+            continue
+        if r.get("load_error"):
+            problems.append(f"tp {r['tp_size']}: loading the rank slices failed: {r['load_error']}")
+            continue
+        problems += [f"tp {r['tp_size']}: {n}: rank slices do not reassemble to the full tensor"
+                     for n in (r.get("mismatched") or [])[:5]]
+    if tps and all(r.get("applicable") is False for r in tps):
+        problems.append(f"none of tp_sizes {[r['tp_size'] for r in tps]} splits this model: no TP slice was checked")
+    return problems
+
+
+# ------------------------------------------------------------------------------------------ kernels
+def compile_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    problems = [] if records else ["no kernel was compiled"]
+    for r in records:
+        problems += [f"{r['kernel']} ({r['preset']}): {e}" for e in r.get("errors", [])]
+        if r.get("variants") == 0:
+            problems.append(f"{r['kernel']} ({r['preset']}): no variants to compile: the kernel serves no shape")
+    return problems
+
+
+def numerics_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    """Any failed test; a skipped test of a kernel (on an H200 the envelope shrank); no test passed; a
+    launch name of the registry (``metrics.expected_launches``) that no test moved."""
+    metrics = metrics or {}
+    kernels = metrics.get("kernels") or metrics.get("expected_launches") or []
+    problems = []
+    for t in records:
+        name = t["test"].split("::")[-1]
+        if t.get("outcome") == "failed":
+            problems.append(f"{t['test']}: {t.get('reason', 'failed')}")
+        elif t.get("outcome") == "skipped" and any(name.startswith(f"test_{k}") for k in kernels):
+            problems.append(f"{t['test']}: skipped on a GPU ({t.get('reason', '')})")
+    if not any(t.get("outcome") == "passed" for t in records):
+        problems.append("no kernel test ran (see artifacts pytest.log)")
+    launched = launches_by_kernel(records)
+    problems += [f"{k}: no GPU test launched this kernel" for k in metrics.get("expected_launches") or []
+                 if k not in launched]
+    return problems
+
+
+def launches_by_kernel(records: Records) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for t in records:
+        for k, n in ((t.get("counters") or {}).get("launches") or {}).items():
+            out[k] = out.get(k, 0) + n
+    return out
+
+
+def sanitizer_problems(records: Records, metrics: Mapping[str, Any] | None = None, check_id: str = "kernels.sanitizer"
+                       ) -> list[str]:
+    problems = [] if records else ["no sanitizer tool ran"]
+    for r in records:
+        tool, errors = r.get("tool"), r.get("errors")
+        if errors is None:
+            problems.append(f"{tool}: no ERROR SUMMARY in compute-sanitizer output (exit {r.get('returncode')})")
+        elif errors:
+            problems.append(f"{tool}: {errors} error(s), see artifacts/{check_id}/{tool}.log")
+        elif r.get("returncode") != 0 and not r.get("tolerated_api_probes"):
+            problems.append(f"{tool}: exit code {r.get('returncode')} with 0 errors reported")
+        if not r.get("all_kernels_launched"):
+            problems.append(f"{tool}: the driver did not launch every kernel (a fallback proves nothing)")
+        if "executor_step_with_side_stream" in r and not r["executor_step_with_side_stream"]:
+            problems.append(f"{tool}: the executor step with the shared experts on the side stream did not run")
+    return problems
+
+
+RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
+    "reference.prefill_decode_consistency": prefill_decode_problems,
+    "reference.determinism": determinism_problems,
+    "weights.roundtrip": roundtrip_problems,
+    "kernels.compile": compile_problems,
+    "kernels.numerics": numerics_problems,
+    "kernels.sanitizer": sanitizer_problems,
+}
+
+
+# Whether the records hold every field the rule reads (bundles written before the rule was shared carry
+# fewer): only then does a failed status with no problem in its records count as a contradiction.
+COMPLETE: dict[str, Callable[[Records, Mapping[str, Any]], bool]] = {
+    "reference.determinism": lambda recs, m: bool(recs) and "control_differs" in recs[-1],
+    "weights.roundtrip": lambda recs, m: any("mismatched_names" in r for r in recs),
+    "kernels.numerics": lambda recs, m: "expected_launches" in m,
+}
+
+
+def rescore(records: Mapping[str, list], result: Any) -> list[str]:
+    """``bundle verify``'s rescorer for the checks of ``RULES``: the status and reason re-derived from the
+    result's records. A skipped result has no records; an error (a crash, over budget, a preflight miss)
+    states why it has no verdict and is taken as it is."""
+    rule = RULES.get(result.id)
+    if rule is None:
+        return []
+    recs = records.get(result.id, [])
+    if result.status == "skipped":
+        return [f"skipped, yet {len(recs)} records were written"] if recs else []
+    if result.status == "error":
+        return []
+    problems = rule(recs, result.metrics)
+    if not problems and result.status == "failed" and not COMPLETE.get(result.id, lambda r, m: True)(recs, result.metrics):
+        return []  # an older writer failed it on a rule whose inputs it did not record
+    want = "failed" if problems else "passed"
+    if result.status != want:
+        return [f"status {result.status!r}, but its {len(recs)} records give {want!r}"
+                + (f" ({problems[0]})" if problems else "")]
+    if problems and result.reason != verdict_reason(problems):
+        return [f"reason {result.reason!r} is not what its records give ({verdict_reason(problems)!r})"]
+    return []
