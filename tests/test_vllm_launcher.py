@@ -102,6 +102,7 @@ def test_command_and_environment(model_dir, monkeypatch):
     assert json.loads(args["--structured-outputs-config"]) == {"backend": "xgrammar", "disable_any_whitespace": True}
     env = s.environment()
     assert env["HF_HUB_OFFLINE"] == "1" and env["VLLM_HOST_IP"] == "127.0.0.1" and env["EXTRA"] == "1"
+    assert args["--dtype"] == ("float32" if s.on_cpu else "bfloat16")
     if s.on_cpu:
         assert "--enforce-eager" in cmd
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"

