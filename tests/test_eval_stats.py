@@ -19,7 +19,7 @@ from verify.evals.stats import mcnemar_exact, paired_bootstrap, paired_counts, p
 
 TH = Thresholds(alpha=0.05, min_relative_accuracy=0.99, max_relative_length_change=0.10, truncation_max_rate=0.05,
                 truncation_max_increase=0.02, extraction_max_rate=0.05, extraction_max_increase=0.02,
-                bootstrap_iters=2000, bootstrap_confidence=0.95)
+                bootstrap_iters=2000, bootstrap_confidence=0.95, increase_test="mcnemar")
 
 
 def exact_two_sided(b: int, c: int) -> float:
@@ -171,9 +171,24 @@ def test_length_truncation_and_extraction_gates() -> None:
     assert problems == ["t: mean output 111.0 tokens vs baseline 100.0: outside +-10%"]
     _, problems = compare("t", samples(s, tokens=100), samples(s, tokens=89), TH, 0)
     assert len(problems) == 1
-    trunc = [i < 4 for i in range(100)]  # 4% truncated: under the 5% cap, +4 points over the baseline's 0%
-    _, problems = compare("t", samples(s), samples(s, truncated=trunc), TH, 0)
-    assert problems == ["t: truncation (hit max_tokens) rate 4.0% vs baseline 0.0%: up more than 2.0%"]
+    # 8 of 200 truncated on the fast side only: under the 5% cap, +4 points, McNemar p = 2/2^8
+    s200 = s * 2
+    trunc = [i < 8 for i in range(200)]
+    m, problems = compare("t", samples(s200), samples(s200, truncated=trunc), TH, 0)
+    assert problems == ["t: truncation (hit max_tokens) rate 4.0% vs baseline 0.0%: up more than 2.0%, "
+                        "McNemar p=0.00781 < 0.05 (8 responses on the fast side only, 0 on the baseline only)"]
+    assert m["truncation_test"]["p_value"] == pytest.approx(2 / 2**8)
+    # the same +4 points on 100 items (4 responses, p = 0.125), or one response of 20 (+5 points, the H200
+    # standard run of 2026-12-01): not evidence of a decode loop that misses EOS
+    for n, k in ((100, 4), (20, 1)):
+        _, problems = compare("t", samples(s[:n]), samples(s[:n], truncated=[i < k for i in range(n)]), TH, 0)
+        assert problems == [], (n, k, problems)
+    # thresholds recorded before the paired test existed (no increase_test key): the plain rule, so an old
+    # bundle's verdict re-derives as it was written
+    old = Thresholds.from_dict({k: v for k, v in TH.as_dict().items() if k != "increase_test"})
+    assert old.increase_test == "none"
+    _, problems = compare("t", samples(s[:20]), samples(s[:20], truncated=[i < 1 for i in range(20)]), old, 0)
+    assert problems == ["t: truncation (hit max_tokens) rate 5.0% vs baseline 0.0%: up more than 2.0%"]
     fails = [i < 6 for i in range(100)]  # 6% on both sides: over the absolute cap on each side
     _, problems = compare("t", samples(s, failed=fails), samples(s, failed=fails), TH, 0)
     assert problems == ["t: answer-extraction failure rate 6.0% on the baseline side, over 5.0%",

@@ -36,6 +36,7 @@ defaults:
   max_relative_length_change: 0.10
   truncation: {max_rate: 1.0, max_increase: 0.02}
   extraction_failure: {max_rate: 1.0, max_increase: 0.02}
+  increase_test: mcnemar
   bootstrap: {iters: 1000, confidence: 0.95}
 """
 
