@@ -2,7 +2,10 @@
 
 ``BuiltinEngine(preset, path="reference" | "fast", device, seed, max_model_len)``:
 
-- the model: a preset with seeded synthetic weights (``k3_fastpath.synthetic``, weight seed ``seed``), or
+- the model: a preset with seeded synthetic weights (``k3_fastpath.synthetic``, weight seed ``seed``,
+  ``conditioning="stable"`` unless told otherwise: on the default draw BF16 rounding is amplified until two
+  correct implementations part beyond each other's top-5 within a few greedy tokens, so a fast-vs-reference
+  comparison of generations would measure the draw, not the engine), or
   a checkpoint directory (``k3_fastpath.weights.load_checkpoint``), in FP32 on a CPU and BF16 on CUDA
   unless ``dtype`` says otherwise; inside ``k3-verify run`` the runner hands over the run's
   ``model_source`` and a checkpoint's tensors come from it (read once, the digest the bundle records);
@@ -39,7 +42,7 @@ def fast_path_unavailable_reason(device: str) -> str | None:
     return arch.sm90_unsupported_reason(torch.device(device))
 
 
-def _load_weights(preset: str, seed: int, model_source: Any = None
+def _load_weights(preset: str, seed: int, model_source: Any = None, conditioning: str = "stable"
                   ) -> tuple[Any, dict[str, torch.Tensor], str, Path | None]:
     from k3_fastpath.config import get_config, is_preset_spec
 
@@ -50,7 +53,8 @@ def _load_weights(preset: str, seed: int, model_source: Any = None
         from k3_fastpath.synthetic import synthetic_state_dict
 
         cfg = get_config(preset)
-        return cfg, synthetic_state_dict(cfg, seed), f"synthetic (seed {seed})", None
+        return (cfg, synthetic_state_dict(cfg, seed, conditioning=conditioning),
+                f"synthetic (seed {seed}, conditioning {conditioning})", None)
     root = Path(preset)
     if not root.is_dir():
         raise EngineError(f"builtin engine: {preset!r} is neither a preset nor a checkpoint directory")
@@ -101,7 +105,8 @@ class BuiltinEngine:
 
     def __init__(self, preset: str = "k3-tiny", path: str = "reference", device: str = "cpu", seed: int = 0,
                  max_model_len: int | None = None, dtype: torch.dtype | str | None = None,
-                 tokenizer_seed: int = 0, max_batch: int = 256, model_source: Any = None) -> None:
+                 tokenizer_seed: int = 0, max_batch: int = 256, model_source: Any = None,
+                 conditioning: str = "stable") -> None:
         from k3_fastpath.reference.model import load_reference
         from k3_fastpath.runtime.generator import Generator
 
@@ -120,7 +125,7 @@ class BuiltinEngine:
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         self.dtype = dtype or (torch.bfloat16 if self.device.startswith("cuda") else torch.float32)
-        cfg, sd, self.weights_source, checkpoint = _load_weights(preset, self.seed, model_source)
+        cfg, sd, self.weights_source, checkpoint = _load_weights(preset, self.seed, model_source, conditioning)
         self.cfg = cfg
         self.preset = preset
         limit = cfg.max_position_embeddings
