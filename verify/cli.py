@@ -147,12 +147,15 @@ def env(fmt: str = FormatOpt) -> None:
 
 
 @bundle_app.command("verify")
-def bundle_verify(path: Path = typer.Argument(..., help="bundle directory or .tar.gz"), fmt: str = FormatOpt) -> None:
+def bundle_verify(path: Path = typer.Argument(..., help="bundle directory or .tar.gz"),
+                  repo: Path = typer.Option(None, "--repo", help="git repository: the commit the bundle names must "
+                                            "hold the sources that ran"),
+                  fmt: str = FormatOpt) -> None:
     """Check hashes, schema and that the verdict follows from the records (0 ok, 1 failed, 2 unreadable)."""
     out = Output(fmt)
     from verify.bundle.verify import verify_bundle  # loads the built-in rescorers (perf sweep, evals)
 
-    report = verify_bundle(path)
+    report = verify_bundle(path, repo=repo)
     out.set("ok", report.ok)
     out.set("exit_code", report.exit_code)
     out.set("verdict", report.verdict)
@@ -160,8 +163,12 @@ def bundle_verify(path: Path = typer.Argument(..., help="bundle directory or .ta
     if report.exit_code == EXIT_USAGE:
         out.finish()
         raise UserError(report.problems[0] if report.problems else f"{path}: unreadable bundle")
+    if report.summary.get("source"):
+        out.set("source", report.summary["source"])
     if report.ok:
         out.line(f"OK  {path}: bundle verifies, verdict {report.verdict}")
+        if report.summary.get("source"):
+            out.line(f"    {report.summary['source']}")
     else:
         out.line(f"FAILED  {path}: {len(report.problems)} problem(s)")
         for p in report.problems:

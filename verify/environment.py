@@ -1,7 +1,8 @@
 """Environment capture: everything a maintainer needs to reproduce or distrust a result.
 
 GPU model/UUID/driver/clocks/throttle reasons/ECC (nvidia-ml-py, when a GPU exists), CPU, torch, CUDA,
-cutlass-dsl, vLLM and lm-eval versions, the git commit of the tree and a hash of its uncommitted diff,
+cutlass-dsl, vLLM and lm-eval versions, the source identity (``verify.provenance``: the sources' hash, the
+commit that has exactly those sources or null, the checkout's HEAD, the commit ``K3_SOURCE_COMMIT`` claims),
 and the container image identity (``K3_IMAGE_DIGEST`` / ``K3_IMAGE_BUILD_ARGS`` set by the image, or
 ``/.dockerenv``). Every probe is best effort: a failure is recorded as a string, never raised.
 """
@@ -12,11 +13,11 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from verify import provenance
 from verify.requirements import compute_sanitizer_path, cutlass_dsl_version
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,44 +45,11 @@ def _cpu() -> dict[str, Any]:
 
 
 def source_tree_sha256() -> str:
-    """sha256 over the package sources (k3_fastpath/, verify/, evals/: every .py and .yaml, by relative
-    path): ties a bundle to the exact code even where there is no git checkout (an image, a copied tree)."""
-    h = hashlib.sha256()
-    for top in ("k3_fastpath", "verify", "evals"):
-        base = REPO_ROOT / top
-        if not base.is_dir():
-            continue
-        for f in sorted(p for p in base.rglob("*") if p.suffix in (".py", ".yaml") and "__pycache__" not in p.parts):
-            h.update(str(f.relative_to(REPO_ROOT)).encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
+    """sha256 over the package sources that run (``verify.provenance.tree_sha256``): ties a bundle to the
+    exact code even where there is no git checkout (an image, a copied tree)."""
+    from verify.provenance import tree_sha256
 
-
-def _git() -> dict[str, Any]:
-    def run(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=20,
-                              check=True).stdout
-
-    try:
-        commit = run("rev-parse", "HEAD").strip()
-    except Exception as e:  # not a checkout (installed wheel, image, a copied tree): the caller may say
-        return {"commit": os.environ.get("K3_SOURCE_COMMIT"), "commit_from": "K3_SOURCE_COMMIT"
-                if os.environ.get("K3_SOURCE_COMMIT") else None,
-                "note": f"no git checkout at {REPO_ROOT} ({type(e).__name__})"}
-    try:
-        diff = run("diff", "HEAD", "--binary")
-        untracked = run("ls-files", "--others", "--exclude-standard").split()
-        h = hashlib.sha256(diff.encode())
-        for f in sorted(untracked):
-            h.update(f.encode())
-            try:
-                h.update((REPO_ROOT / f).read_bytes())
-            except OSError:
-                pass
-        dirty = bool(diff) or bool(untracked)
-        return {"commit": commit, "dirty": dirty, "dirty_diff_sha256": h.hexdigest() if dirty else None,
-                "untracked_files": len(untracked)}
-    except Exception as e:
-        return {"commit": commit, "dirty": None, "note": f"diff failed: {e}"}
+    return tree_sha256(REPO_ROOT)
 
 
 def _gpus() -> list[dict[str, Any]] | str:
@@ -154,6 +122,7 @@ def _image() -> dict[str, Any]:
 
 
 def capture() -> dict[str, Any]:
+    tree = source_tree_sha256()
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -172,8 +141,8 @@ def capture() -> dict[str, Any]:
             "safetensors": _version("safetensors"),
         },
         "compute_sanitizer": compute_sanitizer_path(),
-        "git": _git(),
-        "source_tree_sha256": source_tree_sha256(),
+        "git": provenance.capture(REPO_ROOT, tree),
+        "source_tree_sha256": tree,
         "image": _image(),
         "env_vars": {k: os.environ[k] for k in sorted(os.environ)
                      if k.startswith(("CUDA_VISIBLE", "CUTE_DSL_", "K3_", "NCCL_", "TORCH_CUDA"))},

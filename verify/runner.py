@@ -153,6 +153,7 @@ def _part(env: dict[str, Any], device: str, checks: list[str]) -> dict[str, Any]
     torch_env = env.get("torch") or {}
     return {"gpu": torch_env.get("device_name") if device == "cuda" else None, "device": device,
             "source_tree_sha256": env.get("source_tree_sha256"), "commit": (env.get("git") or {}).get("commit"),
+            "claimed_commit": (env.get("git") or {}).get("claimed_commit"),
             "hostname_sha256": env.get("hostname_sha256"), "checks": list(checks)}
 
 

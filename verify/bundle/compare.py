@@ -37,6 +37,7 @@ from verify.bundle.readers import (
     sweep_points,
     two_sample_z_p,
 )
+from verify.provenance import commit_label
 
 NOISE_FLOOR = 0.02  # a step-time delta under 2% is never called a change (CUDA-graph medians jitter ~1%)
 # ... and under 5% when a side recorded no spread (one median per shape, as bench.kernels writes): the two
@@ -323,8 +324,7 @@ def _eval_deltas(a: BundleData, b: BundleData, absent: list[str], warnings: list
 
 def _side(d: BundleData) -> dict[str, Any]:
     m = d.manifest
-    git = (m.get("env") or {}).get("git") if isinstance(m.get("env"), dict) else None
-    commit = git.get("commit") if isinstance(git, dict) else None
+    commit = commit_label((m.get("env") or {}).get("git") if isinstance(m.get("env"), dict) else None)
     return {
         "path": d.path,
         "name": d.name,
@@ -333,7 +333,7 @@ def _side(d: BundleData) -> dict[str, Any]:
         "state": m.get("state"),
         "started_at": m.get("started_at"),
         "gpu": d.gpu,
-        "commit": commit[:12] if isinstance(commit, str) else None,
+        "commit": commit,
     }
 
 

@@ -35,6 +35,7 @@ from verify.bundle.readers import (
     sweep_points,
 )
 from verify.bundle.schema import verdict_line
+from verify.provenance import commit_label
 
 MAX_CHARS = 65_536  # GitHub's limit for an issue / PR comment body
 HEAD_ROWS = 40  # rows per table in the visible part; the rest is in the details section
@@ -109,7 +110,7 @@ def _header(d: BundleData) -> list[str]:
         ("state", f"{m.get('state')}, {m.get('started_at')} to {m.get('ended_at') or '-'}"),
         ("GPU", d.gpu + (f" (driver {driver})" if driver else "")),
         ("versions", ", ".join(versions) or "-"),
-        ("commit", f"{git.get('commit') or '-'}{' (dirty)' if git.get('dirty') else ''}"),
+        ("commit", commit_label(git) or "-"),
         ("command", f"`{' '.join(map(str, m.get('argv') or []))}`"),
         ("tool", f"{tool.get('name')} {tool.get('version')}"),
     ]

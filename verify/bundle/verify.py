@@ -53,6 +53,7 @@ from verify.bundle.schema import (
     verdict_line,
     walk_bundle,
 )
+from verify.provenance import commit_problem
 from verify.result import STATUSES, CheckResult, is_bundle_relpath
 
 EXIT_OK, EXIT_INVALID, EXIT_UNREADABLE = 0, 1, 2
@@ -175,14 +176,16 @@ def load_builtin_rescorers() -> None:
         register_rescorer(check_id, status_rules.rescore)
 
 
-def verify_bundle(path: str | Path, *, rescorers: Sequence[tuple[str, Rescorer]] | None = None) -> VerifyReport:
+def verify_bundle(path: str | Path, *, rescorers: Sequence[tuple[str, Rescorer]] | None = None,
+                  repo: str | Path | None = None) -> VerifyReport:
     """Verify a bundle directory or .tar.gz. ``rescorers`` replaces the registered ones (tests); without it
-    the built-in ones (``BUILTIN_RESCORERS``) are loaded first."""
+    the built-in ones (``BUILTIN_RESCORERS``) are loaded first. With ``repo`` (a git repository) the commit
+    the bundle names must hold the sources that ran (``verify.provenance.commit_problem``)."""
     if rescorers is None:
         load_builtin_rescorers()
     try:
         with open_bundle(path) as root:
-            return _verify_root(root, list(_RESCORERS if rescorers is None else rescorers))
+            return _verify_root(root, list(_RESCORERS if rescorers is None else rescorers), repo)
     except BundleError as e:
         return VerifyReport(ok=False, exit_code=e.exit_code, verdict=None, problems=(str(e),))
 
@@ -209,7 +212,7 @@ def _read_prefix(path: Path, n: int) -> bytes:
         return f.read(n)
 
 
-def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]]) -> VerifyReport:
+def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]], repo: str | Path | None = None) -> VerifyReport:
     problems: list[str] = []
     notes: list[str] = []
     mbytes = (root / MANIFEST).read_bytes()
@@ -374,6 +377,11 @@ def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]]) -> VerifyRep
         "sums_form": "sealed-prefix" if sealed else "standard",
         "records": {k: len(v) for k, v in sorted(records.items())},
     }
+    if repo is not None:
+        source_problem, confirmed = commit_problem(manifest, repo)
+        if source_problem:
+            problems.append(f"--repo {repo}: {source_problem}")
+        summary["source"] = confirmed or None
     return VerifyReport(ok=not problems, exit_code=EXIT_INVALID if problems else EXIT_OK, verdict=verdict,
                         problems=tuple(problems), notes=tuple(notes), summary=summary)
 
