@@ -1,4 +1,4 @@
-"""Forgeries of the reference, weights and kernels checks' verdicts fail ``bundle verify``.
+"""Forgeries of the reference, weights, kernels and features.full_context verdicts fail ``bundle verify``.
 
 On copies of the committed H200 standard-tier bundle (every one of these checks passed there): a status
 flipped and the bundle re-sealed consistently (manifest verdict and reasons, summary.md, SHA256SUMS all
@@ -141,7 +141,14 @@ def _determinism_differs(rows):
     rows[0]["bitwise_equal"] = False
 
 
+def _full_context_diverges(rows):
+    eut = next(r for r in rows if r.get("kind") == "full_context" and r["role"] == "engine_under_test")
+    base = next(r for r in rows if r.get("kind") == "full_context" and r["role"] == "baseline")
+    base["token_ids"][0] = next(t for t in range(512) if str(t) not in eut["logprobs"][0])  # beyond its top-5
+
+
 RECORD_EDITS = {
+    "features.full_context": _full_context_diverges,
     "kernels.sanitizer": _sanitizer_errors,
     "weights.roundtrip": _weights_tp_mismatch,
     "kernels.numerics": _numerics_failed_test,
@@ -168,6 +175,15 @@ def test_a_failed_status_must_carry_the_reason_its_records_give(copy, check_id):
     forge(copy, check_id, result={"status": "failed", "reason": "something milder"}, record=RECORD_EDITS[check_id])
     problems = _only_rescore_problems(copy, check_id)
     assert "reason 'something milder' is not what its records give" in problems[0]
+
+
+def test_a_comparison_record_that_does_not_follow_from_the_generations_fails_verify(copy):
+    def edit(rows):
+        next(r for r in rows if r.get("kind") == "comparison")["first_divergence"] = 3
+
+    forge(copy, "features.full_context", record=edit)
+    problems = _only_rescore_problems(copy, "features.full_context")
+    assert "the comparison record (ok True, first divergence 3) does not follow" in problems[0]
 
 
 def test_a_skipped_result_with_records_fails_verify(copy):

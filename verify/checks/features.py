@@ -22,7 +22,9 @@ Then: the same seed gives the same tokens (alone and twice in one batch), and ot
 (prompt + max_tokens == max_model_len) must succeed on both engines with every prompt token counted; the
 token sequences are compared as vLLM's model tests do (identical, or at the first divergence each side's
 token is in the other's top-n log-probabilities). One token over the limit, as a longer prompt or as a
-prompt filling the context plus one token, must raise ``ContextLimitError`` naming the limit.
+prompt filling the context plus one token, must raise ``ContextLimitError`` naming the limit. Its status
+is ``status_rules.full_context_problems`` of its records (each side's generation or error, the comparison,
+the over-limit requests), which ``bundle verify`` applies again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from verify.checks import status_rules
 from verify.checks.registry import check
 from verify.context import CheckContext
 from verify.engines.base import Constraint, ContextLimitError, EngineError, SamplingParams
@@ -361,32 +364,6 @@ def _seed_checks(engine: Any, prompt: list[int], n: int, others: int, seed: int)
 
 
 # ---------------------------------------------------------------------------------------------- full context
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def _compare_greedy(ca: Any, cb: Any) -> tuple[bool, dict[str, Any]]:
-    """vLLM-style: identical tokens, or at the first divergence each side's token in the other's top-n."""
-    pos = _first_divergence(ca.token_ids, cb.token_ids)
-    info: dict[str, Any] = {"first_divergence": pos}
-    if ca.logprobs and cb.logprobs:
-        n = min(len(ca.logprobs), len(cb.logprobs), len(ca.token_ids), len(cb.token_ids))
-        upto = n if pos is None else min(pos, n)
-        diffs = [abs(ca.logprobs[i][ca.token_ids[i]] - cb.logprobs[i][cb.token_ids[i]]) for i in range(upto)
-                 if ca.token_ids[i] in ca.logprobs[i] and cb.token_ids[i] in cb.logprobs[i]]
-        info["max_chosen_logprob_diff"] = max(diffs) if diffs else 0.0
-    if pos is None:
-        return True, info
-    if pos >= min(len(ca.token_ids), len(cb.token_ids)) or not (ca.logprobs and cb.logprobs):
-        return False, info
-    ok = ca.token_ids[pos] in cb.logprobs[pos] and cb.token_ids[pos] in ca.logprobs[pos]
-    info["divergence_tokens"] = [ca.token_ids[pos], cb.token_ids[pos]]
-    return ok, info
-
-
 def _expect_rejection(engine: Any, prompt: list[int], max_tokens: int, limit: int) -> str | None:
     """None if the engine rejects the over-long request clearly, else what it did instead."""
     total = len(prompt) + max_tokens
@@ -415,42 +392,38 @@ def full_context(ctx: CheckContext, max_tokens: int = 4, top_logprobs: int = 5,
                           f"{limit} under test: start it with --max-model-len {limit}")
     if not 1 <= max_tokens < limit:
         raise ValueError(f"max_tokens must lie in 1..{limit - 1}, got {max_tokens}")
-    problems: list[str] = []
     prompt = _prompt_ids(ctx.seed + 202, limit - max_tokens, eut.vocab_size)
     params = SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs, ignore_eos=True)
+    records: list[dict[str, Any]] = []
+
+    def record(obj: dict[str, Any]) -> None:
+        records.append(obj)
+        ctx.record(obj)
+
     results = {}
     for role, engine in _roles(eut, base):
+        head = {"kind": "full_context", "role": role, "engine": engine.name, "prompt_len": len(prompt),
+                "max_tokens": max_tokens, "top_logprobs": top_logprobs}
         try:
             c = engine.generate([prompt], params)[0]
         except Exception as e:
-            problems.append(f"{engine.name} ({role}): a request of exactly {limit} tokens failed: "
-                            f"{type(e).__name__}: {e}")
+            record({**head, "error": f"{type(e).__name__}: {e}"})
             continue
         results[role] = c
-        ctx.record({"kind": "full_context", "role": role, "engine": engine.name, "prompt_len": len(prompt),
-                    "max_tokens": max_tokens, "prompt_tokens": c.prompt_tokens, "token_ids": c.token_ids,
-                    "finish_reason": c.finish_reason,
-                    "logprobs": [{str(k): v for k, v in d.items()} for d in c.logprobs or []]})
-        if c.prompt_tokens != len(prompt):
-            problems.append(f"{engine.name} ({role}): counted {c.prompt_tokens} prompt tokens of {len(prompt)}")
-        if len(c.token_ids) != max_tokens:
-            problems.append(f"{engine.name} ({role}): {len(c.token_ids)} tokens at full context, asked "
-                            f"{max_tokens} (finish_reason {c.finish_reason})")
+        record({**head, "prompt_tokens": c.prompt_tokens, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                "logprobs": [{str(k): v for k, v in d.items()} for d in c.logprobs or []]})
     cmp: dict[str, Any] = {}
     if "engine_under_test" in results:
         other = results.get("baseline", results["engine_under_test"])
-        ok, cmp = _compare_greedy(results["engine_under_test"], other)
-        if not ok:
-            problems.append(f"{eut.name} vs {base.name} at full context: tokens diverge at position "
-                            f"{cmp['first_divergence']} beyond each other's top-{top_logprobs}")
-        ctx.record({"kind": "comparison", **cmp, "ok": ok})
+        ok, cmp = status_rules.compare_greedy(results["engine_under_test"].token_ids,
+                                              results["engine_under_test"].logprobs, other.token_ids, other.logprobs)
+        record({"kind": "comparison", **cmp, "ok": ok})
     over = {"longer_prompt": (_prompt_ids(ctx.seed + 303, limit - max_tokens + 1, eut.vocab_size), max_tokens),
             "full_prompt_plus_one": (_prompt_ids(ctx.seed + 304, limit, eut.vocab_size), 1)}
     for name, (p, n) in over.items():
         why = _expect_rejection(eut, p, n, limit)
-        ctx.record({"kind": "over_limit", "case": name, "prompt_len": len(p), "max_tokens": n,
-                    "max_model_len": limit, "rejected_clearly": why is None, "error": why})
-        if why:
-            problems.append(f"{eut.name} one token over ({name}): {why}")
+        record({"kind": "over_limit", "case": name, "prompt_len": len(p), "max_tokens": n,
+                "max_model_len": limit, "rejected_clearly": why is None, "error": why})
+    problems = status_rules.full_context_problems(records)
     metrics = dict(info, max_model_len=limit, prompt_len=len(prompt), max_tokens=max_tokens, **cmp)
     return ctx.verdict(problems, metrics)

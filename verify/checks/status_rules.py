@@ -1,4 +1,5 @@
-"""The pass/fail rules of the reference, weights and kernels checks, as functions of their raw records.
+"""The pass/fail rules of the reference, weights, kernels and features.full_context checks, as functions of
+their raw records.
 
 Each rule takes a check's records (and, where the check states them, its result's metrics) and returns
 the problems, in the order the check reports them. The check computes its verdict by calling the same
@@ -157,6 +158,81 @@ def sanitizer_problems(records: Records, metrics: Mapping[str, Any] | None = Non
     return problems
 
 
+# ------------------------------------------------------------------------------------------ features
+def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _top(logprobs: Sequence[Mapping[Any, float]] | None) -> list[dict[int, float]]:
+    return [{int(k): float(v) for k, v in d.items()} for d in logprobs or []]
+
+
+def compare_greedy(a_ids: Sequence[int], a_lps: Sequence[Mapping[Any, float]] | None, b_ids: Sequence[int],
+                   b_lps: Sequence[Mapping[Any, float]] | None) -> tuple[bool, dict[str, Any]]:
+    """vLLM-style: identical tokens, or at the first divergence each side's token in the other's top-n
+    (``*_lps``: per position ``{token: logprob}``, keys int or str as a record holds them)."""
+    la, lb = _top(a_lps), _top(b_lps)
+    pos = first_divergence(a_ids, b_ids)
+    info: dict[str, Any] = {"first_divergence": pos}
+    if la and lb:
+        n = min(len(la), len(lb), len(a_ids), len(b_ids))
+        upto = n if pos is None else min(pos, n)
+        diffs = [abs(la[i][a_ids[i]] - lb[i][b_ids[i]]) for i in range(upto) if a_ids[i] in la[i] and b_ids[i] in lb[i]]
+        info["max_chosen_logprob_diff"] = max(diffs) if diffs else 0.0
+    if pos is None:
+        return True, info
+    if pos >= min(len(a_ids), len(b_ids)) or not (la and lb) or pos >= min(len(la), len(lb)):
+        return False, info
+    info["divergence_tokens"] = [a_ids[pos], b_ids[pos]]
+    return a_ids[pos] in lb[pos] and b_ids[pos] in la[pos], info
+
+
+def full_context_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    """features.full_context: each side's request of exactly the context (prompt counted, every token
+    generated), the engine under test against the baseline by ``compare_greedy``, the over-limit requests
+    rejected clearly."""
+    runs = {r.get("role"): r for r in records if r.get("kind") == "full_context"}
+    eut = runs.get("engine_under_test")
+    if eut is None:
+        return ["no full-context request of the engine under test was recorded"]
+    base = runs.get("baseline", eut)
+    problems = []
+    for role, r in runs.items():
+        limit = int(r.get("prompt_len", 0)) + int(r.get("max_tokens", 0))
+        if r.get("error"):
+            problems.append(f"{r.get('engine')} ({role}): a request of exactly {limit} tokens failed: {r['error']}")
+            continue
+        if r.get("prompt_tokens") != r.get("prompt_len"):
+            problems.append(f"{r.get('engine')} ({role}): counted {r.get('prompt_tokens')} prompt tokens of "
+                            f"{r.get('prompt_len')}")
+        if len(r.get("token_ids") or []) != r.get("max_tokens"):
+            problems.append(f"{r.get('engine')} ({role}): {len(r.get('token_ids') or [])} tokens at full context, "
+                            f"asked {r.get('max_tokens')} (finish_reason {r.get('finish_reason')})")
+    if not eut.get("error"):
+        other = base if not base.get("error") else eut
+        ok, cmp = compare_greedy(eut.get("token_ids") or [], eut.get("logprobs"), other.get("token_ids") or [],
+                                 other.get("logprobs"))
+        top_n = max((len(d) for d in eut.get("logprobs") or []), default=0)
+        if not ok:
+            problems.append(f"{eut.get('engine')} vs {base.get('engine')} at full context: tokens diverge at "
+                            f"position {cmp['first_divergence']} beyond each other's top-{eut.get('top_logprobs', top_n)}")
+        recorded = [r for r in records if r.get("kind") == "comparison"]
+        if recorded and (recorded[-1].get("ok"), recorded[-1].get("first_divergence")) != (ok, cmp["first_divergence"]):
+            problems.append(f"the comparison record (ok {recorded[-1].get('ok')}, first divergence "
+                            f"{recorded[-1].get('first_divergence')}) does not follow from the two generations "
+                            f"(ok {ok}, first divergence {cmp['first_divergence']})")
+    over = [r for r in records if r.get("kind") == "over_limit"]
+    if not over:
+        problems.append("no over-limit request was recorded")
+    for r in over:
+        if not r.get("rejected_clearly"):
+            problems.append(f"{eut.get('engine')} one token over ({r.get('case')}): {r.get('error')}")
+    return problems
+
+
 RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "reference.prefill_decode_consistency": prefill_decode_problems,
     "reference.determinism": determinism_problems,
@@ -164,6 +240,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "kernels.compile": compile_problems,
     "kernels.numerics": numerics_problems,
     "kernels.sanitizer": sanitizer_problems,
+    "features.full_context": full_context_problems,
 }
 
 
