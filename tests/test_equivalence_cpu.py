@@ -4,6 +4,7 @@ the check into a record sink. Inputs are fresh random logits / prompts per run (
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ from verify.checks.equivalence import (
     synthesize_context,
     tie_margins,
 )
+from verify.checks.status_rules import equivalence_problems
 from verify.context import CheckContext
 
 CFG = preset("k3-tiny").config
@@ -128,7 +130,20 @@ def test_check_runs_emulated_on_a_cpu(seed, tmp_path):
     res = decode(ctx, batches=[2], contexts=["short"], steps=2, prompt_len=4, emulate=True)
     assert res.status == "passed", res.reason
     kinds = [o["kind"] for _, o in sink.rows]
-    assert kinds == ["step", "step", "point"]
+    assert kinds == ["plan", "step", "step", "point"]
+    # the status follows from these records by the rule bundle verify applies; tokens and KL forged fail it
+    recs = [o for _, o in sink.rows]
+    assert equivalence_problems(recs) == []
+    forged = copy.deepcopy(recs)
+    for r in forged[1:3]:
+        r["fast_tokens"] = [t + 1 for t in r["ref_tokens"]]
+        r["kl_mean"] = 5.0
+    problems = equivalence_problems(forged)
+    assert any("step 0 records mismatch rows" in p and "its tokens give [0, 1]" in p for p in problems), problems
+    assert any("mean KL(reference || fast) 5 > 0.01" in p for p in problems), problems
+    assert any("its steps give 4, [0, 0]" in p for p in problems), problems
+    assert equivalence_problems(recs[:1] + recs[3:])[0].startswith("batch 2 context short: 0 step rows for 2 steps")
+    assert equivalence_problems(recs[:1]) == ["batch 2 context short: no record of this planned point"]
     point = sink.rows[-1][1]
     assert point["trace"]["fast_steps"] == 2 and point["trace"]["fallbacks"] == {}
     assert res.metrics["standard_ops_steps"] == {}  # MLA attention and the routed experts are kernels

@@ -1,4 +1,4 @@
-"""Forgeries of the reference, weights, kernels and features.full_context verdicts fail ``bundle verify``.
+"""Forgeries of the reference, weights, kernels, equivalence and full-context verdicts fail ``bundle verify``.
 
 On copies of the committed H200 standard-tier bundle (every one of these checks passed there): a status
 flipped and the bundle re-sealed consistently (manifest verdict and reasons, summary.md, SHA256SUMS all
@@ -147,7 +147,21 @@ def _full_context_diverges(rows):
     base["token_ids"][0] = next(t for t in range(512) if str(t) not in eut["logprobs"][0])  # beyond its top-5
 
 
+def _equivalence_tokens_and_kl(rows):
+    # every fast token rewritten to differ and KL set to 5.0, the step rows and point summaries made to agree
+    for r in rows:
+        if r.get("kind") == "step":
+            r["fast_tokens"] = [t + 1 for t in r["ref_tokens"]]
+            r["mismatch_rows"] = list(range(len(r["ref_tokens"])))
+            r["kl_mean"] = r["kl_max"] = 5.0
+        elif r.get("kind") == "point":
+            r["mismatches"] = r["batch"] * r["steps"]
+            r["first_divergence"] = [0] * r["batch"]
+            r["kl_mean"] = 5.0
+
+
 RECORD_EDITS = {
+    "equivalence.decode": _equivalence_tokens_and_kl,
     "features.full_context": _full_context_diverges,
     "kernels.sanitizer": _sanitizer_errors,
     "weights.roundtrip": _weights_tp_mismatch,
@@ -206,3 +220,15 @@ def test_a_fresh_cpu_run_records_all_the_rules_need(tmp_path):
         forge(root, cid, result={"status": "failed", "reason": "forged"})
         assert any(p.startswith(f"{cid}: rescore: status 'failed'") for p in verify_bundle(root).problems), cid
         forge(root, cid, result={"status": "passed", "reason": ""})
+
+
+def test_the_failed_h200_equivalence_grid_flipped_to_passed_fails_verify(tmp_path):
+    """The issue's forgery: session 4's equivalence grid failed (top-k violations at batch 64); its status,
+    verdict, summary and sums made to say passed."""
+    src = REPO / "bundles" / "runs" / "2026-11-30-h200-session4" / "20261201T000251Z-h200-equivalence-grid"
+    dest = tmp_path / "grid"
+    shutil.copytree(src, dest)
+    assert verify_bundle(dest).ok
+    forge(dest, "equivalence.decode", result={"status": "passed", "reason": ""})
+    problems = _only_rescore_problems(dest, "equivalence.decode")
+    assert "status 'passed', but its" in problems[0] and "step 95 seq 11" in problems[0], problems
