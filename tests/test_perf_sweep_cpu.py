@@ -95,7 +95,7 @@ def test_floor_for_states_cold_l2_by_volume():
     assert tiny["cold_l2"].startswith("NOT cold") and tiny["touched_experts_floor"] == [4.0] * 7
 
 
-def _sweep_bundle(root, points, allreduce, targets_override=None):
+def _sweep_bundle(root, points, allreduce, targets_override=None, status=None):
     from verify.bundle.writer import BundleWriter
     from verify.result import CheckResult
 
@@ -107,8 +107,9 @@ def _sweep_bundle(root, points, allreduce, targets_override=None):
         w.record("perf.decode_sweep.allreduce", r)
     targets, problems = perf._sweep_targets(points, allreduce)
     targets.update(targets_override or {})
-    status = "failed" if problems else "passed"
-    w.add_result(CheckResult(id="perf.decode_sweep", status=status, reason=problems[0] if problems else "",
+    status = status or ("failed" if problems else "passed")
+    w.add_result(CheckResult(id="perf.decode_sweep", status=status, reason=problems[0] if problems else
+                             ("forged" if status == "failed" else ""),
                              metrics={"targets": targets}))
     w.finalize()
     return root
@@ -131,6 +132,12 @@ def test_bundle_verify_rederives_the_sweep_targets(tmp_path):
     bad = dict(_point("fast", 8, 100.0, 90.0), step_us_median=50.0)
     tampered = verify_bundle(_sweep_bundle(tmp_path / "bad", [bad], []), rescorers=resc)
     assert any("samples give" in p for p in tampered.problems)
+    # the status itself: a sweep that misses its targets flipped to passed (targets left as measured), and a
+    # passing one flipped to failed
+    flipped = verify_bundle(_sweep_bundle(tmp_path / "flip", slow, ar, status="passed"), rescorers=resc)
+    assert not flipped.ok and any("status 'passed', but its records give 'failed'" in p for p in flipped.problems)
+    framed = verify_bundle(_sweep_bundle(tmp_path / "frame", pts, ar, status="failed"), rescorers=resc)
+    assert not framed.ok and any("status 'failed', but its records give 'passed'" in p for p in framed.problems)
 
 
 def test_fast_variants_are_checked_split_and_scoped():

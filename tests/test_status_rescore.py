@@ -232,3 +232,13 @@ def test_the_failed_h200_equivalence_grid_flipped_to_passed_fails_verify(tmp_pat
     forge(dest, "equivalence.decode", result={"status": "passed", "reason": ""})
     problems = _only_rescore_problems(dest, "equivalence.decode")
     assert "status 'passed', but its" in problems[0] and "step 95 seq 11" in problems[0], problems
+
+
+def test_the_failed_h200_decode_sweep_flipped_to_passed_fails_verify(tmp_path):
+    """The issue's second forgery: the standard tier's perf.decode_sweep missed the #5 targets; its status
+    (targets untouched), verdict, summary and sums made to say passed."""
+    dest = tmp_path / "standard"
+    shutil.copytree(STANDARD, dest)
+    forge(dest, "perf.decode_sweep", result={"status": "passed", "reason": ""})
+    problems = _only_rescore_problems(dest, "perf.decode_sweep")
+    assert "status 'passed', but its records give 'failed'" in problems[0], problems

@@ -364,11 +364,12 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
 
 
 def rescore_decode_sweep(records: Any, result: Any) -> list[str]:
-    """``bundle verify``: re-derive each sweep point's statistics and every target's status from the raw
-    records (step samples, floors, the all-reduce rows) and compare them with what the result states."""
+    """``bundle verify``: re-derive each sweep point's statistics, every target's status and the check's status
+    (failed exactly when a target is missed or no point was measured) from the raw records (step samples,
+    floors, the all-reduce rows) and compare them with what the result states."""
     import math
 
-    if result.id != "perf.decode_sweep" or result.status == "skipped":
+    if result.id != "perf.decode_sweep" or result.status in ("skipped", "error"):
         return []
     problems: list[str] = []
     points = [r for r in records.get("perf.decode_sweep", []) if all(k in r for k in ("batch", "context", "backend"))]
@@ -388,13 +389,17 @@ def rescore_decode_sweep(records: Any, result: Any) -> list[str]:
     if not all(all(k in p for k in needed) for p in points):
         return problems + ["the result states targets but its points lack the keys they are derived from"]
     allreduce = list(records.get("perf.decode_sweep.allreduce", []))
-    targets, _ = _sweep_targets(points, allreduce)
+    targets, missed = _sweep_targets(points, allreduce)
     for name, t in targets.items():
         if not isinstance(t, dict) or "status" not in t:
             continue
         got = (claimed.get(name) or {}).get("status")
         if got != t["status"]:
             problems.append(f"target {name}: the result says {got!r}, the records give {t['status']!r}")
+    want = "failed" if missed or not points else "passed"  # the check's own rule: a missed target fails it
+    if result.status != want:
+        problems.append(f"status {result.status!r}, but its records give {want!r}"
+                        + (f" ({missed[0]})" if missed else ""))
     return problems
 
 
