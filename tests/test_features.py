@@ -136,11 +136,11 @@ def test_structured_output_fails_when_the_schema_is_ignored(engine, seed):
 
 def test_validators_reject_what_they_should():
     person = features.CASES[0]["spec"]
-    assert features._validate("json_schema", person, '{"name":"ab"}').startswith("schema violation")
-    assert features._validate("json_schema", person, '{"name":"ab"').startswith("not JSON")
-    assert features._validate("regex", r"[0-9]{2}", "123") is not None
-    assert features._validate("choice", ["yes"], "yes ") is not None
-    assert features._validate("choice", ["yes"], "yes") is None
+    assert features.validate_output("json_schema", person, '{"name":"ab"}').startswith("schema violation")
+    assert features.validate_output("json_schema", person, '{"name":"ab"').startswith("not JSON")
+    assert features.validate_output("regex", r"[0-9]{2}", "123") is not None
+    assert features.validate_output("choice", ["yes"], "yes ") is not None
+    assert features.validate_output("choice", ["yes"], "yes") is None
 
 
 # ---------------------------------------------------------------------------------------------- sampling

@@ -64,7 +64,7 @@ def _prompt_ids(seed: int, n: int, vocab: int, low: int = 3) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- structured output
-_NAME = {"type": "string", "pattern": "^[a-z]{1,6}$"}  # bounded by pattern (see _validate's note)
+_NAME = {"type": "string", "pattern": "^[a-z]{1,6}$"}  # bounded by pattern (see validate_output's note)
 CASES: list[dict[str, Any]] = [
     {"name": "person", "kind": "json_schema", "prompt": "Return the user as JSON.", "spec": {
         "type": "object",
@@ -109,7 +109,7 @@ CASES: list[dict[str, Any]] = [
 ]
 
 
-def _validate(kind: str, spec: Any, text: str) -> str | None:
+def validate_output(kind: str, spec: Any, text: str) -> str | None:
     """None if ``text`` satisfies the constraint, else why not (one line).
 
     Note: xgrammar 0.2.8 compiles a ``maxLength``-only string to a character class that admits raw control
@@ -150,7 +150,7 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
         unknown = sorted(set(cases) - {c["name"] for c in chosen})
         raise ValueError(f"unknown structured-output cases {unknown}; known: {[c['name'] for c in CASES]}")
     eut, base, info = _engines(ctx)
-    problems: list[str] = []
+    records: list[dict[str, Any]] = []
     totals: dict[str, dict[str, int]] = {}
     greedy: dict[str, dict[str, str]] = {}
     for role, engine in _roles(eut, base):
@@ -166,21 +166,22 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
                     outs = [("completion", c) for c in engine.generate([case["prompt"]] * samples, params,
                                                                         constraint)]
                 for mode, c in outs:
-                    why = _validate(case["kind"], case["spec"], c.text)
+                    why = validate_output(case["kind"], case["spec"], c.text)
                     if c.finish_reason != "stop":
                         why = f"incomplete (finish_reason {c.finish_reason} after {len(c.token_ids)} tokens)" + (
                             f"; {why}" if why else "")
                     tot["outputs"] += 1
                     tot["valid"] += why is None
                     tot["complete"] += c.finish_reason == "stop"
-                    ctx.record({"kind": "sample", "role": role, "engine": engine.name, "case": case["name"],
-                                "constraint": case["kind"], "temperature": t, "mode": mode, "text": c.text,
-                                "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
-                                "valid": why is None, "error": why})
+                    rec = {"kind": "sample", "role": role, "engine": engine.name, "case": case["name"],
+                           "constraint": case["kind"], "temperature": t, "mode": mode, "text": c.text,
+                           "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                           "valid": why is None, "error": why}
+                    records.append(rec)
+                    ctx.record(rec)
                     if t == 0.0:
                         greedy.setdefault(case["name"], {})[role] = c.text
-                    if why is not None:
-                        problems.append(f"{engine.name} ({role}) {case['name']} T={t} {mode}: {c.text[:60]!r}: {why}")
+    problems = status_rules.structured_output_problems(records)
     agree = [v.get("engine_under_test") == v.get("baseline", v.get("engine_under_test")) for v in greedy.values()]
     metrics: dict[str, Any] = dict(info)
     for role, tot in totals.items():
@@ -189,8 +190,6 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
         metrics[f"{role}_valid_fraction"] = tot["valid"] / tot["outputs"] if tot["outputs"] else 0.0
     metrics.update({"cases": [c["name"] for c in chosen], "temperatures": temperatures,
                     "greedy_agreement": sum(agree) / len(agree) if agree else None})
-    if not chosen or not temperatures:
-        problems.append("no structured-output case ran (empty cases or temperatures)")
     return ctx.verdict(problems, metrics)
 
 

@@ -1,5 +1,5 @@
-"""The pass/fail rules of the reference, weights, kernels, equivalence.decode and features.full_context
-checks, as functions of their raw records.
+"""The pass/fail rules of the reference, weights, kernels, equivalence.decode, features.full_context and
+features.structured_output checks, as functions of their raw records.
 
 Each rule takes a check's records (and, where the check states them, its result's metrics) and returns
 the problems, in the order the check reports them. The check computes its verdict by calling the same
@@ -234,6 +234,37 @@ def full_context_problems(records: Records, metrics: Mapping[str, Any] | None = 
     return problems
 
 
+def structured_output_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    """features.structured_output: every sample's text validated again against its case's constraint
+    (``features.validate_output``, jsonschema / regex / choice) and its finish reason; a sample whose
+    recorded ``valid`` disagrees with its text is a problem of its own."""
+    from verify.checks.features import CASES, validate_output
+
+    spec_of = {c["name"]: c for c in CASES}
+    samples = [r for r in records if r.get("kind") == "sample"]
+    if not samples:
+        return ["no structured-output case ran (empty cases or temperatures)"]
+    problems = []
+    for r in samples:
+        case = spec_of.get(r.get("case"))
+        if case is None or case["kind"] != r.get("constraint"):
+            problems.append(f"{r.get('engine')} ({r.get('role')}): case {r.get('case')!r} ({r.get('constraint')}) is "
+                            "not one of the check's")
+            continue
+        text = r.get("text") or ""
+        why = validate_output(case["kind"], case["spec"], text)
+        if r.get("finish_reason") != "stop":
+            why = f"incomplete (finish_reason {r.get('finish_reason')} after {r.get('tokens')} tokens)" + (
+                f"; {why}" if why else "")
+        if bool(r.get("valid")) != (why is None):
+            problems.append(f"{r.get('engine')} ({r.get('role')}) {r.get('case')} T={r.get('temperature')}: recorded "
+                            f"valid={r.get('valid')}, its text gives {why is None}")
+        if why is not None:
+            problems.append(f"{r.get('engine')} ({r.get('role')}) {r.get('case')} T={r.get('temperature')} "
+                            f"{r.get('mode')}: {text[:60]!r}: {why}")
+    return problems
+
+
 # ------------------------------------------------------------------------------------------ equivalence
 MAX_MEAN_KL = 0.01
 # After a sequence's first divergence both sides keep decoding the reference's token, so a later mismatch is
@@ -341,6 +372,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "kernels.numerics": numerics_problems,
     "kernels.sanitizer": sanitizer_problems,
     "features.full_context": full_context_problems,
+    "features.structured_output": structured_output_problems,
     "equivalence.decode": equivalence_problems,
 }
 
