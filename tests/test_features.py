@@ -4,6 +4,7 @@ Plus their statistics against independent implementations."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -15,7 +16,7 @@ pytest.importorskip("transformers", reason="needs_eval_extra: scripts/bootstrap 
 pytest.importorskip("xgrammar", reason="needs_eval_extra: scripts/bootstrap --eval")
 pytest.importorskip("jsonschema", reason="needs_eval_extra: scripts/bootstrap --eval")
 
-from verify.checks import features  # noqa: E402
+from verify.checks import features, status_rules  # noqa: E402
 from verify.context import CheckContext  # noqa: E402
 from verify.engines.base import SamplingParams  # noqa: E402
 from verify.engines.builtin import BuiltinEngine  # noqa: E402
@@ -155,6 +156,16 @@ def test_temperature_sampling_passes_on_the_builtin_engine(engine, seed):
     assert len(cells) == 4 and all(r["samples"] == 400 for r in cells)
     assert res.metrics["alpha_per_test"] == pytest.approx(1e-4 / 4)
     assert res.metrics["same_seed_same_tokens"] and res.metrics["other_seeds_differ"]
+    # bundle verify's rule, on the records: the same verdict; counts moved to the top token (the recorded
+    # p-value left as it was) fail the recomputed G-test
+    assert status_rules.temperature_sampling_problems(recs) == []
+    forged = copy.deepcopy(recs)
+    cell = next(r for r in forged if r["kind"] == "frequency")
+    top = max(cell["counts"], key=lambda t: cell["counts"][t])
+    cell["counts"] = {top: cell["samples"]}
+    problems = status_rules.temperature_sampling_problems(forged)
+    assert any("its counts and the reference logits give 400, p=" in p for p in problems), problems
+    assert any("token frequencies differ from softmax(logits/T)" in p for p in problems), problems
 
 
 def test_temperature_sampling_fails_when_temperature_is_applied_twice(engine, seed):

@@ -165,7 +165,12 @@ def _structured_output_invalid(rows):
     sample["text"] = sample["text"][:-1]  # the closing brace cut: not JSON, though the record says valid
 
 
+def _temperature_cell_rejected(rows):
+    next(r for r in rows if r.get("kind") == "frequency")["p_value"] = 1e-12  # (this writer recorded no logits)
+
+
 RECORD_EDITS = {
+    "features.temperature_sampling": _temperature_cell_rejected,
     "features.structured_output": _structured_output_invalid,
     "equivalence.decode": _equivalence_tokens_and_kl,
     "features.full_context": _full_context_diverges,

@@ -293,7 +293,14 @@ def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.
         logit_tol, mass_tol = 1e-6, 1e-6
     cells = [(t, int(f.get("top_k", 0)), float(f.get("top_p", 1.0))) for t in temperatures for f in filters]
     alpha_cell = alpha / len(cells)
-    problems: list[str] = []
+    records: list[dict[str, Any]] = []
+
+    def record(obj: dict[str, Any]) -> None:
+        records.append(obj)
+        ctx.record(obj)
+
+    record({"kind": "reference_logits", "engine": base.name, "logits": ref.tolist(), "alpha": alpha,
+            "logit_tol": logit_tol, "mass_tol": mass_tol, "min_expected": min_expected})
     worst_p = 1.0
     ambiguous_samples = 0
     for t, k, tp in cells:
@@ -301,9 +308,8 @@ def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.
         params = SamplingParams(max_tokens=1, temperature=t, top_k=k, top_p=tp, seed=None, ignore_eos=True)
         outs = eut.generate([prompt] * samples, params)
         toks = np.array([c.token_ids[0] if c.token_ids else -1 for c in outs])
-        if (toks < 0).any():
-            problems.append(f"T={t} top_k={k} top_p={tp}: {int((toks < 0).sum())} requests returned no token")
-            toks = toks[toks >= 0]
+        missing = int((toks < 0).sum())
+        toks = toks[toks >= 0]
         counts = np.bincount(toks, minlength=len(p))[: len(p)]
         clear = ~amb
         forbidden = int(counts[(p == 0) & clear].sum())
@@ -317,21 +323,17 @@ def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.
         exp = np.array([n * q[b].sum() for b in bins], dtype=np.float64)
         g, df, pval = g_test(obs, exp) if n > 0 else (0.0, 0, 1.0)
         worst_p = min(worst_p, pval)
-        ok = forbidden == 0 and pval >= alpha_cell
-        ctx.record({"kind": "frequency", "temperature": t, "top_k": k, "top_p": tp, "samples": len(toks),
-                    "tested_samples": n, "ambiguous_samples": n_amb, "forbidden_samples": forbidden,
-                    "kept_tokens": int((p > 0).sum()), "bins": len(bins), "G": g, "df": df, "p_value": pval,
-                    "alpha_per_test": alpha_cell, "ok": ok,
-                    "counts": {str(i): int(c) for i, c in enumerate(counts) if c},
-                    "expected_bins": [round(float(e), 4) for e in exp], "observed_bins": obs.astype(int).tolist()})
-        if forbidden:
-            problems.append(f"T={t} top_k={k} top_p={tp}: {forbidden} samples of tokens the filters remove")
-        if pval < alpha_cell:
-            problems.append(f"T={t} top_k={k} top_p={tp}: token frequencies differ from softmax(logits/T) "
-                            f"(G={g:.1f}, df={df}, p={pval:.2g} < {alpha_cell:.2g})")
+        ok = forbidden == 0 and pval >= alpha_cell and not missing
+        record({"kind": "frequency", "temperature": t, "top_k": k, "top_p": tp, "samples": len(toks),
+                "missing_tokens": missing,
+                "tested_samples": n, "ambiguous_samples": n_amb, "forbidden_samples": forbidden,
+                "kept_tokens": int((p > 0).sum()), "bins": len(bins), "G": g, "df": df, "p_value": pval,
+                "alpha_per_test": alpha_cell, "ok": ok,
+                "counts": {str(i): int(c) for i, c in enumerate(counts) if c},
+                "expected_bins": [round(float(e), 4) for e in exp], "observed_bins": obs.astype(int).tolist()})
     seq = _seed_checks(eut, prompt, seq_tokens, other_seeds, ctx.seed)
-    ctx.record({"kind": "seeds", **seq})
-    problems += seq["problems"]
+    record({"kind": "seeds", **seq})
+    problems = status_rules.temperature_sampling_problems(records)
     metrics = dict(info, cells=len(cells), samples_per_cell=samples, alpha_family=alpha, alpha_per_test=alpha_cell,
                    correction="bonferroni", test="G-test (chi-square tail), rare tokens pooled to expected >= "
                    f"{min_expected:g}", min_p_value=worst_p, ambiguous_samples=ambiguous_samples,

@@ -1,5 +1,5 @@
-"""The pass/fail rules of the reference, weights, kernels, equivalence.decode, features.full_context and
-features.structured_output checks, as functions of their raw records.
+"""The pass/fail rules of the reference, weights, kernels, equivalence and features checks, as functions of
+their raw records.
 
 Each rule takes a check's records (and, where the check states them, its result's metrics) and returns
 the problems, in the order the check reports them. The check computes its verdict by calling the same
@@ -265,6 +265,70 @@ def structured_output_problems(records: Records, metrics: Mapping[str, Any] | No
     return problems
 
 
+def _seed_problems(r: Mapping[str, Any]) -> list[str]:
+    s0, first, others = r.get("seed"), r.get("tokens"), r.get("other_seeds") or []
+    problems = []
+    if not (first == r.get("again") and all(b == first for b in r.get("batched") or [None])):
+        problems.append(f"seed {s0}: the same seed gave different tokens ({first} / {r.get('again')} / "
+                        f"{r.get('batched')})")
+    if not any(o != first for o in others):
+        problems.append(f"seeds {s0 + 1}..{s0 + len(others)} all gave seed {s0}'s tokens {first}: the seed is ignored")
+    return problems
+
+
+def temperature_sampling_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    """features.temperature_sampling: per (temperature, filter) cell the distribution recomputed from the
+    recorded reference logits (``features.reference_distribution``), the G-test redone on the recorded token
+    counts (``pooled_bins``, ``g_test``) at alpha / cells; samples of filtered-out tokens; the seed rows'
+    tokens. A bundle written before the logits were recorded is judged on its cells' recorded p-values."""
+    import numpy as np
+
+    from verify.checks.features import g_test, pooled_bins, reference_distribution
+
+    ref = next((r for r in records if r.get("kind") == "reference_logits"), None)
+    cells = [r for r in records if r.get("kind") == "frequency"]
+    if not cells:
+        return ["no sampling cell was recorded"]
+    problems = []
+    for r in cells:
+        t, k, tp = r.get("temperature"), r.get("top_k"), r.get("top_p")
+        where = f"T={t} top_k={k} top_p={tp}"
+        if r.get("missing_tokens"):
+            problems.append(f"{where}: {r['missing_tokens']} requests returned no token")
+        forbidden, pval, g, df = r.get("forbidden_samples"), r.get("p_value"), r.get("G"), r.get("df")
+        alpha_cell = r.get("alpha_per_test")
+        if ref is not None:
+            alpha_cell = ref["alpha"] / len(cells)
+            p, amb = reference_distribution(np.array(ref["logits"], dtype=np.float64), t, k, tp, ref["logit_tol"],
+                                            ref["mass_tol"])
+            counts = np.zeros(len(p), dtype=np.int64)
+            for tok, c in (r.get("counts") or {}).items():
+                counts[int(tok)] = int(c)
+            clear = ~amb
+            forbidden = int(counts[(p == 0) & clear].sum())
+            n = int(counts[clear & (p > 0)].sum())
+            q = np.where(clear, p, 0.0)
+            q = q / q.sum() if q.sum() > 0 else q
+            bins = pooled_bins(n * q, ref["min_expected"])
+            obs = np.array([counts[b].sum() for b in bins], dtype=np.float64)
+            exp = np.array([n * q[b].sum() for b in bins], dtype=np.float64)
+            g, df, pval = g_test(obs, exp) if n > 0 else (0.0, 0, 1.0)
+            if int(counts.sum()) != r.get("samples") or not math.isclose(pval, r.get("p_value", -1.0), rel_tol=1e-6,
+                                                                           abs_tol=1e-12):
+                problems.append(f"{where}: the cell records {r.get('samples')} samples, p={r.get('p_value')}; its "
+                                f"counts and the reference logits give {int(counts.sum())}, p={pval:.6g}")
+        if forbidden:
+            problems.append(f"{where}: {forbidden} samples of tokens the filters remove")
+        if not isinstance(pval, (int, float)) or not isinstance(alpha_cell, (int, float)):
+            problems.append(f"{where}: no p-value or alpha recorded")
+        elif pval < alpha_cell:
+            problems.append(f"{where}: token frequencies differ from softmax(logits/T) "
+                            f"(G={g:.1f}, df={df}, p={pval:.2g} < {alpha_cell:.2g})")
+    seeds = [r for r in records if r.get("kind") == "seeds"]
+    problems += _seed_problems(seeds[-1]) if seeds else ["no seed check was recorded"]
+    return problems
+
+
 # ------------------------------------------------------------------------------------------ equivalence
 MAX_MEAN_KL = 0.01
 # After a sequence's first divergence both sides keep decoding the reference's token, so a later mismatch is
@@ -373,6 +437,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "kernels.sanitizer": sanitizer_problems,
     "features.full_context": full_context_problems,
     "features.structured_output": structured_output_problems,
+    "features.temperature_sampling": temperature_sampling_problems,
     "equivalence.decode": equivalence_problems,
 }
 
