@@ -13,10 +13,9 @@ import statistics
 import time
 from typing import Any
 
+from verify.checks import status_rules
 from verify.checks.registry import check
 from verify.context import CheckContext
-
-MAX_SPREAD = 0.10
 
 
 def _time_ms(fn, warmup: int = 3, repeats: int = 20) -> list[float]:
@@ -64,21 +63,19 @@ def bandwidth_probe(ctx: CheckContext, bytes: int = 4 << 30) -> Any:
 
     read = measure_read_bandwidth(int(bytes))
     torch.cuda.empty_cache()
-    ctx.record({"probe": "read_reduction", **read})
     gemv, gemv_bw = _gemv_probe()
     torch.cuda.empty_cache()
-    ctx.record({"probe": "cublas_gemv", "bytes": 2 << 30, "times_ms": gemv, "read_bytes_per_s": gemv_bw})
     mm, tflops = _matmul_probe()
     torch.cuda.empty_cache()
-    ctx.record({"probe": "bf16_matmul_8192", "times_ms": mm, "tflops": tflops})
+    records = [{"probe": "read_reduction", **read},
+               {"probe": "cublas_gemv", "bytes": 2 << 30, "times_ms": gemv, "read_bytes_per_s": gemv_bw},
+               {"probe": "bf16_matmul_8192", "times_ms": mm, "tflops": tflops}]
+    for r in records:
+        ctx.record(r)
     spread = (max(read["times_ms"]) - min(read["times_ms"])) / statistics.median(read["times_ms"])
     metrics = {"read_tb_per_s": read["read_bytes_per_s"] / 1e12, "cublas_gemv_tb_per_s": gemv_bw / 1e12,
                "bf16_matmul_tflops": tflops, "read_spread": spread, "device": torch.cuda.get_device_name(0)}
-    problems = []
-    if spread > MAX_SPREAD:
-        problems.append(f"read-bandwidth repeats spread by {spread:.1%} (> {MAX_SPREAD:.0%}): the GPU is shared "
-                        f"or throttling; perf ratios from this run would be noise")
-    return ctx.verdict(problems, metrics)
+    return ctx.verdict(status_rules.bandwidth_probe_problems(records), metrics)
 
 
 # ------------------------------------------------------------------------------------------ decode sweep

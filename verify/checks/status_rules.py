@@ -1,5 +1,5 @@
-"""The pass/fail rules of the reference, weights, kernels, equivalence and features checks, as functions of
-their raw records.
+"""The pass/fail rules of the reference, weights, kernels, equivalence, features and bandwidth-probe checks,
+as functions of their raw records.
 
 Each rule takes a check's records (and, where the check states them, its result's metrics) and returns
 the problems, in the order the check reports them. The check computes its verdict by calling the same
@@ -329,6 +329,33 @@ def temperature_sampling_problems(records: Records, metrics: Mapping[str, Any] |
     return problems
 
 
+# ------------------------------------------------------------------------------------------ perf
+MAX_SPREAD = 0.10  # (max - min) / median of the read-bandwidth repeats: above it the GPU is shared or throttling
+
+
+def bandwidth_probe_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    """perf.bandwidth_probe: the read-reduction repeats' spread, and each probe's rate from its own samples."""
+    import statistics
+
+    probes = {r.get("probe"): r for r in records}
+    read = probes.get("read_reduction")
+    if not read or not read.get("times_ms"):
+        return ["no read-bandwidth repeats were recorded"]
+    problems = []
+    for name, nbytes in (("read_reduction", read.get("bytes")), ("cublas_gemv", (probes.get("cublas_gemv") or {}).get("bytes"))):
+        r = probes.get(name)
+        if r and r.get("times_ms") and nbytes:
+            rate = nbytes / (statistics.median(r["times_ms"]) * 1e-3)
+            if not math.isclose(rate, float(r.get("read_bytes_per_s") or 0.0), rel_tol=1e-6):
+                problems.append(f"{name}: read_bytes_per_s {r.get('read_bytes_per_s')} but its samples give {rate:.6g}")
+    times = read["times_ms"]
+    spread = (max(times) - min(times)) / statistics.median(times)
+    if spread > MAX_SPREAD:
+        problems.append(f"read-bandwidth repeats spread by {spread:.1%} (> {MAX_SPREAD:.0%}): the GPU is shared "
+                        f"or throttling; perf ratios from this run would be noise")
+    return problems
+
+
 # ------------------------------------------------------------------------------------------ equivalence
 MAX_MEAN_KL = 0.01
 # After a sequence's first divergence both sides keep decoding the reference's token, so a later mismatch is
@@ -438,6 +465,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "features.full_context": full_context_problems,
     "features.structured_output": structured_output_problems,
     "features.temperature_sampling": temperature_sampling_problems,
+    "perf.bandwidth_probe": bandwidth_probe_problems,
     "equivalence.decode": equivalence_problems,
 }
 
