@@ -21,7 +21,8 @@ class CheckContext:
     tmp_dir: Path
     budget_s: float
     started: float = field(default_factory=time.monotonic)
-    records_written: int = 0
+    # the records this check wrote to its own stream, in order: what its status rule and ``bundle verify`` read
+    recorded: list[dict[str, Any]] = field(default_factory=list)
     engines: Any = None  # verify.engines.EnginePool of the run (built lazily, closed by the runner)
     # verify.model_source.ModelSource: the run's model, resolved (a checkpoint: read and validated) once by the
     # runner before any check; a context made without one resolves ``preset`` itself
@@ -58,7 +59,7 @@ class CheckContext:
     def record(self, obj: dict[str, Any]) -> None:
         """Append one raw record to ``records/<check id>.jsonl`` (streamed to disk immediately)."""
         self.writer.record(self.stream, obj)
-        self.records_written += 1
+        self.recorded.append(obj)
 
     def artifact_path(self, name: str) -> Path:
         return self.writer.artifact_path(f"{self.check_id}/{name}")

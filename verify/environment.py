@@ -47,9 +47,7 @@ def _cpu() -> dict[str, Any]:
 def source_tree_sha256() -> str:
     """sha256 over the package sources that run (``verify.provenance.tree_sha256``): ties a bundle to the
     exact code even where there is no git checkout (an image, a copied tree)."""
-    from verify.provenance import tree_sha256
-
-    return tree_sha256(REPO_ROOT)
+    return provenance.tree_sha256(REPO_ROOT)
 
 
 def _gpus() -> list[dict[str, Any]] | str:

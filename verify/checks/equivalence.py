@@ -320,16 +320,8 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
 
     ModelPlan.build(model)  # re-points the experts at their stacked tensors once, before their dense copies
     dense_kept = _keep_reference_experts_dense(model, reference_dense_experts)
-    records: list[dict[str, Any]] = []
-
-    def keep(obj: dict[str, Any]) -> None:  # the records the verdict is computed from, as bundle verify reads them
-        if obj["kind"] != "step":
-            records.append(obj)
-        ctx.record(obj)
-
-    steps_of: dict[tuple[int, Any], list[dict[str, Any]]] = {}
-    keep({"kind": "plan", "batches": list(batches), "contexts": list(contexts), "steps": steps, "top_k": top_k,
-          "max_mean_kl": max_mean_kl, "max_later_violation_rate": max_later_violation_rate, "emulated": emulate})
+    ctx.record({"kind": "plan", "batches": list(batches), "contexts": list(contexts), "steps": steps, "top_k": top_k,
+                "max_mean_kl": max_mean_kl, "max_later_violation_rate": max_later_violation_rate, "emulated": emulate})
     points = []
     standard_ops: dict[str, int] = {}
     for context in contexts:
@@ -340,23 +332,18 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
         for batch in batches:
             where = f"batch {batch} context {context}"
             if ctx.elapsed() > 0.9 * ctx.budget_s:  # a partial grid is reported as such, never as a pass
-                keep({"kind": "not_run", "batch": batch, "context": context,
-                      "why": f"not run, the check is past 90% of its {ctx.budget_s:.0f}s budget"})
+                ctx.record({"kind": "not_run", "batch": batch, "context": context,
+                            "why": f"not run, the check is past 90% of its {ctx.budget_s:.0f}s budget"})
                 continue
-            rows = steps_of.setdefault((batch, context), [])
-
             tried = {"attempt": 1}  # an out-of-memory retry writes its steps again, as attempt 2
 
-            def record(step: dict[str, Any], batch=batch, context=context, rows=rows, tried=tried) -> None:
-                row = {"kind": "step", "batch": batch, "context": context, "attempt": tried["attempt"], **step}
-                rows.append(row)
-                keep(row)
+            def record(step: dict[str, Any], batch=batch, context=context, tried=tried) -> None:
+                ctx.record({"kind": "step", "batch": batch, "context": context, "attempt": tried["attempt"], **step})
 
             t0 = time.monotonic()
             r = None
             for attempt in (1, 2):
                 try:
-                    rows.clear()
                     tried["attempt"] = attempt
                     r = run_point(model, ex, batch, context, steps, prompt_len, top_k, ctx.seed, record)
                     break
@@ -367,14 +354,14 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
                         ctx.note(f"{where}: out of memory with the reference's experts kept dequantised; "
                                  f"dropped them (the reference dequantises per step from here) and retried")
                         continue
-                    keep({"kind": "not_run", "batch": batch, "context": context,
-                          "why": f"out of memory ({str(e).splitlines()[0][:100]})"})
+                    ctx.record({"kind": "not_run", "batch": batch, "context": context,
+                                "why": f"out of memory ({str(e).splitlines()[0][:100]})"})
             if r is None:  # the point is reported as not run; the grid goes on
                 continue
             r["seconds"] = round(time.monotonic() - t0, 1)
             summary = {k: v for k, v in r.items() if k not in ("mismatch_list",)}
-            keep({"kind": "point", "batch": batch, "context": context, "attempt": tried["attempt"], "preset": preset, **summary,
-                  "mismatch_list": r["mismatch_list"]})
+            ctx.record({"kind": "point", "batch": batch, "context": context, "attempt": tried["attempt"],
+                        "preset": preset, **summary, "mismatch_list": r["mismatch_list"]})
             points.append({"batch": batch, "context": context, "first_divergence": r["first_divergence"],
                            "mismatches": r["mismatches"], "kl_mean": r["kl_mean"], "kl_max": r["kl_max"],
                            "max_rel_logit_err": r["max_rel_logit_err"],
@@ -387,8 +374,7 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
         del ex
         if ctx.device == "cuda":
             torch.cuda.empty_cache()
-    all_steps = [row for rows in steps_of.values() for row in rows]
-    problems = status_rules.equivalence_problems(records + all_steps)
+    problems = status_rules.equivalence_problems(ctx.recorded)
     metrics = {"preset": preset, "weights": weights, "conditioning": conditioning, "kv_cache": kv_cache, "steps": steps,
                "top_k": top_k, "max_mean_kl": max_mean_kl, "points": points,
                "standard_ops_steps": standard_ops, "emulated": emulate, "executor_options": options,

@@ -150,7 +150,6 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
         unknown = sorted(set(cases) - {c["name"] for c in chosen})
         raise ValueError(f"unknown structured-output cases {unknown}; known: {[c['name'] for c in CASES]}")
     eut, base, info = _engines(ctx)
-    records: list[dict[str, Any]] = []
     totals: dict[str, dict[str, int]] = {}
     greedy: dict[str, dict[str, str]] = {}
     for role, engine in _roles(eut, base):
@@ -173,15 +172,13 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
                     tot["outputs"] += 1
                     tot["valid"] += why is None
                     tot["complete"] += c.finish_reason == "stop"
-                    rec = {"kind": "sample", "role": role, "engine": engine.name, "case": case["name"],
-                           "constraint": case["kind"], "temperature": t, "mode": mode, "text": c.text,
-                           "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
-                           "valid": why is None, "error": why}
-                    records.append(rec)
-                    ctx.record(rec)
+                    ctx.record({"kind": "sample", "role": role, "engine": engine.name, "case": case["name"],
+                                "constraint": case["kind"], "temperature": t, "mode": mode, "text": c.text,
+                                "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
+                                "valid": why is None, "error": why})
                     if t == 0.0:
                         greedy.setdefault(case["name"], {})[role] = c.text
-    problems = status_rules.structured_output_problems(records)
+    problems = status_rules.structured_output_problems(ctx.recorded)
     agree = [v.get("engine_under_test") == v.get("baseline", v.get("engine_under_test")) for v in greedy.values()]
     metrics: dict[str, Any] = dict(info)
     for role, tot in totals.items():
@@ -293,14 +290,8 @@ def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.
         logit_tol, mass_tol = 1e-6, 1e-6
     cells = [(t, int(f.get("top_k", 0)), float(f.get("top_p", 1.0))) for t in temperatures for f in filters]
     alpha_cell = alpha / len(cells)
-    records: list[dict[str, Any]] = []
-
-    def record(obj: dict[str, Any]) -> None:
-        records.append(obj)
-        ctx.record(obj)
-
-    record({"kind": "reference_logits", "engine": base.name, "logits": ref.tolist(), "alpha": alpha,
-            "logit_tol": logit_tol, "mass_tol": mass_tol, "min_expected": min_expected})
+    ctx.record({"kind": "reference_logits", "engine": base.name, "logits": ref.tolist(), "alpha": alpha,
+                "logit_tol": logit_tol, "mass_tol": mass_tol, "min_expected": min_expected})
     worst_p = 1.0
     ambiguous_samples = 0
     for t, k, tp in cells:
@@ -324,16 +315,15 @@ def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.
         g, df, pval = g_test(obs, exp) if n > 0 else (0.0, 0, 1.0)
         worst_p = min(worst_p, pval)
         ok = forbidden == 0 and pval >= alpha_cell and not missing
-        record({"kind": "frequency", "temperature": t, "top_k": k, "top_p": tp, "samples": len(toks),
-                "missing_tokens": missing,
-                "tested_samples": n, "ambiguous_samples": n_amb, "forbidden_samples": forbidden,
-                "kept_tokens": int((p > 0).sum()), "bins": len(bins), "G": g, "df": df, "p_value": pval,
-                "alpha_per_test": alpha_cell, "ok": ok,
-                "counts": {str(i): int(c) for i, c in enumerate(counts) if c},
-                "expected_bins": [round(float(e), 4) for e in exp], "observed_bins": obs.astype(int).tolist()})
+        ctx.record({"kind": "frequency", "temperature": t, "top_k": k, "top_p": tp, "samples": len(toks),
+                    "missing_tokens": missing, "tested_samples": n, "ambiguous_samples": n_amb,
+                    "forbidden_samples": forbidden, "kept_tokens": int((p > 0).sum()), "bins": len(bins), "G": g,
+                    "df": df, "p_value": pval, "alpha_per_test": alpha_cell, "ok": ok,
+                    "counts": {str(i): int(c) for i, c in enumerate(counts) if c},
+                    "expected_bins": [round(float(e), 4) for e in exp], "observed_bins": obs.astype(int).tolist()})
     seq = _seed_checks(eut, prompt, seq_tokens, other_seeds, ctx.seed)
-    record({"kind": "seeds", **seq})
-    problems = status_rules.temperature_sampling_problems(records)
+    ctx.record({"kind": "seeds", **seq})
+    problems = status_rules.temperature_sampling_problems(ctx.recorded)
     metrics = dict(info, cells=len(cells), samples_per_cell=samples, alpha_family=alpha, alpha_per_test=alpha_cell,
                    correction="bonferroni", test="G-test (chi-square tail), rare tokens pooled to expected >= "
                    f"{min_expected:g}", min_p_value=worst_p, ambiguous_samples=ambiguous_samples,
@@ -395,12 +385,6 @@ def full_context(ctx: CheckContext, max_tokens: int = 4, top_logprobs: int = 5,
         raise ValueError(f"max_tokens must lie in 1..{limit - 1}, got {max_tokens}")
     prompt = _prompt_ids(ctx.seed + 202, limit - max_tokens, eut.vocab_size)
     params = SamplingParams(max_tokens=max_tokens, logprobs=top_logprobs, ignore_eos=True)
-    records: list[dict[str, Any]] = []
-
-    def record(obj: dict[str, Any]) -> None:
-        records.append(obj)
-        ctx.record(obj)
-
     results = {}
     for role, engine in _roles(eut, base):
         head = {"kind": "full_context", "role": role, "engine": engine.name, "prompt_len": len(prompt),
@@ -408,23 +392,24 @@ def full_context(ctx: CheckContext, max_tokens: int = 4, top_logprobs: int = 5,
         try:
             c = engine.generate([prompt], params)[0]
         except Exception as e:
-            record({**head, "error": f"{type(e).__name__}: {e}"})
+            ctx.record({**head, "error": f"{type(e).__name__}: {e}"})
             continue
         results[role] = c
-        record({**head, "prompt_tokens": c.prompt_tokens, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
-                "logprobs": [{str(k): v for k, v in d.items()} for d in c.logprobs or []]})
+        ctx.record({**head, "prompt_tokens": c.prompt_tokens, "token_ids": c.token_ids,
+                    "finish_reason": c.finish_reason,
+                    "logprobs": [{str(k): v for k, v in d.items()} for d in c.logprobs or []]})
     cmp: dict[str, Any] = {}
     if "engine_under_test" in results:
         other = results.get("baseline", results["engine_under_test"])
         ok, cmp = status_rules.compare_greedy(results["engine_under_test"].token_ids,
                                               results["engine_under_test"].logprobs, other.token_ids, other.logprobs)
-        record({"kind": "comparison", **cmp, "ok": ok})
+        ctx.record({"kind": "comparison", **cmp, "ok": ok})
     over = {"longer_prompt": (_prompt_ids(ctx.seed + 303, limit - max_tokens + 1, eut.vocab_size), max_tokens),
             "full_prompt_plus_one": (_prompt_ids(ctx.seed + 304, limit, eut.vocab_size), 1)}
     for name, (p, n) in over.items():
         why = _expect_rejection(eut, p, n, limit)
-        record({"kind": "over_limit", "case": name, "prompt_len": len(p), "max_tokens": n,
-                "max_model_len": limit, "rejected_clearly": why is None, "error": why})
-    problems = status_rules.full_context_problems(records)
+        ctx.record({"kind": "over_limit", "case": name, "prompt_len": len(p), "max_tokens": n,
+                    "max_model_len": limit, "rejected_clearly": why is None, "error": why})
+    problems = status_rules.full_context_problems(ctx.recorded)
     metrics = dict(info, max_model_len=limit, prompt_len=len(prompt), max_tokens=max_tokens, **cmp)
     return ctx.verdict(problems, metrics)

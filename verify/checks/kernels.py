@@ -112,7 +112,6 @@ def sanitizer(ctx: CheckContext, tools: list[str] = ["memcheck"]) -> Any:
     from verify.requirements import compute_sanitizer_path
 
     exe = compute_sanitizer_path()
-    records: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {}
     for tool in tools:
         cmd = [exe, "--tool", tool, "--error-exitcode", "3", sys.executable, "-m",
@@ -130,9 +129,7 @@ def sanitizer(ctx: CheckContext, tools: list[str] = ["memcheck"]) -> Any:
             errors, tolerated = classify_sanitizer_errors(out, errors)
         launched = "sanitize_driver: all kernels launched" in out
         overlap = "sanitize_driver: executor step with the side stream ran" in out
-        row = {"tool": tool, "returncode": proc.returncode, "errors": errors, "tolerated_api_probes": tolerated,
-               "all_kernels_launched": launched, "executor_step_with_side_stream": overlap}
-        records.append(row)
-        ctx.record(row)
+        ctx.record({"tool": tool, "returncode": proc.returncode, "errors": errors, "tolerated_api_probes": tolerated,
+                    "all_kernels_launched": launched, "executor_step_with_side_stream": overlap})
         metrics[f"{tool}_errors"] = errors
-    return ctx.verdict(rules.sanitizer_problems(records, metrics, ctx.check_id), metrics, artifacts=[f"artifacts/{ctx.check_id}/{t}.log" for t in tools])
+    return ctx.verdict(rules.sanitizer_problems(ctx.recorded, metrics, ctx.check_id), metrics, artifacts=[f"artifacts/{ctx.check_id}/{t}.log" for t in tools])

@@ -67,15 +67,13 @@ def bandwidth_probe(ctx: CheckContext, bytes: int = 4 << 30) -> Any:
     torch.cuda.empty_cache()
     mm, tflops = _matmul_probe()
     torch.cuda.empty_cache()
-    records = [{"probe": "read_reduction", **read},
-               {"probe": "cublas_gemv", "bytes": 2 << 30, "times_ms": gemv, "read_bytes_per_s": gemv_bw},
-               {"probe": "bf16_matmul_8192", "times_ms": mm, "tflops": tflops}]
-    for r in records:
-        ctx.record(r)
+    ctx.record({"probe": "read_reduction", **read})
+    ctx.record({"probe": "cublas_gemv", "bytes": 2 << 30, "times_ms": gemv, "read_bytes_per_s": gemv_bw})
+    ctx.record({"probe": "bf16_matmul_8192", "times_ms": mm, "tflops": tflops})
     spread = (max(read["times_ms"]) - min(read["times_ms"])) / statistics.median(read["times_ms"])
     metrics = {"read_tb_per_s": read["read_bytes_per_s"] / 1e12, "cublas_gemv_tb_per_s": gemv_bw / 1e12,
                "bf16_matmul_tflops": tflops, "read_spread": spread, "device": torch.cuda.get_device_name(0)}
-    return ctx.verdict(status_rules.bandwidth_probe_problems(records), metrics)
+    return ctx.verdict(status_rules.bandwidth_probe_problems(ctx.recorded), metrics)
 
 
 # ------------------------------------------------------------------------------------------ decode sweep

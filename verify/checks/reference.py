@@ -139,7 +139,6 @@ def prefill_decode_consistency(ctx: CheckContext, batches: list[int] = [1, 3], r
     cfg = ctx.config
     device = ctx.device
     sd = ctx.state_dict()
-    records: list[dict[str, Any]] = []
     metrics: dict[str, Any] = {"preset": ctx.preset, "weights": ctx.weights(), "f64_max_rel_tolerance": F64_TOL,
                                "bf16_median_rel_tolerance": BF16_MEDIAN_TOL}
     gen = torch.Generator().manual_seed(ctx.seed + 1)
@@ -164,11 +163,10 @@ def prefill_decode_consistency(ctx: CheckContext, batches: list[int] = [1, 3], r
             rec = {"case": name, "batch": batch, "lengths": lengths, "decode_steps": decode_steps, **r,
                    "statistic": stat, "tolerance": tol, "ok": r[stat] <= tol}
             ctx.record(rec)
-            records.append(rec)
             worst[name] = max(worst[name], r[stat])
     metrics.update({f"worst_{'median' if k == 'model_bf16' else 'max'}_rel_err_{k}": v for k, v in worst.items()})
     metrics["batches"] = list(batches)
-    return ctx.verdict(rules.prefill_decode_problems(records), metrics)
+    return ctx.verdict(rules.prefill_decode_problems(ctx.recorded), metrics)
 
 
 @torch.no_grad()

@@ -66,12 +66,6 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
 
     cfg = ctx.config
     source = ctx.model_source
-    records: list[dict[str, Any]] = []
-
-    def record(rec: dict[str, Any]) -> None:
-        ctx.record(rec)
-        records.append(rec)
-
     if source.is_checkpoint:  # the checkpoint under verification, as the run read it
         ckpt = Path(source.path)
         written = "the one the run read"
@@ -84,13 +78,13 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
     specs = {s.name: s for s in mf.tensor_specs(cfg)}
     _, got = load_checkpoint(ckpt)
     mismatched = [n for n in want if n in got and (got[n].dtype != want[n].dtype or not torch.equal(got[n], want[n]))]
-    record({"step": "load", "source": source.kind, "checkpoint": str(ckpt) if source.is_checkpoint else None,
-            "weights": ctx.weights(), "tensors": len(got), "digest": digest,
-            "digest_expected": source.digest if source.is_checkpoint else None,
-            "names_missing": sorted(set(want) - set(got))[:3], "names_extra": sorted(set(got) - set(want))[:3],
-            "mismatched": len(mismatched), "mismatched_names": mismatched[:10], "compared_with": written,
-            "fp32_violations": [[n, str(got[n].dtype)] for n, s in specs.items()
-                                if s.dtype == "F32" and n in got and got[n].dtype != torch.float32]})
+    ctx.record({"step": "load", "source": source.kind, "checkpoint": str(ckpt) if source.is_checkpoint else None,
+                "weights": ctx.weights(), "tensors": len(got), "digest": digest,
+                "digest_expected": source.digest if source.is_checkpoint else None,
+                "names_missing": sorted(set(want) - set(got))[:3], "names_extra": sorted(set(got) - set(want))[:3],
+                "mismatched": len(mismatched), "mismatched_names": mismatched[:10], "compared_with": written,
+                "fp32_violations": [[n, str(got[n].dtype)] for n, s in specs.items()
+                                    if s.dtype == "F32" and n in got and got[n].dtype != torch.float32]})
 
     # MXFP4: fast codec vs the independent decoder, on the first expert of every MoE layer (w1, w2, w3)
     packed_names = sorted(n for n, s in specs.items() if s.kind == "packed" and ".experts.0." in n)
@@ -100,8 +94,8 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
         fast = mxfp4.dequantize(got[name], got[sname], torch.float64)
         slow = slow_mxfp4_decode(got[name], got[sname])
         errs[name] = float((fast - slow).abs().max())
-    record({"step": "mxfp4", "tensors_checked": len(packed_names), "max_abs_diff": max(errs.values(), default=0.0),
-            "differing": [[n, e] for n, e in errs.items() if e != 0.0]})
+    ctx.record({"step": "mxfp4", "tensors_checked": len(packed_names), "max_abs_diff": max(errs.values(), default=0.0),
+                "differing": [[n, e] for n, e in errs.items() if e != 0.0]})
 
     # TP slices from disk reassemble to the full tensors, at every size the model can be split by
     not_applicable: dict[int, str] = {}
@@ -109,12 +103,12 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
         why = tp_split_problem(cfg, tp)
         if why:  # e.g. k3-tiny's 4 KDA heads over 8 ranks: a size this model is never served at
             not_applicable[tp] = why
-            record({"step": "tp", "tp_size": tp, "applicable": False, "reason": why})
+            ctx.record({"step": "tp", "tp_size": tp, "applicable": False, "reason": why})
             continue
         try:
             ranks = [load_checkpoint(ckpt, tp_size=tp, rank=r)[1] for r in range(tp)]
         except Exception as e:
-            record({"step": "tp", "tp_size": tp, "applicable": True, "load_error": str(e)})
+            ctx.record({"step": "tp", "tp_size": tp, "applicable": True, "load_error": str(e)})
             continue
         bad = []
         for name, spec in specs.items():
@@ -136,8 +130,8 @@ def roundtrip(ctx: CheckContext, tp_sizes: list[int] = [2, 4]) -> Any:
                     continue
             if whole.shape != full.shape or not torch.equal(whole, full):
                 bad.append(name)
-        record({"step": "tp", "tp_size": tp, "applicable": True, "tensors": len(specs), "mismatched": bad[:20]})
-    problems = rules.roundtrip_problems(records)
+        ctx.record({"step": "tp", "tp_size": tp, "applicable": True, "tensors": len(specs), "mismatched": bad[:20]})
+    problems = rules.roundtrip_problems(ctx.recorded)
     metrics = {"preset": ctx.preset, "source": source.kind, "weights": ctx.weights(), "tensors": len(want),
                "checkpoint_digest": digest, "checkpoint": str(ckpt) if source.is_checkpoint else None,
                "mxfp4_tensors_checked": len(packed_names), "tp_sizes": [t for t in tp_sizes if t not in not_applicable],
