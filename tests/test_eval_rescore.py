@@ -91,6 +91,11 @@ def test_rescorer_catches_a_pass_the_gates_contradict(seed) -> None:
     forged = CheckResult(id=CID, status="passed", reason="", metrics=result.metrics)
     found = rescore_eval({CID: recs}, forged)
     assert any(p.startswith("result passed but the records fail a gate: k3_gsm8k: accuracy") for p in found), found
+    recs_ok, passed = _records(seed)
+    assert passed.status == "passed"
+    framed = CheckResult(id=CID, status="failed", reason="forged", metrics=passed.metrics)
+    assert any(p == "result failed (forged) but the records pass every gate"
+               for p in rescore_eval({CID: recs_ok}, framed))
     assert rescore_eval({CID: [r for r in recs if r["type"] != "sample"]}, result)[0].startswith("no sample records")
     assert rescore_eval({}, CheckResult(id=CID, status="skipped", reason="x")) == []
 
