@@ -5,14 +5,16 @@ Contracts:
   names the offending tensor;
 * FP64: step-by-step ``decode`` reproduces ``prefill``'s logits at every position (rel 1e-9), for batch 1,
   batch 3 with ragged lengths, and a prefill split in two pieces;
-* BF16: decode and prefill agree at each sequence's first position to 1e-2 (there they run the same math);
-  later positions differ by rounding that the synthetic model amplifies (routing flips: a 0.4% input
-  perturbation already moves FP64 logits by up to ~90% at some positions), so the bound there is the house
+* BF16 (on the ``stable`` synthetic draw): decode and prefill agree at each sequence's first position to
+  1e-2 (there they run the same math); later positions differ by rounding, so the bound there is the house
   rule -- decode's RMS error against the FP64 oracle is at most 2x prefill's + 0.02 -- plus a median
-  per-position decode/prefill difference under 5%;
+  per-position decode/prefill difference under 5%. The default draw amplifies rounding through routing
+  flips (a 0.4% input perturbation moves FP64 logits by up to ~90% at some positions): over 36 draws its
+  median per-position difference was at most 2.2%, yet one CI draw reached 14.5%; the stable draw's was
+  at most 1.2%;
 * runs are bitwise deterministic; AttnRes blocks close at layers 0, 3, 6 and stash the pre-mix stream;
   padded tokens / inactive sequences change no cache and get logits 0.
-Fresh weights (seed printed) and token ids each run.
+Fresh weights and token ids each run (both seeds printed).
 """
 
 from __future__ import annotations
@@ -63,9 +65,18 @@ def m16(weights) -> K3ForCausalLM:
     return load_reference(CFG, weights, torch.bfloat16)
 
 
+@pytest.fixture(scope="module")
+def stable_pair(seed, _one_thread) -> tuple[K3ForCausalLM, K3ForCausalLM]:
+    """(FP64, BF16) models on the ``stable`` draw: the BF16 bound measures decode vs prefill, not routing chaos."""
+    w = synthetic_state_dict(CFG, seed, conditioning="stable")
+    return load_reference(CFG, w, torch.float64), load_reference(CFG, w, torch.bfloat16)
+
+
 @pytest.fixture
 def gen(seed) -> torch.Generator:
-    return torch.Generator().manual_seed(seed + secrets.randbits(20))
+    g = seed + secrets.randbits(20)
+    print(f"token-id seed={g}")
+    return torch.Generator().manual_seed(g)
 
 
 def _ids(gen, b, t):
@@ -238,7 +249,8 @@ def test_forward_is_a_fresh_prefill(m64, gen):
 
 
 # ---------------------------------------------------------------------------------------------- BF16
-def test_decode_vs_prefill_bf16_bound(m16, m64, gen):
+def test_decode_vs_prefill_bf16_bound(stable_pair, gen):
+    m64, m16 = stable_pair
     lengths = torch.tensor([8, 3, 6])
     ids = _ids(gen, 3, 8)
     valid = torch.arange(8)[None] < lengths[:, None]
