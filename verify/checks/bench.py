@@ -14,7 +14,9 @@ step of a TP8 / TP16 rank (input projection + decay projection + fused decode + 
 the residual add) against its floor (target <= 1.25x) and against cuBLAS + fla.
 
 Norm kernels (fused residual + RMSNorm, AttnRes mix): ours vs the eager PyTorch reference, activations in
-L2 as in decode. The check fails if a target is missed, and says by how much.
+L2 as in decode. The check fails if a target is missed, and says by how much. The targets and the rule
+live in ``verify/checks/bench_rules.py``: the verdict is that rule applied to the records written here, so
+``bundle verify`` re-derives it.
 """
 
 from __future__ import annotations
@@ -23,15 +25,9 @@ import importlib
 from functools import partial
 from typing import Any
 
+from verify.checks.bench_rules import BIG_WEIGHT_BYTES, SMALL_WEIGHT_BYTES, TARGETS, bench_kernels_problems
 from verify.checks.registry import check
 from verify.context import CheckContext
-
-BIG_WEIGHT_BYTES = 32 * 2**20
-SMALL_WEIGHT_BYTES = 16 * 2**20
-TARGET_BW_FRACTION = 0.85
-TARGET_VS_CUBLAS = 1.3
-TARGET_KDA_VS_FLA = 1.5
-TARGET_KDA_LAYER_X_FLOOR = 1.25
 
 
 def _gemm_rows(ctx: CheckContext, presets: list[str], ms: list[int], sweep: bool, bw_gbs: float,
@@ -146,7 +142,8 @@ SWEEP_SHAPES = ["kda_in_proj", "kda_o_proj", "mla_q_b", "mla_kv_b", "latent_down
 
 
 # Kernels whose bench module brings its own rows: part name -> module with
-# ``bench_check(ctx, ms, sweep, bw_gbs) -> {"problems": [...], "metrics": {...}}`` (it records its rows).
+# ``bench_check(ctx, ms, sweep, bw_gbs) -> {"metrics": {...}}`` (it records its rows, an ``error`` row where
+# it raised); ``bench_rules.KERNEL_BENCH_RULES`` judges them.
 KERNEL_BENCHES = {"moe_router": "k3_fastpath.kernels.moe_router.bench",
                   "mla_decode": "k3_fastpath.kernels.mla_decode.bench",
                   "moe_experts": "k3_fastpath.kernels.moe_experts.bench"}
@@ -166,7 +163,7 @@ def kernels(ctx: CheckContext, presets: list[str] = ["k3-tp8-rank", "k3-tp16-ran
     from k3_fastpath._lib import counters
     from k3_fastpath._lib.timing import read_bandwidth_gbs
 
-    before = counters.snapshot()
+    ctx.record({"counters_before": counters.snapshot()})
     bw = read_bandwidth_gbs()
     ctx.record({"probe": "read_bandwidth", "gb_per_s": bw})
     gemm = (_gemm_rows(ctx, list(presets), list(ms), sweep, bw, list(sweep_shapes or SWEEP_SHAPES))
@@ -177,33 +174,9 @@ def kernels(ctx: CheckContext, presets: list[str] = ["k3-tp8-rank", "k3-tp16-ran
     registered = {}
     for part in (p for p in parts if p in KERNEL_BENCHES):
         registered[part] = importlib.import_module(KERNEL_BENCHES[part]).bench_check(ctx, list(ms), sweep, bw)
-    problems = [f"skinny_gemm {r['shape']} {r['N']}x{r['K']} M={r['M']}: {r['error']}" for r in gemm if "error" in r]
-    problems += [f"kda_decode H={r['H']} B={r['B']}: {r['error']}" for r in kda if "error" in r]
-    problems += [msg for res in registered.values() for msg in res["problems"]]
-    for r in kda:
-        if r.get("vs_fla") is not None and r["B"] <= 8 and r["vs_fla"] < TARGET_KDA_VS_FLA:
-            problems.append(f"kda_decode H={r['H']} B={r['B']}: {r['vs_fla']:.2f}x fla < {TARGET_KDA_VS_FLA}x")
-        if "ours_us" in r and r.get("fla_full_us") is None:
-            problems.append(f"kda_decode H={r['H']} B={r['B']}: fla comparison not measured "
-                            f"({r.get('fla_full_reason', 'fla not importable')})")
-    for r in layer:
-        if "error" in r:
-            problems.append(f"kda_layer H={r['H']}: {r['error']}")
-        elif r["x_floor"] > TARGET_KDA_LAYER_X_FLOOR:
-            problems.append(f"kda_layer H={r['H']} B={r['B']}: {r['x_floor']:.2f}x its floor > "
-                            f"{TARGET_KDA_LAYER_X_FLOOR}x ({r['ours_us']:.1f} vs {r['floor_us']:.1f} us)")
+    ctx.record({"counters_after": counters.snapshot()})
+    problems = bench_kernels_problems(ctx.recorded)
     ok = [r for r in gemm if "heuristic_us" in r]
-    for r in ok:
-        tag = f"skinny_gemm {r['shape']} {r['N']}x{r['K']} M={r['M']}"
-        if r["M"] <= 8 and r["weight_bytes"] >= BIG_WEIGHT_BYTES and r["pct_of_bw"] < TARGET_BW_FRACTION:
-            problems.append(f"{tag}: {r['pct_of_bw']:.0%} of read bandwidth < {TARGET_BW_FRACTION:.0%}")
-        if r["M"] <= 8 and r["vs_cublas"] < TARGET_VS_CUBLAS:
-            problems.append(f"{tag}: {r['vs_cublas']:.2f}x cuBLAS < {TARGET_VS_CUBLAS}x")
-    after = counters.snapshot()
-    fell_back = {op: r for op, r in after["fallbacks"].items() if r != before["fallbacks"].get(op)}
-    if fell_back:
-        problems.append(f"fallbacks during the bench (timed the reference, not the kernel): {fell_back}")
-    ctx.record({"counters_after": after})
     big = [r for r in ok if r["M"] <= 8 and r["weight_bytes"] >= BIG_WEIGHT_BYTES]
     small = [r for r in ok if r["weight_bytes"] < SMALL_WEIGHT_BYTES]
     metrics = {
@@ -213,8 +186,7 @@ def kernels(ctx: CheckContext, presets: list[str] = ["k3-tp8-rank", "k3-tp16-ran
         "gemm_median_vs_cublas": sorted(r["vs_cublas"] for r in ok)[len(ok) // 2] if ok else None,
         "gemm_small_median_gap_us": (sorted(r["heuristic_us"] - r["floor_us"] for r in small)[len(small) // 2]
                                      if small else None),
-        "targets": {"big_weights_pct_of_bw": TARGET_BW_FRACTION, "vs_cublas": TARGET_VS_CUBLAS,
-                    "kda_vs_fla_b_le_8": TARGET_KDA_VS_FLA, "kda_layer_x_floor": TARGET_KDA_LAYER_X_FLOOR},
+        "targets": TARGETS,
         "kda_rows": len(kda),
         "kda_min_vs_fla_b_le_8": min((r["vs_fla"] for r in kda if r.get("vs_fla") and r["B"] <= 8), default=None),
         "kda_pct_of_floor": {f"H{r['H']}_B{r['B']}": r["pct_of_floor"] for r in kda if "pct_of_floor" in r},

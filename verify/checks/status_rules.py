@@ -17,6 +17,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from verify.checks.bench_rules import bench_kernels_problems
+
 F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
 # bf16: decode and prefill round at different places (chunked vs recurrent KDA, plain vs absorbed MLA), and
 # a routing near-tie can flip one position's experts, so a pointwise bound would be flaky on synthetic
@@ -467,6 +469,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "features.temperature_sampling": temperature_sampling_problems,
     "perf.bandwidth_probe": bandwidth_probe_problems,
     "equivalence.decode": equivalence_problems,
+    "bench.kernels": bench_kernels_problems,
 }
 
 
@@ -478,6 +481,8 @@ COMPLETE: dict[str, Callable[[Records, Mapping[str, Any]], bool]] = {
     "kernels.numerics": lambda recs, m: "expected_launches" in m,
     # points without later_violation_rate: a writer that failed every top-k violation, in its own wording
     "equivalence.decode": lambda recs, m: all("later_violation_rate" in r for r in recs if r.get("kind") == "point"),
+    # kernel benches that raised were a problem without a row, and fallbacks were judged on an unrecorded snapshot
+    "bench.kernels": lambda recs, m: any("counters_before" in r for r in recs),
 }
 
 

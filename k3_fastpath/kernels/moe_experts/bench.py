@@ -10,8 +10,9 @@ bandwidth measured in the same run. Routing "uniform": distinct random experts p
 ``moe_router`` kernel on random activations with a correction bias drawn from N(0, 0.02), which skews the
 choice as a trained router's does. At batch 1 the row also times router + experts + tail (latent RMSNorm
 fused, up projection 7168 x 3584 by the skinny GEMM) against the torch composition (``route`` +
-``moe_experts_ref`` + matmul): issue 4's target is >= 2x. ``bench_check`` feeds ``k3-verify bench
-kernels``; targets: MXFP4 experts >= 80% of the floor at batch 1 and 8.
+``moe_experts_ref`` + matmul). ``bench_check`` feeds ``k3-verify bench kernels``, whose rule
+(``verify/checks/bench_rules.py``) holds the targets: layer >= 2x torch, MXFP4 experts >= 80% of the
+floor at batch 1 and 8.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ from .layout import ExpertWeights
 from .reference import moe_experts_ref
 
 E, I, L, H, TOP_K = 896, 384, 3584, 7168, 16
-TARGET_FLOOR_FRACTION = 0.80
-TARGET_LAYER_VS_TORCH = 2.0
 
 
 def make_experts(fmt: str, E_: int = E, I_: int = I, L_: int = L) -> ExpertWeights:
@@ -119,27 +118,22 @@ def _layer_at_batch1(experts, gate, bias, nw) -> dict[str, Any]:
 
 def bench_check(ctx, ms: list[int], sweep: bool, bw_gbs: float) -> dict[str, Any]:
     """Rows for ``k3-verify bench kernels`` (verify/checks/bench.py): MXFP4 experts at batch 1/8/64 with
-    router and uniform routing; targets >= 80% of the floor at batch 1 and 8, layer >= 2x torch at batch 1."""
-    problems, pct = [], {}
+    router and uniform routing, an ``error`` row where the bench raised; ``verify/checks/bench_rules.py``
+    holds the targets (>= 80% of the floor at batch 1 and 8, layer >= 2x torch at batch 1)."""
+    pct = {}
     try:
         rows = bench_rows((1, 8, 64), ("router", "uniform"), ("mxfp4",), bw_gbs)
     except Exception as e:  # record the failure, keep the other kernels' rows
-        rows = []
-        problems.append(f"moe_experts: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        rows = [{"kernel": "moe_experts", "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}]
     for r in rows:
         ctx.record(r)
-        tag = f"moe_experts {r['fmt']} {r['routing']} N={r['N']}"
+        if "error" in r:
+            continue
         pct[f"{r['routing']}_N{r['N']}"] = r["pct_of_floor"]
-        ctx.note(f"{tag}: ours {r['ours_us']:.1f} us ({r['touched']} experts, floor {r['floor_us']:.1f} us, "
-                 f"{r['pct_of_floor']:.0%}), torch {r['torch_us']:.0f} us")
-        if r["N"] <= 8 and r["pct_of_floor"] < TARGET_FLOOR_FRACTION:
-            problems.append(f"{tag}: {r['pct_of_floor']:.0%} of the floor < {TARGET_FLOOR_FRACTION:.0%}")
-        if "layer_vs_torch" in r and r["layer_vs_torch"] < TARGET_LAYER_VS_TORCH:
-            problems.append(f"router + experts + tail at batch 1: {r['layer_vs_torch']:.2f}x torch < "
-                            f"{TARGET_LAYER_VS_TORCH}x")
+        ctx.note(f"moe_experts {r['fmt']} {r['routing']} N={r['N']}: ours {r['ours_us']:.1f} us ({r['touched']} "
+                 f"experts, floor {r['floor_us']:.1f} us, {r['pct_of_floor']:.0%}), torch {r['torch_us']:.0f} us")
     layer = next((r["layer_vs_torch"] for r in rows if "layer_vs_torch" in r), None)
-    return {"problems": problems, "metrics": {"experts_pct_of_floor": pct, "moe_layer_vs_torch_b1": layer,
-                                              "experts_target_pct_b_le_8": TARGET_FLOOR_FRACTION}}
+    return {"metrics": {"experts_pct_of_floor": pct, "moe_layer_vs_torch_b1": layer}}
 
 
 def main(argv: list[str] | None = None) -> None:
