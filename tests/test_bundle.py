@@ -101,7 +101,7 @@ def test_golden_is_reproducible(tmp_path: Path) -> None:
 def test_golden_report_snapshot() -> None:
     report = verify_bundle(GOLDEN)
     assert report.ok and report.exit_code == 0 and report.verdict == "incomplete"
-    assert report.problems == () and report.notes == ()
+    assert report.problems == () and report.notes == ("unsigned",)
     snapshot("golden", render_report(report))
 
 
@@ -385,7 +385,7 @@ def test_running_bundle_tolerates_only_unsealed_bytes(tmp_path: Path) -> None:
     (w.root / "results.jsonl").open("ab").write(b'{"id":"a.two","status":"pas')  # a kill mid-write
     (w.root / "records" / "a.two.jsonl").write_text('{"i": 1}\n')  # a stream not sealed yet
     r = verify_bundle(w.root)
-    assert r.ok and r.verdict == "incomplete" and r.summary["state"] == "running" and len(r.notes) == 2
+    assert r.ok and r.verdict == "incomplete" and r.summary["state"] == "running" and len(r.notes) == 3 and r.notes[-1] == "unsigned"
     snapshot("running_unsealed", render_report(r))
     data = (w.root / "records" / "a.one.jsonl").read_bytes()
     (w.root / "records" / "a.one.jsonl").write_bytes(data.replace(b"0", b"7"))  # sealed bytes: caught

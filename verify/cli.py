@@ -20,6 +20,8 @@ bundle_app = typer.Typer(no_args_is_help=True, help="Check, inspect and compare 
 app.add_typer(bundle_app, name="bundle")
 image_app = typer.Typer(no_args_is_help=True, help="Build and run the k3-verify container images (Docker engine).")
 app.add_typer(image_app, name="image")
+keys_app = typer.Typer(no_args_is_help=True, help="Ed25519 keys that sign result bundles (run --sign, bundle sign).")
+app.add_typer(keys_app, name="keys")
 
 FormatOpt = typer.Option("text", "--format", help="text (rich tables) or json (one JSON document on stdout)")
 
@@ -67,6 +69,8 @@ def run(
                                 "the checks without a result, as a new part (same tier, GPU model and source)"),
     time_limit: float | None = typer.Option(None, "--time-limit", help="seconds: start no check whose budget "
                                             "would end past this (the bundle ends interrupted; --resume goes on)"),
+    sign: Path | None = typer.Option(None, "--sign", help="Ed25519 private key (keys new): sign the finished "
+                                     "bundle (attestation.dsse.json, in the directory and the .tar.gz)"),
     fmt: str = FormatOpt,
 ) -> None:
     """Run a tier of checks and write a result bundle (directory + .tar.gz)."""
@@ -75,10 +79,17 @@ def run(
     from verify.runner import run_tier
 
     preset = model_argument(preset, checkpoint)  # --checkpoint DIR: the model is DIR (--preset DIR is its alias)
-    verdict, _ = run_tier(tier, output, preset, device, seed, out, argv=["k3-verify", *sys.argv[1:]],
-                          engine=engine, baseline_engine=baseline_engine,
-                          model_dir=str(model_dir) if model_dir else None, resume=resume,
-                          time_limit_s=time_limit)
+    signer = None
+    if sign is not None:  # a bad key fails before anything runs
+        from verify.bundle.signing import load_signer
+
+        signer = load_signer(sign)
+    verdict, root = run_tier(tier, output, preset, device, seed, out, argv=["k3-verify", *sys.argv[1:]],
+                             engine=engine, baseline_engine=baseline_engine,
+                             model_dir=str(model_dir) if model_dir else None, resume=resume,
+                             time_limit_s=time_limit)
+    if signer is not None:
+        _sign(root, signer, out)
     out.finish()
     if verdict == "fail" or (require_complete and verdict != "pass"):
         raise _Exit(EXIT_FAILED)
@@ -150,13 +161,16 @@ def env(fmt: str = FormatOpt) -> None:
 def bundle_verify(path: Path = typer.Argument(..., help="bundle directory or .tar.gz"),
                   repo: Path = typer.Option(None, "--repo", help="git repository: the commit the bundle names must "
                                             "hold the sources that ran"),
+                  trusted_keys: Path = typer.Option(None, "--trusted-keys", help="public keys file (keys new writes "
+                                                    "one): the bundle must be signed by one of them"),
                   fmt: str = FormatOpt) -> None:
     """Check hashes, schema and that the verdict follows from the records (0 ok, 1 failed, 2 unreadable)."""
     out = Output(fmt)
     from verify.bundle.verify import verify_bundle  # loads the built-in rescorers (perf sweep, evals)
 
-    report = verify_bundle(path, repo=repo)
+    report = verify_bundle(path, repo=repo, trusted_keys=trusted_keys)
     out.set("ok", report.ok)
+    out.set("notes", list(report.notes))
     out.set("exit_code", report.exit_code)
     out.set("verdict", report.verdict)
     out.set("problems", list(report.problems))
@@ -169,6 +183,9 @@ def bundle_verify(path: Path = typer.Argument(..., help="bundle directory or .ta
         out.line(f"OK  {path}: bundle verifies, verdict {report.verdict}")
         if report.summary.get("source"):
             out.line(f"    {report.summary['source']}")
+        for n in report.notes:
+            if n == "unsigned" or n.startswith("signed by"):
+                out.line(f"    {n}")
     else:
         out.line(f"FAILED  {path}: {len(report.problems)} problem(s)")
         for p in report.problems:
@@ -176,6 +193,60 @@ def bundle_verify(path: Path = typer.Argument(..., help="bundle directory or .ta
     out.finish()
     if report.exit_code != EXIT_OK:
         raise _Exit(report.exit_code)
+
+
+def _sign(root: Path, signer, out: Output) -> None:
+    from verify.bundle.signing import sign_bundle
+    from verify.bundle.writer import write_tarball
+
+    st = sign_bundle(root, signer)
+    write_tarball(root)
+    keyid = st["predicate"]["signer"]["keyid"]
+    out.set("signed_by", keyid)
+    out.line(f"signed {root} ({len(st['subject'])} files) with key {keyid[:16]}; archive rewritten: {root}.tar.gz")
+
+
+@bundle_app.command("sign")
+def bundle_sign(path: Path = typer.Argument(..., help="a finished bundle directory (its .tar.gz is rewritten)"),
+                key: Path = typer.Option(..., "--key", help="Ed25519 private key (keys new)"),
+                fmt: str = FormatOpt) -> None:
+    """Sign a bundle that verifies: an in-toto statement over every file, in a DSSE envelope."""
+    out = Output(fmt)
+    from verify.bundle.signing import load_signer
+
+    if not path.is_dir():
+        raise UserError(f"{path}: sign the bundle directory (the .tar.gz is written from it)")
+    _sign(path, load_signer(key), out)
+    out.finish()
+
+
+@keys_app.command("new")
+def keys_new(path: Path = typer.Argument(..., help="private key file to create (0600); PATH.pub.json is its public key"),
+             name: str | None = typer.Option(None, "--name", help="who holds it (recorded in the public entry)"),
+             fmt: str = FormatOpt) -> None:
+    """Make an Ed25519 signing key; give PATH.pub.json to the maintainers (their --trusted-keys file)."""
+    out = Output(fmt)
+    from verify.bundle.signing import PUBLIC_SUFFIX, new_key
+
+    entry = new_key(path, name)
+    out.set("key", entry)
+    out.line(f"wrote {path} (private, keep it) and {path}{PUBLIC_SUFFIX} (public): keyid {entry['keyid']}")
+    out.finish()
+
+
+@keys_app.command("show")
+def keys_show(path: Path = typer.Argument(..., help="a private key or a .pub.json file"), fmt: str = FormatOpt) -> None:
+    """Print a key's public entry (what a --trusted-keys file lists)."""
+    out = Output(fmt)
+    import json
+
+    from verify.bundle.signing import show_key
+
+    entry = show_key(path)
+    out.set("key", entry)
+    if not out.is_json:
+        out.console.print_json(json.dumps(entry))
+    out.finish()
 
 
 @bundle_app.command("show")

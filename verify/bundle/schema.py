@@ -26,6 +26,7 @@ MANIFEST = "manifest.json"
 RESULTS = "results.jsonl"
 SUMMARY = "summary.md"
 SUMS = "SHA256SUMS"
+ATTESTATION = "attestation.dsse.json"  # the signature over the sealed bundle (verify/bundle/signing.py): not in SUMS
 RECORDS_DIR = "records"
 LOGS_DIR = "logs"
 ARTIFACTS_DIR = "artifacts"

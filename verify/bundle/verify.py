@@ -10,7 +10,9 @@ What it checks, in order (``bundles/FORMAT.md`` is the contract):
 3. the manifest schema, every results.jsonl line a valid ``CheckResult``, every record a JSON object,
    results only for planned checks and at most one each, artifacts present and hashed;
 4. the verdict recomputed from the results and the state equals the manifest's (and summary.md's);
-5. registered rescorers re-derive what they can from the raw records.
+5. registered rescorers re-derive what they can from the raw records;
+6. a signature (``attestation.dsse.json``, ``verify/bundle/signing.py``) covers exactly these files and
+   verifies, by a key in ``trusted_keys`` when given; an unsigned bundle gets the note "unsigned".
 
 Exit codes (the CLI passes them through): 0 valid, whatever the verdict; 1 the bundle does not verify
 (tampered, truncated, inconsistent); 2 the input is not a readable bundle.
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from verify.bundle.schema import (
+    ATTESTATION,
     INCOMPLETE,
     MANIFEST,
     RECORDS_DIR,
@@ -177,15 +180,21 @@ def load_builtin_rescorers() -> None:
 
 
 def verify_bundle(path: str | Path, *, rescorers: Sequence[tuple[str, Rescorer]] | None = None,
-                  repo: str | Path | None = None) -> VerifyReport:
+                  repo: str | Path | None = None, trusted_keys: str | Path | None = None) -> VerifyReport:
     """Verify a bundle directory or .tar.gz. ``rescorers`` replaces the registered ones (tests); without it
     the built-in ones (``BUILTIN_RESCORERS``) are loaded first. With ``repo`` (a git repository) the commit
-    the bundle names must hold the sources that ran (``verify.provenance.commit_problem``)."""
+    the bundle names must hold the sources that ran (``verify.provenance.commit_problem``); with
+    ``trusted_keys`` (a keys file, ``verify.bundle.signing``) the bundle must be signed by one of them."""
     if rescorers is None:
         load_builtin_rescorers()
     try:
+        keys = None
+        if trusted_keys is not None:
+            from verify.bundle.signing import load_public_keys
+
+            keys = load_public_keys(Path(trusted_keys))
         with open_bundle(path) as root:
-            return _verify_root(root, list(_RESCORERS if rescorers is None else rescorers), repo)
+            return _verify_root(root, list(_RESCORERS if rescorers is None else rescorers), repo, keys)
     except BundleError as e:
         return VerifyReport(ok=False, exit_code=e.exit_code, verdict=None, problems=(str(e),))
 
@@ -212,7 +221,8 @@ def _read_prefix(path: Path, n: int) -> bytes:
         return f.read(n)
 
 
-def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]], repo: str | Path | None = None) -> VerifyReport:
+def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]], repo: str | Path | None = None,
+                 trusted_keys: Sequence[Any] | None = None) -> VerifyReport:
     problems: list[str] = []
     notes: list[str] = []
     mbytes = (root / MANIFEST).read_bytes()
@@ -279,7 +289,7 @@ def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]], repo: str | 
                 problems.append(f"{rel}: {size - want} bytes past its sealed length")
         sealed_len[rel] = want
     for rel in files if SUMS in files else []:
-        if rel == SUMS or rel in listed:
+        if rel in (SUMS, ATTESTATION) or rel in listed:
             continue
         if sealed and (running or is_writer_temp(rel)):
             notes.append(f"{rel}: not sealed yet, ignored")
@@ -377,6 +387,14 @@ def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]], repo: str | 
         "sums_form": "sealed-prefix" if sealed else "standard",
         "records": {k: len(v) for k, v in sorted(records.items())},
     }
+    if ATTESTATION in files or trusted_keys is not None:
+        from verify.bundle.signing import attestation_problems
+
+        sig_problems, sig_notes, summary["signature"] = attestation_problems(root, files, trusted_keys)
+        problems += sig_problems
+        notes += sig_notes
+    else:
+        notes.append("unsigned")
     if repo is not None:
         source_problem, confirmed = commit_problem(manifest, repo)
         if source_problem:

@@ -35,6 +35,7 @@ from typing import Any
 
 from verify.bundle.schema import (
     ARTIFACTS_DIR,
+    ATTESTATION,
     FINISHED,
     INTERRUPTED,
     MANIFEST,
@@ -171,6 +172,7 @@ class BundleWriter:
                now: Callable[[], str] | None = None) -> BundleWriter:
         """Reopen an unfinished bundle (state ``running`` or ``interrupted``) to run its remaining checks as a
         new part: unsealed tails are dropped, summary.md and the tarball removed (finalize writes them again),
+        and a signature removed (it covered the bundle as it was),
         the manifest goes back to ``running`` with ``part`` appended to ``parts``. The caller checks first
         that the bundle verifies and that the part may join it (``verify.runner``); BundleError otherwise."""
         import json
@@ -206,10 +208,9 @@ class BundleWriter:
         for name in os.listdir(self.root):
             if is_writer_temp(name):
                 os.unlink(self.root / name)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.root / SUMMARY)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.tarball)
+        for stale in (self.root / SUMMARY, self.root / ATTESTATION, self.tarball):  # a signature of the old part too
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(stale)
         parts = list(manifest.get("parts") or [])
         parts.append(json_value(dict(part, started_at=self._now()), "part"))
         self._manifest = dict(manifest, state=RUNNING, ended_at=None, verdict="incomplete",
