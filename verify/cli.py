@@ -126,7 +126,7 @@ def list_(fmt: str = FormatOpt) -> None:
     """List the tiers and every check (with what it needs and whether it runs here)."""
     out = Output(fmt)
     from verify.checks.registry import REGISTRY
-    from verify.requirements import first_unmet, missing_imports
+    from verify.requirements import first_unmet, missing_imports, missing_tools
     from verify.tiers import BUILTIN_TIERS, load_tier
 
     tiers = {name: load_tier(name) for name in BUILTIN_TIERS}
@@ -136,8 +136,9 @@ def list_(fmt: str = FormatOpt) -> None:
     rows = []
     for d in REGISTRY.values():
         in_tiers = ",".join(n for n, t in tiers.items() if d.id in t.check_ids)
-        here = first_unmet(d.requires) or "; ".join(missing_imports(d.imports)) or "runs here"
-        rows.append((d.id, in_tiers, ",".join((*d.requires, *d.imports)) or "-", here, d.description))
+        here = (first_unmet(d.requires) or "; ".join(missing_imports(d.imports) + missing_tools(d.tools))
+                or "runs here")
+        rows.append((d.id, in_tiers, ",".join((*d.requires, *d.imports, *d.tools)) or "-", here, d.description))
     out.table("checks", ["check", "tiers", "needs", "here", "what it proves"], rows, key="checks")
     out.finish()
 

@@ -100,3 +100,25 @@ def missing_imports(modules: tuple[str, ...]) -> list[str]:
         how = f"pip install 'k3-verify[{extra}]'" if extra else f"pip install {dist}"
         out.append(f"needs the Python module {mod} ({how})")
     return out
+
+
+def _aiperf_problem() -> str | None:
+    from verify.aiperf import tool_problem
+
+    return tool_problem()
+
+
+# Programs a check may need (``@check(tools=...)``): name -> None when usable here, else why not.
+TOOLS = {"aiperf": _aiperf_problem}
+
+
+def missing_tools(tools: tuple[str, ...]) -> list[str]:
+    """One line per program of ``tools`` that cannot run here, saying how to install it."""
+    out = []
+    for t in tools:
+        if t not in TOOLS:
+            raise ValueError(f"unknown tool {t!r} (known: {', '.join(TOOLS)})")
+        problem = TOOLS[t]()
+        if problem:
+            out.append(problem)
+    return out

@@ -23,7 +23,7 @@ from verify.bundle.schema import PART_IDENTITY
 from verify.checks.registry import REGISTRY
 from verify.context import CheckContext
 from verify.output import Output, UserError
-from verify.requirements import first_unmet, missing_imports
+from verify.requirements import first_unmet, missing_imports, missing_tools
 from verify.result import CheckResult
 
 TOOL_VERSION = "0.1.0"
@@ -101,15 +101,15 @@ def run_check(ctx: CheckContext, decl: Any, params: dict[str, Any]) -> CheckResu
 
 
 def preflight(tier: Any) -> dict[str, str]:
-    """{check id: one line} for every check of ``tier`` whose Python imports are missing here, each line
-    naming the extra that installs it. Checks whose machine requirements are unmet are left out: they are
+    """{check id: one line} for every check of ``tier`` whose Python imports or tools are missing here, each
+    line naming how to install them. Checks whose machine requirements are unmet are left out: they are
     skipped with their own reason, not errors."""
     out: dict[str, str] = {}
     for spec in tier.checks:
         decl = REGISTRY[spec.id]
         if first_unmet(decl.requires):
             continue
-        missing = missing_imports(decl.imports)
+        missing = missing_imports(decl.imports) + missing_tools(decl.tools)
         if missing:
             out[spec.id] = "; ".join(missing)
     return out

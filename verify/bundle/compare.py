@@ -4,8 +4,9 @@ Four parts, each tolerant of a check that one side lacks ("absent in A"):
 
 1. **checks**: status per check id (passed / failed / skipped / error / missing / absent); passed -> failed
    or error is a regression, failed or error -> passed an improvement;
-2. **perf**: step time per ``perf.decode_sweep`` point and backend, and our time per ``bench.kernels``
-   shape. A delta counts only when it exceeds the noise: ``max(spread A, spread B, noise floor)`` where a
+2. **perf**: step time per ``perf.decode_sweep`` point and backend, our time per ``bench.kernels``
+   shape, and the engine under test's P90 inter-token latency and P50 TTFT per ``perf.serving`` workload
+   and concurrency (median over the repeats; serving mixes prefill and decode, labelled so). A delta counts only when it exceeds the noise: ``max(spread A, spread B, noise floor)`` where a
    spread is (p90 - p10) / median of the replay samples (``bundles/COMPARE.md``); smaller deltas are
    reported as ``within noise``;
 3. **evals**: accuracy of the engine under test in A and B per ``evals.*`` check; paired over the same
@@ -243,6 +244,37 @@ def _bench_deltas(
     return out
 
 
+SERVING_CHECK = "perf.serving"
+_SERVING_FIELDS = (("itl_ms_p90", "P90 ITL"), ("ttft_ms_p50", "P50 TTFT"))
+
+
+def _serving_deltas(
+    a: BundleData, b: BundleData, floor: tuple[float, float], absent: list[str]
+) -> list[PerfDelta]:
+    from verify.checks.serving_rules import median_and_spread, points_by_side
+
+    pa, pb = points_by_side(a.records.get(SERVING_CHECK, [])), points_by_side(b.records.get(SERVING_CHECK, []))
+    if not pa or not pb:
+        if pa or pb:
+            absent.append(_absent(SERVING_CHECK, a, b, bool(pa), bool(pb), "no serving points"))
+        return []
+    out = []
+    for w, c in sorted(pa.keys() & pb.keys(), key=lambda k: (str(k[0]), k[1] or 0)):
+        ia = median_and_spread(pa[(w, c)], "interactivity_p90")[0]
+        ib = median_and_spread(pb[(w, c)], "interactivity_p90")[0]
+        for name, what in _SERVING_FIELDS:
+            (ma, sa), (mb, sb) = median_and_spread(pa[(w, c)], name), median_and_spread(pb[(w, c)], name)
+            if not ma or not mb:
+                continue
+            extra = {"interactivity_p90_a": ia, "interactivity_p90_b": ib, "mixed": True}
+            out.append(_perf_delta(SERVING_CHECK, f"{w} c={c} {what} (mixed prefill+decode)", ma * 1e3, mb * 1e3,
+                                   sa, sb, floor, extra))
+    only_a, only_b = len(pa.keys() - pb.keys()), len(pb.keys() - pa.keys())
+    if only_a or only_b:
+        absent.append(f"{SERVING_CHECK}: {only_a} point(s) only in A, {only_b} only in B (not compared)")
+    return out
+
+
 def eval_delta(
     check_id: str,
     sa: dict[str, float],
@@ -372,7 +404,8 @@ def compare_bundles(
         warnings.append(f"different GPUs: A {a.gpu}, B {b.gpu}: perf deltas include the machine")
     absent: list[str] = []
     checks = _check_changes(a, b)
-    perf = _sweep_deltas(a, b, floor, absent, warnings) + _bench_deltas(a, b, floor, absent, warnings)
+    perf = (_sweep_deltas(a, b, floor, absent, warnings) + _bench_deltas(a, b, floor, absent, warnings)
+            + _serving_deltas(a, b, floor, absent))
     evals = _eval_deltas(a, b, absent, warnings)
 
     bad = [f"{c.id}: {c.a} -> {c.b}" for c in checks if c.change == REGRESSED]
@@ -444,7 +477,7 @@ def render_compare(r: CompareReport, *, show_all: bool = True) -> str:
     out.append(f"checks: {len(r.checks)}, {len(changed)} changed")
     for c in r.checks if show_all else changed:
         out.append(f"  {c.id}: {c.a} -> {c.b}" + ("" if c.change == "same" else f"  [{c.change}]"))
-    for source in (SWEEP_CHECK, BENCH_CHECK):
+    for source in (SWEEP_CHECK, BENCH_CHECK, SERVING_CHECK):
         rows = [p for p in r.perf if p.source == source]
         if not rows:
             continue
@@ -457,6 +490,10 @@ def render_compare(r: CompareReport, *, show_all: bool = True) -> str:
             elif p.extra.get("vs_baseline_a") and p.extra.get("vs_baseline_b"):
                 x = p.extra
                 sp = f", vs {x['baseline']} {x['vs_baseline_a']:.2f}x -> {x['vs_baseline_b']:.2f}x"
+            elif p.extra.get("interactivity_p90_a") and p.extra.get("interactivity_p90_b"):
+                x = p.extra
+                sp = (f", P90 interactivity {x['interactivity_p90_a']:.1f} -> {x['interactivity_p90_b']:.1f} "
+                      "tok/s/user; spread over repeats")
             spread = f"spread {_f(p.spread_a, '.1%')}/{_f(p.spread_b, '.1%')}"
             # a delta past the floor that only the measured spread absorbs: say so
             flag = (

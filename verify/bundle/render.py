@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from verify.bundle import plots as plots_mod
+from verify.bundle import serving_plots
 from verify.bundle.compare import EvalDelta, eval_delta
 from verify.bundle.kernel_profiles import kernel_profiles, profile_section
 from verify.bundle.readers import (
@@ -531,6 +532,15 @@ def _draw(d: BundleData, out_dir: Path) -> tuple[list[tuple[str, str]], list[str
             "no evals.* check with samples of both engines",
         ),
     ]
+    serving = d.records.get("perf.serving", [])
+    serving_why = f"no perf.serving points in this bundle (check {d.status('perf.serving')})"
+    has_points = any(r.get("kind") == "point" for r in serving)
+    jobs += [("serving_pareto.png", "serving: throughput vs P90 interactivity (mixed prefill + decode)",
+              (lambda: serving_plots.serving_pareto(serving, out_dir / "serving_pareto.png")) if has_points else None,
+              serving_why),
+             ("serving_cdf.png", "serving: per-request ITL and TTFT CDFs (mixed prefill + decode)",
+              (lambda: serving_plots.serving_cdf(serving, out_dir / "serving_cdf.png")) if has_points else None,
+              serving_why)]
     for name, title, fn, why in jobs:
         if fn is None:
             skipped.append(f"{name} ({why})")

@@ -11,8 +11,9 @@ The function's keyword parameters are the check's parameters and their defaults 
 (``CheckDecl.params_type`` is a frozen dataclass built from them); a tier YAML holds overrides, validated
 against those fields. ``requires`` names what the machine must have (``verify.requirements.unmet``:
 cuda, sm90, cutlass, compute-sanitizer): an unmet one makes the check ``skipped`` with the reason.
-``imports`` names the Python modules the check needs; the run's preflight records a check whose module
-is missing as ``error`` with the extra that installs it, before any GPU work starts.
+``imports`` names the Python modules the check needs, ``tools`` the programs it runs
+(``verify.requirements.TOOLS``: aiperf); the run's preflight records a check whose module or tool is
+missing as ``error`` with how to install it, before any GPU work starts.
 
 ``REGISTRY`` maps id -> ``CheckDecl``; reading it imports every module of this package once (the
 declarations are the modules themselves, so there is no second list to keep).
@@ -39,6 +40,7 @@ class CheckDecl:
     description: str
     requires: tuple[str, ...] = ()
     imports: tuple[str, ...] = ()  # Python modules the check needs (the preflight's list)
+    tools: tuple[str, ...] = ()  # programs the check runs (``verify.requirements.TOOLS``; the preflight's too)
     params_type: type | None = None  # frozen dataclass of the parameters, defaults from the signature
 
     @property
@@ -88,15 +90,15 @@ def params_dataclass(check_id: str, fn: Callable[..., Any]) -> type:
     return dataclasses.make_dataclass(name, fields, frozen=True)
 
 
-def check(check_id: str, description: str, *, requires: tuple[str, ...] = (),
-          imports: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def check(check_id: str, description: str, *, requires: tuple[str, ...] = (), imports: tuple[str, ...] = (),
+          tools: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as check ``check_id`` (see the module docstring)."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         module = fn.__module__
         if check_id in _DECLS and (_DECLS[check_id].module, _DECLS[check_id].function) != (module, fn.__name__):
             raise ValueError(f"check {check_id} is registered twice ({_DECLS[check_id].module} and {module})")
         _DECLS[check_id] = CheckDecl(check_id, module, fn.__name__, description, tuple(requires), tuple(imports),
-                                     params_dataclass(check_id, fn))
+                                     tuple(tools), params_dataclass(check_id, fn))
         return fn
     return deco
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from verify.checks.bench_rules import bench_kernels_problems
+from verify.checks.serving_rules import serving_problems
 
 F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
 # bf16: decode and prefill round at different places (chunked vs recurrent KDA, plain vs absorbed MLA), and
@@ -470,6 +471,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "perf.bandwidth_probe": bandwidth_probe_problems,
     "equivalence.decode": equivalence_problems,
     "bench.kernels": bench_kernels_problems,
+    "perf.serving": serving_problems,
 }
 
 
