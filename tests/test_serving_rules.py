@@ -238,3 +238,17 @@ def test_a_copy_of_the_bundle_is_unchanged_by_verification(bundle, tmp_path):
     shutil.copytree(bundle, copy)
     verify_bundle(copy)
     assert sorted(p.name for p in copy.rglob("*")) == sorted(p.name for p in bundle.rglob("*"))
+
+
+def test_without_aiperf_the_check_is_a_preflight_error(tmp_path, monkeypatch):
+    from verify.output import Output
+    from verify.runner import run_tier
+
+    monkeypatch.setenv("K3_AIPERF", str(tmp_path / "no-aiperf"))
+    assert "needs AIPerf 0.13.0" in aiperf.tool_problem()
+    tier = tmp_path / "t.yaml"
+    tier.write_text("name: t\ndescription: d\ntarget_s: 600\nchecks:\n  - id: perf.serving\n    budget_s: 600\n")
+    verdict, root = run_tier(str(tier), tmp_path / "b", "auto", "cpu", 0, Output("json"), argv=["test"])
+    res = json.loads((root / "results.jsonl").read_text().splitlines()[0])
+    assert verdict == "fail" and res["status"] == "error" and "needs AIPerf 0.13.0" in res["reason"], res
+    assert verify_bundle(root).ok

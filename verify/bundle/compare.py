@@ -6,7 +6,8 @@ Four parts, each tolerant of a check that one side lacks ("absent in A"):
    or error is a regression, failed or error -> passed an improvement;
 2. **perf**: step time per ``perf.decode_sweep`` point and backend, our time per ``bench.kernels``
    shape, and the engine under test's P90 inter-token latency and P50 TTFT per ``perf.serving`` workload
-   and concurrency (median over the repeats; serving mixes prefill and decode, labelled so). A delta counts only when it exceeds the noise: ``max(spread A, spread B, noise floor)`` where a
+   and concurrency (median over the repeats, spread = (max - min) / median over them, the noise floor at
+   least what either run declared; serving mixes prefill and decode, labelled so). A delta counts only when it exceeds the noise: ``max(spread A, spread B, noise floor)`` where a
    spread is (p90 - p10) / median of the replay samples (``bundles/COMPARE.md``); smaller deltas are
    reported as ``within noise``;
 3. **evals**: accuracy of the engine under test in A and B per ``evals.*`` check; paired over the same
@@ -258,6 +259,10 @@ def _serving_deltas(
         if pa or pb:
             absent.append(_absent(SERVING_CHECK, a, b, bool(pa), bool(pb), "no serving points"))
         return []
+    # the noise floor each run declared for its serving numbers (perf.serving's noise_floor) also holds here
+    declared = [r.get("noise_floor") for d in (a, b) for r in d.records.get(SERVING_CHECK, [])
+                if r.get("kind") == "plan" and isinstance(r.get("noise_floor"), (int, float))]
+    floor = (max([floor[0], *declared]), max([floor[1], *declared]))
     out = []
     for w, c in sorted(pa.keys() & pb.keys(), key=lambda k: (str(k[0]), k[1] or 0)):
         ia = median_and_spread(pa[(w, c)], "interactivity_p90")[0]
