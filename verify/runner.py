@@ -251,7 +251,11 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
                 engines=pool.manifest_entries(),
                 config={"preset": preset, "weights": source.weights(), "model": source.manifest(), "device": device,
                         "tier_source": tier.source, "cpu_threads": cpu_threads,
-                        "tier_budget_s": tier.budget_s, "tier_target_s": tier.target_s},
+                        "tier_budget_s": tier.budget_s, "tier_target_s": tier.target_s,
+                        # what `bundle audit` re-executes: every check's resolved parameters and budget
+                        "check_plan": {c.id: {"params": REGISTRY[c.id].resolve_params(
+                            {**c.params, **(overrides or {}).get(c.id, {})}), "budget_s": c.budget_s}
+                            for c in tier.checks}},
                 seeds={"global": seed}, env=env, part=part,
             )
     except BundleError as e:

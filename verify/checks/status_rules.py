@@ -458,6 +458,32 @@ def equivalence_problems(records: Records, metrics: Mapping[str, Any] | None = N
     return problems
 
 
+# ------------------------------------------------------------------------------------------ bundle audit
+def _short(v: Any) -> str:
+    t = repr(v)
+    return t if len(t) <= 60 else t[:57] + "..."
+
+
+def audit_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    """``audit.records`` (verify/bundle/audit.py): every disagreement and every check that could not run."""
+    problems = []
+    for r in records:
+        if r.get("kind") == "disagreement":
+            problems.append(f"{r.get('check')} record {r.get('index')}: {r.get('field') or '(record)'} {r.get('why')} "
+                            f"(bundle {_short(r.get('bundle'))}, re-run {_short(r.get('rerun'))})")
+        elif r.get("kind") == "cannot_run":
+            problems.append(f"{r.get('check')}: {r.get('why')}")
+    audited = [r for r in records if r.get("kind") == "audited"]
+    for a in audited:
+        n = sum(1 for r in records if r.get("kind") == "disagreement" and r.get("check") == a.get("check"))
+        if a.get("disagreements") != n:
+            problems.append(f"{a.get('check')}: the audited record counts {a.get('disagreements')} disagreements, "
+                            f"{n} are recorded")
+    if not audited and not problems:
+        problems.append("no check was audited")
+    return problems
+
+
 RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "reference.prefill_decode_consistency": prefill_decode_problems,
     "reference.determinism": determinism_problems,
@@ -472,6 +498,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "equivalence.decode": equivalence_problems,
     "bench.kernels": bench_kernels_problems,
     "perf.serving": serving_problems,
+    "audit.records": audit_problems,
 }
 
 

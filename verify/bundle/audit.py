@@ -1,0 +1,238 @@
+"""``k3-verify bundle audit BUNDLE``: re-execute a bundle's checks here and compare a seeded sample of its
+records with the re-execution's, which catches fabricated raw records that a rescorer cannot.
+
+How: the bundle must verify. Its manifest's ``config.check_plan`` (every check's resolved parameters and
+budget, written by ``k3-verify run``) and its model, seed and engines are turned into a tier that
+``k3-verify run`` executes into a re-run bundle; then for each audited check a seeded sample of its
+records (``--sample N`` indices, the same ones for the same ``--seed``) is compared field by field with
+the re-run's record at the same index:
+
+* **timings** (fields named like ``*_us``, ``*_ms``, ``*_per_s``, ``pct_of_*``, ``speedup``, ``vs_*``,
+  ``spread``, ``interactivity*``: ``TIMING``) agree within ``timing_tol`` (relative), on the same GPU model;
+* **wall-clock stamps** (``*_at``, ``*_ns`` timestamps, ``hostname``...: ``IGNORED``) are not compared;
+* **everything else** is deterministic for a seeded check on the same device model: equal bitwise; on a
+  different device model (another GPU, or a CPU where the bundle ran on a GPU) numbers get ``rel 1e-6``
+  and the audit says so;
+* the re-run's status must equal the bundle's.
+
+Output: an audit bundle (check ``audit.records``: one ``audited`` record per check, one ``disagreement``
+record per differing field, ``cannot_run`` where a check cannot run here; the re-run bundle attached as
+``artifacts/audit.records/rerun.tar.gz``) whose status ``bundle verify`` re-derives. Exit 1 when a record
+disagrees, 2 when a check cannot run here (nothing disagreeing), else 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verify.bundle.schema import BundleError
+
+AUDIT_CHECK = "audit.records"
+TIMING = re.compile(r"(_us|_ms|_per_s|_per_gpu|_gbs|tb_per_s|_s)$|^(pct_of|speedup|vs_|x_floor|spread|interactivity|"
+                    r"times|samples|step_us|duration|window|throughput|read_bw|gb_per_s|tokens_per_s)")
+IGNORED = re.compile(r"(_at|_ns|hostname.*|pid|log_path|port|base_url|url)$|^(started|ended|elapsed)")
+CROSS_DEVICE_REL = 1e-6
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    exit_code: int
+    audit_root: Path
+    audited: tuple[str, ...]
+    disagreements: tuple[dict[str, Any], ...]
+    cannot_run: tuple[dict[str, Any], ...]
+    notes: tuple[str, ...]
+
+
+def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list[dict[str, Any]]) -> None:
+    if IGNORED.search(key):
+        return
+    timing = bool(TIMING.search(key))
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k not in a or k not in b:
+                if not IGNORED.search(k):
+                    out.append({"field": f"{path}.{k}".lstrip("."), "bundle": a.get(k), "rerun": b.get(k),
+                                "why": "present on one side only"})
+                continue
+            _walk(a[k], b[k], f"{path}.{k}", k, tol, rel, out)
+        return
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            out.append({"field": path.lstrip("."), "bundle": f"{len(a)} items", "rerun": f"{len(b)} items",
+                        "why": "lengths differ"})
+            return
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _walk(x, y, f"{path}[{i}]", key, tol, rel, out)
+        return
+    num = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    if num and timing:
+        ok = math.isclose(a, b, rel_tol=tol, abs_tol=1e-9)
+        why = f"timing beyond {tol:.0%}"
+    elif num and rel:
+        ok = math.isclose(a, b, rel_tol=rel, abs_tol=0.0)
+        why = f"differs beyond rel {rel:g}"
+    else:
+        ok = a == b
+        why = "differs"
+    if not ok:
+        out.append({"field": path.lstrip("."), "bundle": a, "rerun": b, "why": why})
+
+
+def compare_records(bundle: list[dict[str, Any]], rerun: list[dict[str, Any]], indices: list[int], tol: float,
+                    rel: float) -> list[dict[str, Any]]:
+    """The disagreements between the sampled ``bundle`` records and the ``rerun`` records at the same index."""
+    out: list[dict[str, Any]] = []
+    for i in indices:
+        if i >= len(rerun):
+            out.append({"index": i, "field": "", "bundle": "a record", "rerun": None,
+                        "why": f"the re-run wrote {len(rerun)} records"})
+            continue
+        found: list[dict[str, Any]] = []
+        _walk(bundle[i], rerun[i], "", "", tol, rel, found)
+        out += [{"index": i, **d} for d in found]
+    return out
+
+
+def _device_model(manifest: dict[str, Any]) -> str:
+    env = manifest.get("env") or {}
+    gpus = env.get("gpus") or []
+    if gpus and isinstance(gpus[0], dict):
+        return f"gpu:{gpus[0].get('name')}"
+    cpu = env.get("cpu")
+    return f"cpu:{cpu.get('model') if isinstance(cpu, dict) else cpu}"
+
+
+def _tier_yaml(plan: dict[str, dict[str, Any]], ids: list[str]) -> str:
+    import yaml
+
+    checks = [{"id": c, "budget_s": float(plan[c]["budget_s"]), "params": plan[c]["params"]} for c in ids]
+    total = sum(c["budget_s"] for c in checks)
+    return yaml.safe_dump({"name": "audit", "description": "re-execution of a bundle's checks (bundle audit)",
+                           "target_s": total, "checks": checks}, sort_keys=False)
+
+
+def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, checks: list[str] | None = None,
+                 seed: int = 0, timing_tol: float = 0.25, device: str = "auto", out: Any = None) -> AuditReport:
+    from verify import environment
+    from verify.bundle.verify import open_bundle, verify_bundle
+    from verify.bundle.writer import BundleWriter
+    from verify.checks.registry import REGISTRY
+    from verify.output import Output
+    from verify.requirements import first_unmet
+    from verify.result import CheckResult
+    from verify.runner import TOOL_VERSION, run_tier
+
+    out = out or Output("json")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise BundleError(f"audit output {out_dir} exists and is not empty")
+    report = verify_bundle(path)
+    if report.exit_code == 2:
+        raise BundleError(report.problems[0] if report.problems else f"{path}: unreadable bundle")
+    if not report.ok:
+        raise BundleError(f"{path} does not verify ({report.problems[0]}): audit a bundle that verifies", 1)
+    with open_bundle(path) as root:
+        manifest = json.loads((root / "manifest.json").read_text())
+        results = [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines() if x.strip()]
+        records = {p.stem: [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+                   for p in sorted((root / "records").glob("*.jsonl"))}
+    config = manifest.get("config") or {}
+    plan = config.get("check_plan") or {}
+    cannot, notes, ids = [], [], []
+    for r in results:
+        cid = r["id"]
+        if (checks and cid not in checks) or r["status"] not in ("passed", "failed") or cid.startswith("audit."):
+            continue
+        if cid not in plan:
+            cannot.append({"check": cid, "why": "the bundle records no check_plan for it (written before audits)"})
+        elif cid not in REGISTRY:
+            cannot.append({"check": cid, "why": "this k3-verify has no such check"})
+        elif first_unmet(REGISTRY[cid].requires):
+            cannot.append({"check": cid, "why": f"cannot run here: {first_unmet(REGISTRY[cid].requires)}"})
+        else:
+            ids.append(cid)
+    if checks:
+        cannot += [{"check": c, "why": "not a passed or failed result of the bundle"}
+                   for c in checks if c not in {r["id"] for r in results}]
+    model = config.get("model") or {}
+    if ids and model.get("kind") not in (None, "preset"):
+        cannot += [{"check": c, "why": "the bundle ran on a checkpoint: audit it with the checkpoint's run"} for c in ids]
+        ids = []
+    here = _device_model({"env": environment.capture()})
+    there = _device_model(manifest)
+    rel = 0.0 if here == there else CROSS_DEVICE_REL
+    if rel:
+        notes.append(f"the bundle ran on {there}, this audit on {here}: numbers compared within rel {rel:g}, "
+                     "not bitwise")
+    tmp = Path(tempfile.mkdtemp(prefix="k3-audit-"))
+    rerun_root = tmp / "rerun"
+    rerun_recs: dict[str, list] = {}
+    rerun_status: dict[str, str] = {}
+    try:
+        if ids:
+            (tmp / "audit.yaml").write_text(_tier_yaml(plan, ids))
+            engines = {e.get("role"): e.get("spec") for e in manifest.get("engines") or [] if isinstance(e, dict)}
+            run_tier(str(tmp / "audit.yaml"), rerun_root, config.get("preset") or "auto",
+                     device if device != "auto" else config.get("device", "auto"),
+                     int((manifest.get("seeds") or {}).get("global", 0)), out,
+                     argv=["k3-verify", "bundle", "audit", str(path)], engine=engines.get("engine_under_test"),
+                     baseline_engine=engines.get("baseline"))
+            for p in sorted((rerun_root / "records").glob("*.jsonl")):
+                rerun_recs[p.stem] = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+            for x in (rerun_root / "results.jsonl").read_text().splitlines():
+                r = json.loads(x)
+                rerun_status[r["id"]] = r["status"]
+        rng = random.Random(seed)
+        audited_rows, disagreements = [], []
+        for cid in ids:
+            orig = records.get(cid, [])
+            idx = sorted(rng.sample(range(len(orig)), min(sample, len(orig))))
+            found = compare_records(orig, rerun_recs.get(cid, []), idx, timing_tol, rel)
+            status = next(r["status"] for r in results if r["id"] == cid)
+            if rerun_status.get(cid) != status:
+                found.insert(0, {"index": None, "field": "status", "bundle": status, "rerun": rerun_status.get(cid),
+                                 "why": "the re-run's status differs"})
+            audited_rows.append({"kind": "audited", "check": cid, "records": len(orig),
+                                 "rerun_records": len(rerun_recs.get(cid, [])), "sampled": idx,
+                                 "status": status, "rerun_status": rerun_status.get(cid), "disagreements": len(found)})
+            disagreements += [{"kind": "disagreement", "check": cid, **d} for d in found]
+        w = BundleWriter(out_dir, tool_version=TOOL_VERSION, argv=["k3-verify", "bundle", "audit", str(path)],
+                         tier="audit", planned_checks=[AUDIT_CHECK], engines=[],
+                         config={"audited_bundle": {"tier": manifest.get("tier"), "started_at": manifest.get("started_at"),
+                                                    "source": (manifest.get("env") or {}).get("source_tree_sha256")},
+                                 "sample": sample, "seed": seed, "timing_tol": timing_tol, "numbers_rel": rel},
+                         seeds={"global": seed}, env=environment.capture())
+        w.record(AUDIT_CHECK, {"kind": "plan", "sample": sample, "seed": seed, "timing_tol": timing_tol,
+                               "numbers_rel": rel, "device_bundle": there, "device_here": here})
+        for row in audited_rows + disagreements + [{"kind": "cannot_run", **c} for c in cannot]:
+            w.record(AUDIT_CHECK, row)
+        artifacts = []
+        if (rerun_root / "manifest.json").is_file():
+            from verify.bundle.writer import write_tarball
+
+            write_tarball(rerun_root, tmp / "rerun.tar.gz")
+            dest = w.artifact_path(f"{AUDIT_CHECK}/rerun.tar.gz")
+            shutil.copy(tmp / "rerun.tar.gz", dest)
+            artifacts.append(f"artifacts/{AUDIT_CHECK}/rerun.tar.gz")
+        from verify.checks.status_rules import audit_problems, verdict_reason
+
+        problems = audit_problems(audited_rows + disagreements + [{"kind": "cannot_run", **c} for c in cannot])
+        status = "error" if cannot and not disagreements else ("failed" if problems else "passed")
+        reason = verdict_reason(problems) if problems else ""
+        w.add_result(CheckResult(AUDIT_CHECK, status, reason, metrics={"audited": ids, "disagreements": len(disagreements),
+                                                                        "cannot_run": len(cannot)},
+                                 artifacts=artifacts))
+        w.finalize()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    code = 1 if disagreements else 2 if cannot else 0
+    return AuditReport(code, out_dir, tuple(ids), tuple(disagreements), tuple(cannot), tuple(notes))
