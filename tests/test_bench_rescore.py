@@ -11,8 +11,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_status_rescore import _only_rescore_problems, assert_passed_record_forgery_fails, forge
 
-from tests.test_status_rescore import _only_rescore_problems, forge
 from verify.bundle.verify import verify_bundle
 from verify.checks.bench_rules import bench_kernels_problems, derived_field_problems
 
@@ -67,10 +67,7 @@ RECORD_EDITS = {
 
 @pytest.mark.parametrize("name", sorted(RECORD_EDITS))
 def test_records_showing_a_miss_under_a_passed_status_fail_verify(improved, name):
-    edit, why = RECORD_EDITS[name]
-    forge(improved, CHECK, record=edit)
-    problems = _only_rescore_problems(improved, CHECK)
-    assert "status 'passed', but its" in problems[0] and why in problems[0], problems
+    assert_passed_record_forgery_fails(improved, CHECK, *RECORD_EDITS[name])
 
 
 def test_a_ratio_edited_alone_fails_verify(improved):

@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_status_rescore import _only_rescore_problems, forge
+from test_status_rescore import _only_rescore_problems, assert_passed_record_forgery_fails, forge
 
 from verify import aiperf
 from verify.bundle.compare import compare_bundles
@@ -175,10 +175,7 @@ FORGERIES = {
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))
 def test_forgeries_of_the_records_fail_verify(bundle, name):
-    edit, why = FORGERIES[name]
-    forge(bundle, CHECK, record=edit)
-    problems = _only_rescore_problems(bundle, CHECK)
-    assert "status 'passed', but its" in problems[0] and why in problems[0], problems
+    assert_passed_record_forgery_fails(bundle, CHECK, *FORGERIES[name])
 
 
 def test_a_status_flip_fails_verify(bundle):

@@ -106,6 +106,14 @@ def _only_rescore_problems(root: Path, check_id: str) -> list[str]:
     return list(report.problems)
 
 
+def assert_passed_record_forgery_fails(root: Path, check_id: str, edit, why: str) -> None:
+    """``edit`` the passed check's records (re-sealed as a forger would): verify must say the records give
+    'failed', naming ``why``."""
+    forge(root, check_id, record=edit)
+    problems = _only_rescore_problems(root, check_id)
+    assert "status 'passed', but its" in problems[0] and why in problems[0], problems
+
+
 def test_the_committed_bundle_verifies_and_every_rule_has_records_there(copy):
     assert verify_bundle(copy).ok
     statuses = {r["id"]: r["status"] for r in _lines(copy / schema.RESULTS)}

@@ -535,7 +535,8 @@ def _draw(d: BundleData, out_dir: Path) -> tuple[list[tuple[str, str]], list[str
     serving = d.records.get("perf.serving", [])
     serving_why = f"no perf.serving points in this bundle (check {d.status('perf.serving')})"
     has_points = any(r.get("kind") == "point" for r in serving)
-    jobs += [("serving_pareto.png", "serving: throughput vs P90 interactivity (mixed prefill + decode)",
+    jobs += [] if d.status("perf.serving") == "absent" else [  # a bundle without the check: not mentioned
+             ("serving_pareto.png", "serving: throughput vs P90 interactivity (mixed prefill + decode)",
               (lambda: serving_plots.serving_pareto(serving, out_dir / "serving_pareto.png")) if has_points else None,
               serving_why),
              ("serving_cdf.png", "serving: per-request ITL and TTFT CDFs (mixed prefill + decode)",
