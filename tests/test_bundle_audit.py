@@ -74,6 +74,22 @@ def test_a_fabricated_record_that_rescorers_accept_is_found(cpu_bundle, tmp_path
     assert any("records give 'failed'" in p for p in verify_bundle(tmp_path / "audit").problems)
 
 
+@pytest.mark.parametrize("change", ["dropped", "added"])
+def test_a_record_dropped_or_added_that_verify_accepts_is_found(cpu_bundle, tmp_path, change):
+    import shutil
+
+    bundle = tmp_path / "forged"
+    shutil.copytree(cpu_bundle, bundle)
+
+    def edit(rows):  # a TP split row removed, or one repeated: the roundtrip rule still passes
+        i = next(k for k, r in enumerate(rows) if r.get("step") == "tp")
+        rows.pop(i) if change == "dropped" else rows.insert(i, dict(rows[i]))
+    forge(bundle, "weights.roundtrip", record=edit)
+    assert verify_bundle(bundle).ok
+    r = _audit(bundle, tmp_path / "audit", "--checks", "weights.roundtrip", "--sample", "1")
+    assert r.returncode == 1 and "the record counts differ" in r.stdout, r.stdout + r.stderr
+
+
 def test_a_gpu_check_cannot_be_audited_on_a_cpu(tmp_path):
     bundle = REPO / "bundles" / "runs" / "2026-12-01-h200-session8" / "full-context"
     r = _audit(bundle, tmp_path / "audit")

@@ -13,7 +13,8 @@ the re-run's record at the same index:
 * **everything else** is deterministic for a seeded check on the same device model: equal bitwise; on a
   different device model (another GPU, or a CPU where the bundle ran on a GPU) numbers get ``rel 1e-6``
   and the audit says so;
-* the re-run's status must equal the bundle's.
+* the re-run's status must equal the bundle's, and its number of records the bundle's (a record dropped
+  or added anywhere is found, sampled or not).
 
 Output: an audit bundle (check ``audit.records``: one ``audited`` record per check, one ``disagreement``
 record per differing field, ``cannot_run`` where a check cannot run here; the re-run bundle attached as
@@ -197,6 +198,9 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
             orig = records.get(cid, [])
             idx = sorted(rng.sample(range(len(orig)), min(sample, len(orig))))
             found = compare_records(orig, rerun_recs.get(cid, []), idx, timing_tol, rel)
+            if len(orig) != len(rerun_recs.get(cid, [])):  # a record dropped or added, whichever index it had
+                found.insert(0, {"index": None, "field": "(record count)", "bundle": len(orig),
+                                 "rerun": len(rerun_recs.get(cid, [])), "why": "the record counts differ"})
             status = next(r["status"] for r in results if r["id"] == cid)
             if rerun_status.get(cid) != status:
                 found.insert(0, {"index": None, "field": "status", "bundle": status, "rerun": rerun_status.get(cid),
