@@ -21,6 +21,15 @@ _COLORS = {"baseline": "tab:gray", "engine_under_test": "tab:blue"}
 MIXED = "serving: prefill + decode mixed, not decode-only"
 
 
+def _label(ax: Any, xlabel: str, ylabel: str, title: str, legend: int) -> None:
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.set_title(f"{title}\n({MIXED})", fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend)
+
+
 def serving_pareto(records: Sequence[Mapping[str, Any]], path: Path) -> Path:
     plt = pyplot()
     points = [r for r in records if r.get("kind") == "point" and isinstance(r.get("metrics"), dict)]
@@ -44,12 +53,8 @@ def serving_pareto(records: Sequence[Mapping[str, Any]], path: Path) -> Path:
                 ax.plot(xs, ys, marker="o", ms=4, color=_COLORS[role], label=role.replace("_", " "))
                 for x, y, c in zip(xs, ys, cs, strict=True):
                     ax.annotate(f"c={c}", (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        ax.set_xlabel("P90 interactivity (tokens/s/user)", fontsize=8)
-        ax.set_ylabel(f"output tokens/s {'per GPU' if per_gpu else 'per server'}", fontsize=8)
-        ax.set_title(f"{w}: throughput vs interactivity\n({MIXED})", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
+        _label(ax, "P90 interactivity (tokens/s/user)", f"output tokens/s {'per GPU' if per_gpu else 'per server'}",
+               f"{w}: throughput vs interactivity", legend=6)
     fig.tight_layout()
     return _save(fig, path)
 
@@ -73,11 +78,6 @@ def serving_cdf(records: Sequence[Mapping[str, Any]], path: Path) -> Path:
                         ax.step(vals, [(k + 1) / len(vals) for k in range(len(vals))], where="post",
                                 color=_COLORS[role], ls=("-", "--", ":", "-.")[i % 4], lw=1,
                                 label=f"{role.replace('_', ' ')} c={c}")
-            ax.set_xlabel(what, fontsize=8)
-            ax.set_ylabel("fraction of requests", fontsize=8)
-            ax.set_title(f"{w}: per-request {what.split(' (')[0]} CDF\n({MIXED})", fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=5)
+            _label(ax, what, "fraction of requests", f"{w}: per-request {what.split(' (')[0]} CDF", legend=5)
     fig.tight_layout()
     return _save(fig, path)
