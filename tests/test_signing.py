@@ -193,3 +193,11 @@ def test_run_sign_signs_the_bundle_and_a_bad_key_writes_nothing(tmp_path):
                        capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0, r.stdout + r.stderr
     assert verify_bundle(out.with_name("b.tar.gz"), trusted_keys=f"{key}.pub.json").ok
+
+
+def test_a_refused_resign_leaves_the_old_signature(signed, keys):
+    before = (signed / ATTESTATION).read_bytes()
+    edit_results(signed, "reference.determinism", status="failed")  # the bundle no longer verifies
+    with pytest.raises(BundleError, match="does not verify, refusing to sign"):
+        sign_bundle(signed, load_signer(keys["alice"]))
+    assert (signed / ATTESTATION).read_bytes() == before

@@ -19,7 +19,7 @@ Every request sets ``ignore_eos`` and token counts are the server's (``--use-ser
 AIPerf's warm-up phase is excluded from the records.
 
 Tokenizers: AIPerf resolves a tokenizer through the Hugging Face cache when offline; a local model
-directory is exposed to it as the repo ``k3-local/<name>`` in a private cache (``local_tokenizer_repo``).
+directory is exposed to it as the repo ``k3-local/<name>-<hash>`` in a private cache (``local_tokenizer_repo``).
 """
 
 from __future__ import annotations
@@ -96,9 +96,12 @@ class Workload:
 
 
 def local_tokenizer_repo(tokenizer_dir: str | Path, cache: Path) -> str:
-    """Expose ``tokenizer_dir``'s tokenizer files as the Hugging Face repo ``k3-local/<name>`` in ``cache``."""
+    """Expose ``tokenizer_dir``'s tokenizer files as the Hugging Face repo ``k3-local/<name>-<path hash>`` in
+    ``cache`` (two directories with one base name get two repos)."""
+    import hashlib
+
     src = Path(tokenizer_dir)
-    name = src.resolve().name
+    name = f"{src.resolve().name}-{hashlib.sha256(str(src.resolve()).encode()).hexdigest()[:8]}"
     repo = cache / f"models--k3-local--{name}"
     snap = repo / "snapshots" / _SNAPSHOT
     snap.mkdir(parents=True, exist_ok=True)
@@ -130,11 +133,16 @@ def _run(cmd: list[str], env: dict[str, str], log: Path, timeout_s: float) -> No
         raise AIPerfError(f"aiperf exited {rc}: " + (" ".join(tail[-1].split())[:200] if tail else f"see {log.name}"))
 
 
-def synthesize_agentic(w: Workload, out: Path, seed: int, max_model_len: int, log: Path, timeout_s: float) -> Path:
-    """A mooncake-format session trace for ``w`` (see the module docstring); returns dataset.jsonl."""
+def _command() -> list[str]:
     cmd = aiperf_command()
     if cmd is None:
         raise AIPerfError(tool_problem() or "AIPerf not found")
+    return cmd
+
+
+def synthesize_agentic(w: Workload, out: Path, seed: int, max_model_len: int, log: Path, timeout_s: float) -> Path:
+    """A mooncake-format session trace for ``w`` (see the module docstring); returns dataset.jsonl."""
+    cmd = _command()
     block = 16
     max_prompt = int(max_model_len * w.context_fraction) - 2 * w.osl
     config = {
@@ -167,9 +175,7 @@ def profile(*, url: str, model: str, tokenizer_repo: str, cache: Path, workload:
     """One ``aiperf profile`` run; returns its profiled requests as ``perf.serving`` request records (without
     the point's key). ``client_workers``: AIPerf's worker and record-processor processes (default: its own
     choice; 1 when the server shares the host's few cores)."""
-    cmd = aiperf_command()
-    if cmd is None:
-        raise AIPerfError(tool_problem() or "AIPerf not found")
+    cmd = _command()
     args = [*cmd, "profile", "--model", model, "--url", url, "--streaming", "--tokenizer", tokenizer_repo,
             "--concurrency", str(concurrency), "--extra-inputs", "ignore_eos:true", "--use-server-token-count",
             "--random-seed", str(seed), "--artifact-dir", str(artifact_dir), "--ui-type", "none",

@@ -10,6 +10,7 @@ moment it ends -> finalize (summary, SHA256SUMS, tarball). SIGINT/SIGTERM finali
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import signal
 import tempfile
@@ -200,12 +201,15 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
         tier = load_tier(tier_name)
     except TierError as e:
         raise UserError(str(e)) from None
-    for cid, ov in (overrides or {}).items():
-        if cid in tier.check_ids:
-            try:
-                REGISTRY[cid].resolve_params(ov)
-            except (KeyError, TypeError) as e:
-                raise UserError(str(e.args[0] if e.args else e)) from None
+    # every check's parameters (tier overrides, then the caller's) and budget, resolved once: what runs, and
+    # what the manifest records for `bundle audit`
+    check_plan = {}
+    for c in tier.checks:
+        try:
+            params = REGISTRY[c.id].resolve_params({**c.params, **(overrides or {}).get(c.id, {})})
+        except (KeyError, TypeError) as e:
+            raise UserError(str(e.args[0] if e.args else e)) from None
+        check_plan[c.id] = {"params": params, "budget_s": c.budget_s}
     from verify.model_source import resolve as resolve_model
 
     source = resolve_model(preset, seed)  # a checkpoint is read in full and validated here, before any output
@@ -252,10 +256,7 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
                 config={"preset": preset, "weights": source.weights(), "model": source.manifest(), "device": device,
                         "tier_source": tier.source, "cpu_threads": cpu_threads,
                         "tier_budget_s": tier.budget_s, "tier_target_s": tier.target_s,
-                        # what `bundle audit` re-executes: every check's resolved parameters and budget
-                        "check_plan": {c.id: {"params": REGISTRY[c.id].resolve_params(
-                            {**c.params, **(overrides or {}).get(c.id, {})}), "budget_s": c.budget_s}
-                            for c in tier.checks}},
+                        "check_plan": check_plan},
                 seeds={"global": seed}, env=env, part=part,
             )
     except BundleError as e:
@@ -296,7 +297,7 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
                     break
                 queue.remove(spec)
                 decl = REGISTRY[spec.id]
-                params = decl.resolve_params({**spec.params, **(overrides or {}).get(spec.id, {})})
+                params = copy.deepcopy(check_plan[spec.id]["params"])  # a check may not change the plan
                 bar.advance(0, description=spec.id)
                 ctx = CheckContext(check_id=spec.id, preset=preset, device=device, seed=seed, writer=writer, out=out,
                                    tmp_dir=Path(tmp), budget_s=spec.budget_s, engines=pool, model_source=source)

@@ -24,7 +24,6 @@ disagrees, 2 when a check cannot run here (nothing disagreeing), else 0.
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import re
@@ -124,7 +123,8 @@ def _tier_yaml(plan: dict[str, dict[str, Any]], ids: list[str]) -> str:
 def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, checks: list[str] | None = None,
                  seed: int = 0, timing_tol: float = 0.25, device: str = "auto", out: Any = None) -> AuditReport:
     from verify import environment
-    from verify.bundle.verify import open_bundle, verify_bundle
+    from verify.bundle.readers import read_bundle
+    from verify.bundle.verify import verify_bundle
     from verify.bundle.writer import BundleWriter
     from verify.checks.registry import REGISTRY
     from verify.output import Output
@@ -141,11 +141,10 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
         raise BundleError(report.problems[0] if report.problems else f"{path}: unreadable bundle")
     if not report.ok:
         raise BundleError(f"{path} does not verify ({report.problems[0]}): audit a bundle that verifies", 1)
-    with open_bundle(path) as root:
-        manifest = json.loads((root / "manifest.json").read_text())
-        results = [json.loads(x) for x in (root / "results.jsonl").read_text().splitlines() if x.strip()]
-        records = {p.stem: [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-                   for p in sorted((root / "records").glob("*.jsonl"))}
+    data = read_bundle(path)
+    manifest = data.manifest
+    results = [r.to_dict() for r in data.results.values()]
+    records = data.records
     config = manifest.get("config") or {}
     plan = config.get("check_plan") or {}
     cannot, notes, ids = [], [], []
@@ -168,7 +167,8 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
     if ids and model.get("kind") not in (None, "preset"):
         cannot += [{"check": c, "why": "the bundle ran on a checkpoint: audit it with the checkpoint's run"} for c in ids]
         ids = []
-    here = _device_model({"env": environment.capture()})
+    env = environment.capture()
+    here = _device_model({"env": env})
     there = _device_model(manifest)
     rel = 0.0 if here == there else CROSS_DEVICE_REL
     if rel:
@@ -182,16 +182,13 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
         if ids:
             (tmp / "audit.yaml").write_text(_tier_yaml(plan, ids))
             engines = {e.get("role"): e.get("spec") for e in manifest.get("engines") or [] if isinstance(e, dict)}
-            run_tier(str(tmp / "audit.yaml"), rerun_root, config.get("preset") or "auto",
-                     device if device != "auto" else config.get("device", "auto"),
+            run_tier(str(tmp / "audit.yaml"), rerun_root, config.get("preset") or "auto", device,
                      int((manifest.get("seeds") or {}).get("global", 0)), out,
                      argv=["k3-verify", "bundle", "audit", str(path)], engine=engines.get("engine_under_test"),
                      baseline_engine=engines.get("baseline"))
-            for p in sorted((rerun_root / "records").glob("*.jsonl")):
-                rerun_recs[p.stem] = [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
-            for x in (rerun_root / "results.jsonl").read_text().splitlines():
-                r = json.loads(x)
-                rerun_status[r["id"]] = r["status"]
+            rerun = read_bundle(rerun_root)
+            rerun_recs = rerun.records
+            rerun_status = {cid: r.status for cid, r in rerun.results.items()}
         rng = random.Random(seed)
         audited_rows, disagreements = [], []
         for cid in ids:
@@ -214,7 +211,7 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
                          config={"audited_bundle": {"tier": manifest.get("tier"), "started_at": manifest.get("started_at"),
                                                     "source": (manifest.get("env") or {}).get("source_tree_sha256")},
                                  "sample": sample, "seed": seed, "timing_tol": timing_tol, "numbers_rel": rel},
-                         seeds={"global": seed}, env=environment.capture())
+                         seeds={"global": seed}, env=env)
         w.record(AUDIT_CHECK, {"kind": "plan", "sample": sample, "seed": seed, "timing_tol": timing_tol,
                                "numbers_rel": rel, "device_bundle": there, "device_here": here})
         for row in audited_rows + disagreements + [{"kind": "cannot_run", **c} for c in cannot]:

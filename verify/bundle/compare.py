@@ -39,6 +39,7 @@ from verify.bundle.readers import (
     sweep_points,
     two_sample_z_p,
 )
+from verify.checks.serving_rules import median_and_spread, points_by_side
 from verify.provenance import commit_label
 
 NOISE_FLOOR = 0.02  # a step-time delta under 2% is never called a change (CUDA-graph medians jitter ~1%)
@@ -252,8 +253,6 @@ _SERVING_FIELDS = (("itl_ms_p90", "P90 ITL"), ("ttft_ms_p50", "P50 TTFT"))
 def _serving_deltas(
     a: BundleData, b: BundleData, floor: tuple[float, float], absent: list[str]
 ) -> list[PerfDelta]:
-    from verify.checks.serving_rules import median_and_spread, points_by_side
-
     pa, pb = points_by_side(a.records.get(SERVING_CHECK, [])), points_by_side(b.records.get(SERVING_CHECK, []))
     if not pa or not pb:
         if pa or pb:

@@ -161,7 +161,8 @@ def statement(root: Path, manifest: Mapping[str, Any], signer_key: Any) -> dict[
 
 def sign_bundle(root: Path, signer: Any) -> dict[str, Any]:
     """Write ``attestation.dsse.json`` into a finished bundle directory that verifies; returns the statement.
-    An existing attestation is replaced (the new one covers the bundle as it is now)."""
+    An existing attestation is replaced (the new one covers the bundle as it is now); a refusal leaves the
+    bundle as it was."""
     from verify.bundle.verify import verify_bundle
 
     Envelope, _, _, _ = _sslib()
@@ -169,14 +170,17 @@ def sign_bundle(root: Path, signer: Any) -> dict[str, Any]:
     if not (root / MANIFEST).is_file():
         raise BundleError(f"{root}: not a bundle directory (no {MANIFEST})")
     stale = root / ATTESTATION
-    if stale.exists():
+    old = stale.read_bytes() if stale.exists() else None
+    if old is not None:  # the bundle is judged without it; a refusal puts it back
         stale.unlink()
-    report = verify_bundle(root)
-    if not report.ok:
-        raise BundleError(f"{root}: does not verify, refusing to sign it ({report.problems[0]})", 1)
     manifest = json.loads((root / MANIFEST).read_text())
-    if manifest.get("state") == RUNNING:
-        raise BundleError(f"{root}: still running; sign a finished or interrupted bundle")
+    report = verify_bundle(root)
+    problem = (f"does not verify, refusing to sign it ({report.problems[0]})" if not report.ok else
+               "still running; sign a finished or interrupted bundle" if manifest.get("state") == RUNNING else None)
+    if problem:
+        if old is not None:
+            stale.write_bytes(old)
+        raise BundleError(f"{root}: {problem}", 1 if not report.ok else 2)
     st = statement(root, manifest, signer.public_key)
     env = Envelope(payload=json.dumps(st, sort_keys=True, separators=(",", ":")).encode(),
                    payload_type=PAYLOAD_TYPE, signatures={})

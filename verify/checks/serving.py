@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from verify.checks.registry import check
-from verify.checks.serving_rules import ROLES, compare_points, point_metrics, serving_problems
+from verify.checks.serving_rules import ROLES, comparisons, point_metrics, serving_problems
 from verify.context import CheckContext
 
 DEFAULT_WORKLOADS = [{"name": "agentic", "kind": "agentic", "sessions": 8},
@@ -92,15 +92,10 @@ def serving(ctx: CheckContext, workloads: list[dict] = DEFAULT_WORKLOADS, concur
                     by_point[(role, w.name, c, i)] = m
                     ctx.note(f"{role} {w.name} c={c} r{i}: {m['succeeded']}/{m['requests']} ok, P90 interactivity "
                              f"{_fmt(m.get('interactivity_p90'))} tok/s/user, TTFT p50 {_fmt(m.get('ttft_ms_p50'))} ms")
-    comparisons = {}
-    for w in loads:
-        for c in plan["concurrency"]:
-            sides = {role: [by_point[(role, w.name, c, i)] for i in range(repeats) if (role, w.name, c, i) in by_point
-                            and by_point[(role, w.name, c, i)]["succeeded"] >= min_requests] for role in ROLES}
-            if all(sides.values()):
-                cmp = compare_points(sides["engine_under_test"], sides["baseline"], noise_floor, min_speedup)
-                ctx.record({"kind": "comparison", "workload": w.name, "concurrency": c, **cmp})
-                comparisons[f"{w.name}_c{c}"] = cmp
+    compared = {}
+    for (w, c), cmp in comparisons(plan, by_point).items():
+        ctx.record({"kind": "comparison", "workload": w, "concurrency": c, **cmp})
+        compared[f"{w}_c{c}"] = cmp
     problems = serving_problems(ctx.recorded)
     metrics = {"points": len(by_point), "requests": sum(m["requests"] for m in by_point.values()),
                "decode_only": False,
@@ -108,7 +103,7 @@ def serving(ctx: CheckContext, workloads: list[dict] = DEFAULT_WORKLOADS, concur
                                      for (r, w, c, i), m in by_point.items()},
                "ttft_ms_p50": {f"{r}_{w}_c{c}_r{i}": m.get("ttft_ms_p50") for (r, w, c, i), m in by_point.items()},
                "comparison": {k: {x: v[x] for x in ("interactivity_p90_ratio", "ttft_p50_ratio", "noise", "outcome")}
-                              for k, v in comparisons.items()}}
+                              for k, v in compared.items()}}
     return ctx.verdict(problems, metrics)
 
 

@@ -135,6 +135,31 @@ def _mismatch(where: str, recorded: Mapping[str, Any], want: Mapping[str, Any]) 
     return problems
 
 
+def point_problem(plan: Mapping[str, Any], m: Mapping[str, Any]) -> str | None:
+    """Why a point's metrics do not count (too few successful requests, too many errors), or None."""
+    if m["succeeded"] < plan["min_requests"] or not m["requests"]:
+        return f"{m['succeeded']} successful requests < {plan['min_requests']}"
+    if m["errors"] / m["requests"] > plan["max_error_rate"]:
+        return f"{m['errors']} of {m['requests']} requests failed"
+    return None
+
+
+def comparisons(plan: Mapping[str, Any], points: Mapping[tuple, Mapping[str, Any]]) -> dict[tuple, dict[str, Any]]:
+    """{(workload, concurrency): ``compare_points`` of the repeats that count} wherever both roles have one;
+    ``points`` maps (role, workload, concurrency, repeat) to a point's metrics."""
+    out: dict[tuple, dict[str, Any]] = {}
+    if set(plan["roles"]) != set(ROLES):
+        return out
+    for w in plan["workloads"]:
+        for c in plan["concurrency"]:
+            sides = {role: [m for i in range(plan["repeats"]) if (m := points.get((role, w, c, i))) is not None
+                            and point_problem(plan, m) is None] for role in ROLES}
+            if all(sides.values()):
+                out[(w, c)] = compare_points(sides["engine_under_test"], sides["baseline"], plan["noise_floor"],
+                                             plan.get("min_speedup"))
+    return out
+
+
 def serving_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
     plan = next((r for r in records if r.get("kind") == "plan"), None)
     if plan is None:
@@ -146,7 +171,7 @@ def serving_problems(records: Records, metrics: Mapping[str, Any] | None = None)
             requests.setdefault(_key(r), []).append(r)
     points = {_key(r): r for r in records if r.get("kind") in ("point", "not_run")}
     problems: list[str] = []
-    good: dict[tuple, list] = {}
+    recomputed: dict[tuple, dict[str, Any]] = {}
     for role in plan["roles"]:
         for w in plan["workloads"]:
             for c in plan["concurrency"]:
@@ -162,30 +187,21 @@ def serving_problems(records: Records, metrics: Mapping[str, Any] | None = None)
                         continue
                     want = point_metrics(requests.get(k, []), gpus)
                     problems += _mismatch(where, p.get("metrics") or {}, want)
-                    if want["succeeded"] < plan["min_requests"]:
-                        problems.append(f"{where}: {want['succeeded']} successful requests < {plan['min_requests']}")
-                    elif want["errors"] / want["requests"] > plan["max_error_rate"]:
-                        problems.append(f"{where}: {want['errors']} of {want['requests']} requests failed")
-                    else:
-                        good.setdefault((w, c), {}).setdefault(role, []).append(want)
-    comparisons = {_key(r, ("workload", "concurrency")): r for r in records if r.get("kind") == "comparison"}
-    if len(plan["roles"]) == 2:
-        for w in plan["workloads"]:
-            for c in plan["concurrency"]:
-                sides = good.get((w, c), {})
-                if len(sides) < 2:
-                    continue
-                where = f"comparison {w} c={c}"
-                want = compare_points(sides["engine_under_test"], sides["baseline"], plan["noise_floor"],
-                                      plan.get("min_speedup"))
-                rec = comparisons.get((w, c))
-                if rec is None:
-                    problems.append(f"{where}: not recorded")
-                    continue
-                problems += _mismatch(where, rec, want)
-                if want["meets_min_speedup"] is False:
-                    problems.append(f"{where}: P90 interactivity {want['interactivity_p90_ratio']:.2f}x the "
-                                    f"baseline's < {plan['min_speedup']}x (noise {want['noise']:.0%})")
+                    why = point_problem(plan, want)
+                    if why:
+                        problems.append(f"{where}: {why}")
+                    recomputed[k] = want
+    recorded = {_key(r, ("workload", "concurrency")): r for r in records if r.get("kind") == "comparison"}
+    for (w, c), want in comparisons(plan, recomputed).items():
+        where = f"comparison {w} c={c}"
+        rec = recorded.get((w, c))
+        if rec is None:
+            problems.append(f"{where}: not recorded")
+            continue
+        problems += _mismatch(where, rec, want)
+        if want["meets_min_speedup"] is False:
+            problems.append(f"{where}: P90 interactivity {want['interactivity_p90_ratio']:.2f}x the "
+                            f"baseline's < {plan['min_speedup']}x (noise {want['noise']:.0%})")
     return problems
 
 
