@@ -109,3 +109,15 @@ def test_compare_records_rules():
     near = [{"v": 1.0 + 1e-9}]
     assert compare_records([{"v": 1.0}], near, [0], 0.25, 0.0) and not compare_records([{"v": 1.0}], near, [0], 0.25,
                                                                                           1e-6)
+
+
+def test_the_gpu_hosts_plant_script_forges_a_copy_that_still_verifies(cpu_bundle, tmp_path):
+    """scripts/gpu/plant_record.py (the H200 run's fabricated record): its copy verifies, the record changed,
+    and the audit of that copy finds it (exit 1); the original is untouched."""
+    r = subprocess.run([sys.executable, str(REPO / "scripts/gpu/plant_record.py"), str(cpu_bundle), str(tmp_path / "f")],
+                       capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "verify of the forged copy: OK" in r.stdout, r.stdout + r.stderr
+    assert "weights.roundtrip: record" in r.stdout
+    assert verify_bundle(cpu_bundle).ok
+    a = _audit(tmp_path / "f", tmp_path / "audit", "--checks", "weights.roundtrip")
+    assert a.returncode == 1 and "digest" in a.stdout, a.stdout + a.stderr

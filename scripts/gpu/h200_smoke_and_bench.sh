@@ -20,6 +20,9 @@
 #   rankemu   k3-verify run --tier scripts/gpu/rank-emulation.yaml (k3-tp16-rank / k3-tp8-rank:experts=N points)
 #   sanitizer k3-verify run --tier scripts/gpu/sanitizer.yaml (4 tools: kernels + an executor step's two streams)
 #   tp2       python scripts/gpu/tp2_check.py                   (TP2 vs TP1, fused vs unfused all-reduce + norm)
+#   audit:C1,C2  k3-verify bundle audit of the part bundle /tmp/bundles/h200-standard, checks C1,C2 re-executed
+#   auditplant:C1  scripts/gpu/plant_record.py forges a re-sealed copy of it (verify passes), then audits C1 of
+#             the copy: the audit must exit 1 (the fabricated record found)
 #   tier:NAME k3-verify run --tier scripts/gpu/NAME.yaml (any tier file there, e.g. tier:decode-sweep-s5,
 #             tier:rank-emulation-s5, tier:equivalence-b64); K3_STEP_TIMEOUT applies as for the others
 #   part:TIER one part of a resumable run of TIER (smoke | standard | full | a .yaml path) into
@@ -79,6 +82,15 @@ for what in "$@"; do
         [ -f "$dir/manifest.json" ] || [ ! -f ".gpubundles/h200-$base/manifest.json" ] || cp -r ".gpubundles/h200-$base" "$dir"
         r=; [ -f "$dir/manifest.json" ] && r=--resume
         timeout -s TERM "$T" python3 -m verify.cli run --tier "$name" --output "$dir" $r --time-limit $((T - 30)) 2>&1 | tee -a "$OUT/part-$base.log" || rc=1 ;;
+      audit:*) checks=${s#audit:}  # re-execute checks of the standard part bundle (bundle audit, exit 0 = reproduced)
+        timeout -s TERM "$T" python3 -m verify.cli bundle audit /tmp/bundles/h200-standard -o "/tmp/bundles/$stamp-audit-standard" \
+          --checks "$checks" --sample 50 2>&1 | tee -a "$OUT/audit.log" || rc=1 ;;
+      auditplant:*) checks=${s#auditplant:}  # a fabricated record in a re-sealed copy: verify passes, the audit must find it
+        rm -rf /tmp/forged-standard
+        python3 scripts/gpu/plant_record.py /tmp/bundles/h200-standard /tmp/forged-standard 2>&1 | tee -a "$OUT/audit.log"
+        timeout -s TERM "$T" python3 -m verify.cli bundle audit /tmp/forged-standard -o "/tmp/bundles/$stamp-audit-forged" \
+          --checks "$checks" --sample 1000 2>&1 | tee -a "$OUT/audit.log"
+        [ "${PIPESTATUS[0]}" = 1 ] && echo "auditplant: the fabricated record was found (exit 1)" || { echo "auditplant: NOT found"; rc=1; } ;;
       tier:*) name=${s#tier:}
         if [ -f "scripts/gpu/$name.yaml" ]; then
           timeout -s TERM "$T" python3 -m verify.cli run --tier "scripts/gpu/$name.yaml" --output "/tmp/bundles/$stamp-h200-$name" 2>&1 | tee "$OUT/$name.log" || rc=1

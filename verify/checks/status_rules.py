@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from verify.checks.bench_rules import bench_kernels_problems
+from verify.checks.fp64_rules import fp64_problems
 from verify.checks.serving_rules import serving_problems
 
 F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
@@ -496,6 +497,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "features.temperature_sampling": temperature_sampling_problems,
     "perf.bandwidth_probe": bandwidth_probe_problems,
     "equivalence.decode": equivalence_problems,
+    "equivalence.fp64": fp64_problems,
     "bench.kernels": bench_kernels_problems,
     "perf.serving": serving_problems,
     "audit.records": audit_problems,
