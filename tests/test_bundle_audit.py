@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_status_rescore import forge
 
-from verify.bundle.audit import AUDIT_CHECK, compare_records
+from verify.bundle.audit import AUDIT_CHECK, compare_records, recorded_spread
 from verify.bundle.verify import verify_bundle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,6 +110,49 @@ def test_compare_records_rules():
     assert compare_records([{"v": 1.0}], near, [0], 0.25, 0.0) and not compare_records([{"v": 1.0}], near, [0], 0.25,
                                                                                           1e-6)
 
+
+def test_timings_nested_in_a_timing_field_wall_times_and_the_records_own_spread():
+    """What the H200 audit of the standard tier showed (bundles/runs/2026-12-02-h200-session10): a decode-sweep
+    point's per-layer-type and per-section times live in dicts whose own keys name no unit; a point's wall
+    seconds and the timer's description (which quotes its measured overhead) are not measurements of the
+    code; an eager row's timings vary run to run as much as its own p10..p90 spread."""
+    a = [{"floor_us_by_layer_type": {"kda": 100.0}, "section_us": {"L3": {"mlp": 50.0}}, "seconds": 11.4,
+          "point_wall_s": 9.5, "per_layer_type_timer": "graphs (sections add +0.9%)", "tokens": [1, 2]}]
+    b = [{"floor_us_by_layer_type": {"kda": 112.0}, "section_us": {"L3": {"mlp": 55.0}}, "seconds": 16.2,
+          "point_wall_s": 3.9, "per_layer_type_timer": "graphs (sections add +1.4%)", "tokens": [1, 2]}]
+    assert compare_records(a, b, [0], 0.25, 0.0) == []
+    b[0]["section_us"]["L3"]["mlp"] = 80.0
+    assert [d["field"] for d in compare_records(a, b, [0], 0.25, 0.0)] == ["section_us.L3.mlp"]
+    b[0]["tokens"] = [1, 3]  # a non-timing field inside the same record stays bitwise
+    assert "tokens[1]" in [d["field"] for d in compare_records(a, b, [0], 0.25, 0.0)]
+    eager = [{"step_us_median": 100.0, "step_us_p10": 80.0, "step_us_p90": 120.0}]  # its own spread: 40%
+    assert recorded_spread(eager[0]) == pytest.approx(0.4)
+    assert compare_records(eager, [dict(eager[0], step_us_median=135.0)], [0], 0.25, 0.0) == []
+    assert compare_records(eager, [dict(eager[0], step_us_median=170.0)], [0], 0.25, 0.0)[0]["why"] == "timing beyond 40%"
+
+
+def test_an_audit_compared_with_an_earlier_re_run_executes_nothing(cpu_bundle, tmp_path):
+    """``--rerun B``: the comparison redone against a re-run made before (here the honest audit's attached
+    re-run), on B's device, nothing executed; the forged copy against the same re-run is found."""
+    first = _audit(cpu_bundle, tmp_path / "a1", "--checks", "weights.roundtrip")
+    assert first.returncode == 0, first.stdout + first.stderr
+    rerun = tmp_path / "a1" / "artifacts" / AUDIT_CHECK / "rerun.tar.gz"
+    again = _audit(cpu_bundle, tmp_path / "a2", "--checks", "weights.roundtrip", "--rerun", str(rerun))
+    assert again.returncode == 0 and "1 check(s) compared" in again.stdout, again.stdout + again.stderr
+    m = json.loads((tmp_path / "a2" / "manifest.json").read_text())
+    assert m["config"]["rerun_from"]["path"] == str(rerun) and "--rerun" in m["argv"]
+    assert verify_bundle(tmp_path / "a2").ok
+    import shutil
+
+    forged = tmp_path / "forged"
+    shutil.copytree(cpu_bundle, forged)
+
+    def edit(rows):
+        load = next(r for r in rows if r.get("step") == "load")
+        load["digest"] = load["digest"][:-1] + ("0" if load["digest"][-1] != "0" else "1")
+    forge(forged, "weights.roundtrip", record=edit)
+    found = _audit(forged, tmp_path / "a3", "--checks", "weights.roundtrip", "--rerun", str(rerun))
+    assert found.returncode == 1 and "digest differs" in found.stdout, found.stdout + found.stderr
 
 def test_the_gpu_hosts_plant_script_forges_a_copy_that_still_verifies(cpu_bundle, tmp_path):
     """scripts/gpu/plant_record.py (the H200 run's fabricated record): its copy verifies, the record changed,

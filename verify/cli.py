@@ -258,21 +258,25 @@ def bundle_audit(path: Path = typer.Argument(..., help="bundle directory or .tar
                  seed: int = typer.Option(0, "--seed", help="seed of the sample"),
                  timing_tol: float = typer.Option(0.25, "--timing-tol", help="relative tolerance for timings"),
                  device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+                 rerun: Path | None = typer.Option(None, "--rerun", help="compare with this re-run bundle (e.g. an "
+                                                   "earlier audit's artifacts/audit.records/rerun.tar.gz) instead of executing"),
                  fmt: str = FormatOpt) -> None:
     """Re-execute the bundle's checks here and compare a seeded sample of its records (0 agree, 1 a record
-    disagrees, 2 a check cannot run here); writes an audit bundle."""
+    disagrees, 2 a check cannot run here); writes an audit bundle. With ``--rerun`` the comparison is redone
+    against a re-run made before (on its machine), nothing executed."""
     out = Output(fmt)
     from verify.bundle.audit import audit_bundle
 
     if sample < 1:
         raise UserError("--sample must be at least 1")
     rep = audit_bundle(path, output, sample=sample, checks=[c for c in (checks or "").split(",") if c] or None,
-                       seed=seed, timing_tol=timing_tol, device=device, out=out)
+                       seed=seed, timing_tol=timing_tol, device=device, out=out, rerun=rerun)
     out.set("audit", {"exit_code": rep.exit_code, "audited": list(rep.audited), "bundle": str(rep.audit_root),
                       "disagreements": list(rep.disagreements), "cannot_run": list(rep.cannot_run),
                       "notes": list(rep.notes)})
     head = {0: "AGREES", 1: "DISAGREES", 2: "INCOMPLETE"}[rep.exit_code]
-    out.line(f"{head}  {path}: {len(rep.audited)} check(s) re-executed, {len(rep.disagreements)} disagreement(s); "
+    out.line(f"{head}  {path}: {len(rep.audited)} check(s) {'compared' if rerun else 're-executed'}, "
+             f"{len(rep.disagreements)} disagreement(s); "
              f"audit bundle {rep.audit_root}")
     for d in rep.disagreements[:20]:
         out.line(f"  - {d['check']} record {d.get('index')}: {d.get('field')} {d.get('why')} "

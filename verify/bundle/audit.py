@@ -3,13 +3,18 @@ records with the re-execution's, which catches fabricated raw records that a res
 
 How: the bundle must verify. Its manifest's ``config.check_plan`` (every check's resolved parameters and
 budget, written by ``k3-verify run``) and its model, seed and engines are turned into a tier that
-``k3-verify run`` executes into a re-run bundle; then for each audited check a seeded sample of its
+``k3-verify run`` executes into a re-run bundle (or ``--rerun B`` names a re-run made before, e.g. the one an
+earlier audit attached: the comparison is then redone without executing, against B's device); then for each audited check a seeded sample of its
 records (``--sample N`` indices, the same ones for the same ``--seed``) is compared field by field with
 the re-run's record at the same index:
 
 * **timings** (fields named like ``*_us``, ``*_ms``, ``*_per_s``, ``pct_of_*``, ``speedup``, ``vs_*``,
-  ``spread``, ``interactivity*``: ``TIMING``) agree within ``timing_tol`` (relative), on the same GPU model;
-* **wall-clock stamps** (``*_at``, ``*_ns`` timestamps, ``hostname``...: ``IGNORED``) are not compared;
+  ``spread``, ``interactivity*``, a unit between underscores as in ``floor_us_by_layer_type``: ``TIMING``,
+  and every field inside one, e.g. ``section_us.L3.mlp``) agree within ``timing_tol`` (relative), on the
+  same GPU model;
+* **wall-clock stamps and wall times** (``*_at``, ``*_ns`` timestamps, ``hostname``, a point's ``seconds``
+  or ``*wall_s``, a ``*_timer`` description that quotes its measured overhead...: ``IGNORED``) are not
+  compared;
 * **everything else** is deterministic for a seeded check on the same device model: equal bitwise; on a
   different device model (another GPU, or a CPU where the bundle ran on a GPU) numbers get ``rel 1e-6``
   and the audit says so;
@@ -36,9 +41,9 @@ from typing import Any
 from verify.bundle.schema import BundleError
 
 AUDIT_CHECK = "audit.records"
-TIMING = re.compile(r"(_us|_ms|_per_s|_per_gpu|_gbs|tb_per_s|_s)$|^(pct_of|speedup|vs_|x_floor|spread|interactivity|"
-                    r"times|samples|step_us|duration|window|throughput|read_bw|gb_per_s|tokens_per_s)")
-IGNORED = re.compile(r"(_at|_ns|hostname.*|pid|log_path|port|base_url|url)$|^(started|ended|elapsed)")
+TIMING = re.compile(r"(_us|_ms|_per_s|_per_gpu|_gbs|tb_per_s|_s)$|_(us|ms)_|^(pct_of|speedup|vs_|x_floor|spread|"
+                    r"interactivity|times|samples|step_us|duration|window|throughput|read_bw|gb_per_s|tokens_per_s)")
+IGNORED = re.compile(r"(_at|_ns|hostname.*|pid|log_path|port|base_url|url|wall_s|_timer)$|^(started|ended|elapsed|seconds$)")
 CROSS_DEVICE_REL = 1e-6
 
 
@@ -52,10 +57,11 @@ class AuditReport:
     notes: tuple[str, ...]
 
 
-def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list[dict[str, Any]]) -> None:
+def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list[dict[str, Any]],
+          in_timing: bool = False) -> None:
     if IGNORED.search(key):
         return
-    timing = bool(TIMING.search(key))
+    timing = in_timing or bool(TIMING.search(key))
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if k not in a or k not in b:
@@ -63,7 +69,7 @@ def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list
                     out.append({"field": f"{path}.{k}".lstrip("."), "bundle": a.get(k), "rerun": b.get(k),
                                 "why": "present on one side only"})
                 continue
-            _walk(a[k], b[k], f"{path}.{k}", k, tol, rel, out)
+            _walk(a[k], b[k], f"{path}.{k}", k, tol, rel, out, timing)
         return
     if isinstance(a, list) and isinstance(b, list):
         if len(a) != len(b):
@@ -71,7 +77,7 @@ def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list
                         "why": "lengths differ"})
             return
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _walk(x, y, f"{path}[{i}]", key, tol, rel, out)
+            _walk(x, y, f"{path}[{i}]", key, tol, rel, out, timing)
         return
     num = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
     if num and timing:
@@ -87,6 +93,15 @@ def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list
         out.append({"field": path.lstrip("."), "bundle": a, "rerun": b, "why": why})
 
 
+def recorded_spread(record: dict[str, Any]) -> float:
+    """A timed record's own run-to-run spread, ``(p90 - p10) / median`` of its step samples (0 without them):
+    its timings are compared within ``max(timing_tol, spread)``."""
+    p10, p90, med = (record.get(f"step_us_{k}") for k in ("p10", "p90", "median"))
+    if all(isinstance(v, (int, float)) for v in (p10, p90, med)) and med > 0:
+        return max(0.0, (p90 - p10) / med)
+    return 0.0
+
+
 def compare_records(bundle: list[dict[str, Any]], rerun: list[dict[str, Any]], indices: list[int], tol: float,
                     rel: float) -> list[dict[str, Any]]:
     """The disagreements between the sampled ``bundle`` records and the ``rerun`` records at the same index."""
@@ -97,7 +112,7 @@ def compare_records(bundle: list[dict[str, Any]], rerun: list[dict[str, Any]], i
                         "why": f"the re-run wrote {len(rerun)} records"})
             continue
         found: list[dict[str, Any]] = []
-        _walk(bundle[i], rerun[i], "", "", tol, rel, found)
+        _walk(bundle[i], rerun[i], "", "", max(tol, recorded_spread(bundle[i])), rel, found)
         out += [{"index": i, **d} for d in found]
     return out
 
@@ -121,7 +136,8 @@ def _tier_yaml(plan: dict[str, dict[str, Any]], ids: list[str]) -> str:
 
 
 def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, checks: list[str] | None = None,
-                 seed: int = 0, timing_tol: float = 0.25, device: str = "auto", out: Any = None) -> AuditReport:
+                 seed: int = 0, timing_tol: float = 0.25, device: str = "auto", out: Any = None,
+                 rerun: str | Path | None = None) -> AuditReport:
     from verify import environment
     from verify.bundle.readers import read_bundle
     from verify.bundle.verify import verify_bundle
@@ -156,7 +172,7 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
             cannot.append({"check": cid, "why": "the bundle records no check_plan for it (written before audits)"})
         elif cid not in REGISTRY:
             cannot.append({"check": cid, "why": "this k3-verify has no such check"})
-        elif first_unmet(REGISTRY[cid].requires):
+        elif rerun is None and first_unmet(REGISTRY[cid].requires):
             cannot.append({"check": cid, "why": f"cannot run here: {first_unmet(REGISTRY[cid].requires)}"})
         else:
             ids.append(cid)
@@ -168,7 +184,16 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
         cannot += [{"check": c, "why": "the bundle ran on a checkpoint: audit it with the checkpoint's run"} for c in ids]
         ids = []
     env = environment.capture()
-    here = _device_model({"env": env})
+    done = None
+    if rerun is not None:  # a re-run made before: its device is the one the comparison is against
+        done = read_bundle(rerun)
+        rv = verify_bundle(rerun)
+        if not rv.ok:
+            raise BundleError(f"--rerun {rerun} does not verify ({rv.problems[0] if rv.problems else 'unreadable'})", 1)
+        if (done.manifest.get("env") or {}).get("source_tree_sha256") != (manifest.get("env") or {}).get("source_tree_sha256"):
+            notes.append("the re-run ran other sources than the bundle (source_tree_sha256 differs)")
+        notes.append(f"compared with the re-run {rerun} (made on {_device_model(done.manifest)}), not executed here")
+    here = _device_model(done.manifest if done is not None else {"env": env})
     there = _device_model(manifest)
     rel = 0.0 if here == there else CROSS_DEVICE_REL
     if rel:
@@ -179,7 +204,12 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
     rerun_recs: dict[str, list] = {}
     rerun_status: dict[str, str] = {}
     try:
-        if ids:
+        if ids and done is not None:
+            rerun_recs = done.records
+            rerun_status = {cid: r.status for cid, r in done.results.items()}
+            cannot += [{"check": c, "why": f"the re-run {rerun} has no result for it"} for c in ids if c not in rerun_status]
+            ids = [c for c in ids if c in rerun_status]
+        elif ids:
             (tmp / "audit.yaml").write_text(_tier_yaml(plan, ids))
             engines = {e.get("role"): e.get("spec") for e in manifest.get("engines") or [] if isinstance(e, dict)}
             run_tier(str(tmp / "audit.yaml"), rerun_root, config.get("preset") or "auto", device,
@@ -206,21 +236,31 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
                                  "rerun_records": len(rerun_recs.get(cid, [])), "sampled": idx,
                                  "status": status, "rerun_status": rerun_status.get(cid), "disagreements": len(found)})
             disagreements += [{"kind": "disagreement", "check": cid, **d} for d in found]
-        w = BundleWriter(out_dir, tool_version=TOOL_VERSION, argv=["k3-verify", "bundle", "audit", str(path)],
+        argv = ["k3-verify", "bundle", "audit", str(path), *(["--rerun", str(rerun)] if rerun is not None else [])]
+        w = BundleWriter(out_dir, tool_version=TOOL_VERSION, argv=argv,
                          tier="audit", planned_checks=[AUDIT_CHECK], engines=[],
                          config={"audited_bundle": {"tier": manifest.get("tier"), "started_at": manifest.get("started_at"),
                                                     "source": (manifest.get("env") or {}).get("source_tree_sha256")},
-                                 "sample": sample, "seed": seed, "timing_tol": timing_tol, "numbers_rel": rel},
+                                 "sample": sample, "seed": seed, "timing_tol": timing_tol, "numbers_rel": rel,
+                                 "rerun_from": None if done is None else {"path": str(rerun), "device": here,
+                                                                           "started_at": done.manifest.get("started_at")}},
                          seeds={"global": seed}, env=env)
         w.record(AUDIT_CHECK, {"kind": "plan", "sample": sample, "seed": seed, "timing_tol": timing_tol,
                                "numbers_rel": rel, "device_bundle": there, "device_here": here})
         for row in audited_rows + disagreements + [{"kind": "cannot_run", **c} for c in cannot]:
             w.record(AUDIT_CHECK, row)
         artifacts = []
-        if (rerun_root / "manifest.json").is_file():
+        if done is not None and Path(rerun).is_file():  # the re-run compared with travels with the audit
+            shutil.copy(rerun, tmp / "rerun.tar.gz")
+        elif done is not None:
+            from verify.bundle.writer import write_tarball
+
+            write_tarball(Path(rerun), tmp / "rerun.tar.gz")
+        elif (rerun_root / "manifest.json").is_file():
             from verify.bundle.writer import write_tarball
 
             write_tarball(rerun_root, tmp / "rerun.tar.gz")
+        if (tmp / "rerun.tar.gz").is_file():
             dest = w.artifact_path(f"{AUDIT_CHECK}/rerun.tar.gz")
             shutil.copy(tmp / "rerun.tar.gz", dest)
             artifacts.append(f"artifacts/{AUDIT_CHECK}/rerun.tar.gz")
