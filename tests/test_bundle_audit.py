@@ -164,3 +164,31 @@ def test_the_gpu_hosts_plant_script_forges_a_copy_that_still_verifies(cpu_bundle
     assert verify_bundle(cpu_bundle).ok
     a = _audit(tmp_path / "f", tmp_path / "audit", "--checks", "weights.roundtrip")
     assert a.returncode == 1 and "digest" in a.stdout, a.stdout + a.stderr
+
+
+H200_RUN = REPO / "bundles" / "runs" / "2026-12-02-h200-session10"
+
+
+@pytest.mark.skipif(not (H200_RUN / "standard").exists(), reason="the committed H200 audit")
+def test_the_committed_h200_audits_say_what_they_found(tmp_path):
+    """On the H200: the forged copy's fabricated digest was found (exit 1, one disagreement); the honest
+    standard bundle's equivalence.decode re-ran bitwise in every sampled record and every CUDA-graph step
+    time of perf.decode_sweep within the tolerance; what disagrees is eager reference rows' breakdowns and
+    the ~50 us embedding section. Redone offline from the committed re-run, the comparison is the same."""
+    def rows(d):
+        return [json.loads(x) for x in (d / "records" / f"{AUDIT_CHECK}.jsonl").read_text().splitlines()]
+
+    forged = rows(H200_RUN / "audit-forged-h200")
+    assert [(r["check"], r["field"]) for r in forged if r["kind"] == "disagreement"] == [("weights.roundtrip", "digest")]
+    recompared = rows(H200_RUN / "audit-standard-recompared")
+    audited = {r["check"]: r for r in recompared if r["kind"] == "audited"}
+    assert audited["equivalence.decode"]["disagreements"] == 0 and len(audited["equivalence.decode"]["sampled"]) == 50
+    sweep = [json.loads(x) for x in (H200_RUN / "standard" / "records" / "perf.decode_sweep.jsonl").read_text().splitlines()]
+    for d in (r for r in recompared if r["kind"] == "disagreement"):
+        row = sweep[d["index"]]
+        assert row["backend"] == "reference" or d["field"] == "section_us.head.in", d
+    again = _audit(H200_RUN / "standard", tmp_path / "a", "--checks", "equivalence.decode,perf.decode_sweep", "--sample",
+                   "50", "--rerun", str(H200_RUN / "audit-standard-h200" / "artifacts" / AUDIT_CHECK / "rerun.tar.gz"))
+    assert again.returncode == 1
+    assert [r for r in rows(tmp_path / "a") if r["kind"] == "disagreement"] == \
+        [r for r in recompared if r["kind"] == "disagreement"]

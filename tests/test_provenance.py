@@ -109,3 +109,19 @@ def test_bundle_verify_repo_on_a_committed_h200_bundle(tmp_path):
     report = verify_bundle(forged, repo=REPO)
     assert not report.ok and report.exit_code == 1
     assert any("f415d0e71e39: its sources hash to" in p for p in report.problems), report.problems
+
+
+SESSION10 = REPO / "bundles" / "runs" / "2026-12-02-h200-session10" / "standard"
+
+
+@pytest.mark.skipif(not (REPO / ".git").exists() or not SESSION10.exists(), reason="needs this repository's history")
+def test_the_session10_h200_bundle_names_the_commit_that_ran():
+    """The GPU host's copy has no usable .git: the bundle records commit null, the claim K3_SOURCE_COMMIT and
+    the tree hash, and --repo confirms the claimed commit holds exactly those sources (all three parts)."""
+    from verify.bundle.verify import verify_bundle
+
+    m = json.loads((SESSION10 / "manifest.json").read_text())
+    assert m["env"]["git"]["commit"] is None and m["env"]["git"]["claimed_commit"].startswith("72cc410")
+    assert len(m["parts"]) == 3
+    report = verify_bundle(SESSION10, repo=REPO)
+    assert report.ok and "72cc410b0ed5" in report.summary["source"], report.problems
