@@ -31,11 +31,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from verify.bundle.readers import percentile  # noqa: E402
 from verify.bundle.writer import BundleWriter, tarball_path  # noqa: E402
 from verify.checks.bench_rules import bench_kernels_problems  # noqa: E402
 from verify.checks.status_rules import verdict_reason  # noqa: E402
 from verify.result import CheckResult  # noqa: E402
+from verify.stats import percentile  # noqa: E402
 
 DATA = REPO / "tests" / "data" / "bundles"
 NAMES = ("base", "improved", "regressed", "noisy")

@@ -15,15 +15,8 @@ from k3_fastpath.config import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.synthetic import synthetic_state_dict
-from verify.checks.equivalence import (
-    compare_greedy,
-    context_length,
-    decode,
-    fill_reference,
-    step_metrics,
-    synthesize_context,
-    tie_margins,
-)
+from verify.checks.context_fill import context_length, fill_reference, synthesize_context
+from verify.checks.equivalence import compare_greedy, decode, step_metrics, tie_margins
 from verify.checks.status_rules import equivalence_problems
 from verify.context import CheckContext
 

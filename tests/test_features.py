@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="needs_eval_extra: scripts/bootstrap 
 pytest.importorskip("xgrammar", reason="needs_eval_extra: scripts/bootstrap --eval")
 pytest.importorskip("jsonschema", reason="needs_eval_extra: scripts/bootstrap --eval")
 
-from verify.checks import features, status_rules  # noqa: E402
+from verify.checks import feature_rules, features  # noqa: E402
 from verify.context import CheckContext  # noqa: E402
 from verify.engines.base import SamplingParams  # noqa: E402
 from verify.engines.builtin import BuiltinEngine  # noqa: E402
@@ -136,12 +136,12 @@ def test_structured_output_fails_when_the_schema_is_ignored(engine, seed):
 
 
 def test_validators_reject_what_they_should():
-    person = features.CASES[0]["spec"]
-    assert features.validate_output("json_schema", person, '{"name":"ab"}').startswith("schema violation")
-    assert features.validate_output("json_schema", person, '{"name":"ab"').startswith("not JSON")
-    assert features.validate_output("regex", r"[0-9]{2}", "123") is not None
-    assert features.validate_output("choice", ["yes"], "yes ") is not None
-    assert features.validate_output("choice", ["yes"], "yes") is None
+    person = feature_rules.CASES[0]["spec"]
+    assert feature_rules.validate_output("json_schema", person, '{"name":"ab"}').startswith("schema violation")
+    assert feature_rules.validate_output("json_schema", person, '{"name":"ab"').startswith("not JSON")
+    assert feature_rules.validate_output("regex", r"[0-9]{2}", "123") is not None
+    assert feature_rules.validate_output("choice", ["yes"], "yes ") is not None
+    assert feature_rules.validate_output("choice", ["yes"], "yes") is None
 
 
 # ---------------------------------------------------------------------------------------------- sampling
@@ -158,12 +158,12 @@ def test_temperature_sampling_passes_on_the_builtin_engine(engine, seed):
     assert res.metrics["same_seed_same_tokens"] and res.metrics["other_seeds_differ"]
     # bundle verify's rule, on the records: the same verdict; counts moved to the top token (the recorded
     # p-value left as it was) fail the recomputed G-test
-    assert status_rules.temperature_sampling_problems(recs) == []
+    assert feature_rules.temperature_sampling_problems(recs) == []
     forged = copy.deepcopy(recs)
     cell = next(r for r in forged if r["kind"] == "frequency")
     top = max(cell["counts"], key=lambda t: cell["counts"][t])
     cell["counts"] = {top: cell["samples"]}
-    problems = status_rules.temperature_sampling_problems(forged)
+    problems = feature_rules.temperature_sampling_problems(forged)
     assert any("its counts and the reference logits give 400, p=" in p for p in problems), problems
     assert any("token frequencies differ from softmax(logits/T)" in p for p in problems), problems
 
@@ -182,7 +182,7 @@ def test_reference_distribution_agrees_with_the_sampler(seed):
     rng = np.random.default_rng(seed)
     logits = (rng.standard_normal(512) * 1.5).astype(np.float32)
     for t, k, p in [(0.5, 0, 1.0), (1.5, 30, 1.0), (1.0, 0, 0.7), (0.8, 60, 0.9)]:
-        want, amb = features.reference_distribution(logits.astype(np.float64), t, k, p)
+        want, amb = feature_rules.reference_distribution(logits.astype(np.float64), t, k, p)
         got = torch.softmax(filtered_logits(torch.from_numpy(logits), SamplingConfig(t, k, p)), -1).numpy()
         assert not amb.any()
         assert np.abs(got - want).max() < 1e-5, f"seed {seed} T={t} k={k} p={p}"
@@ -191,13 +191,13 @@ def test_reference_distribution_agrees_with_the_sampler(seed):
 def test_pooling_and_g_test(seed):
     rng = np.random.default_rng(seed)
     expected = rng.dirichlet(np.full(200, 0.3)) * 1000
-    bins = features.pooled_bins(expected, 5.0)
+    bins = feature_rules.pooled_bins(expected, 5.0)
     flat = sorted(i for b in bins for i in b)
     assert flat == sorted(int(i) for i in np.nonzero(expected > 0)[0])
     assert all(expected[b].sum() >= 5.0 for b in bins)
     obs = np.array([7.0, 13.0, 30.0])
     exp = np.array([10.0, 10.0, 30.0])
-    g, df, p = features.g_test(obs, exp)
+    g, df, p = feature_rules.g_test(obs, exp)
     assert g == pytest.approx(2 * (7 * np.log(0.7) + 13 * np.log(1.3))) and df == 2
     assert p == pytest.approx(np.exp(-g / 2), rel=1e-9)  # chi-square with 2 df: sf(x) = exp(-x/2)
 

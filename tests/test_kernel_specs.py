@@ -119,7 +119,7 @@ def test_numerics_check_runs_every_specs_gpu_tests():
 
 
 def test_sanitizer_driver_expects_and_calls_every_kernel():
-    from k3_fastpath.kernels import sanitize_driver
+    from k3_fastpath.runtime import sanitize_driver
 
     assert "mla_decode_merge" in registry.launch_names()
     src = Path(sanitize_driver.__file__).read_text()

@@ -1,7 +1,7 @@
 """GPU tests of the decode sweep's pieces and the TP2 fused all-reduce (marked gpu; TP2 needs two GPUs).
 
 * the Triton epilogue (all-reduce tail: residual add + AttnRes mix + RMSNorm) on the GPU against
-  ``tp.epilogue_reference`` at K3's hidden size, every source count the model reaches, BF16 rounding bounds;
+  ``tp_comm.epilogue_reference`` at K3's hidden size, every source count the model reaches, BF16 rounding bounds;
 * one sweep point on k3-tiny: both backends measured on one cache, the fast one by CUDA-graph replay, the
   floor and the records' keys;
 * TP2 over NCCL (two GPUs): the symmetric-memory one-shot all-reduce equals NCCL's bitwise on BF16 and FP32,
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from k3_fastpath.runtime import tp as TP
+from k3_fastpath.runtime import tp_comm as TPC
 
 pytestmark = pytest.mark.gpu
 KEYS = ("batch", "context", "tp", "backend", "routing", "step_us_median", "step_us_p10", "step_us_p90", "floor_us",
@@ -40,9 +41,9 @@ def test_fused_epilogue_on_gpu_matches_the_reference(seed):
             new_out = torch.full_like(red, float("nan"))
             normed_out = torch.full_like(red, float("nan"))
             got = fused_epilogue(red, pre, blocks, pw, nw, ow, 1e-5, add, new_out=new_out, normed_out=normed_out)
-            want = TP.epilogue_reference(red, pre, blocks, pw, nw, ow, 1e-5, add)
+            want = TPC.epilogue_reference(red, pre, blocks, pw, nw, ow, 1e-5, add)
             assert torch.equal(got[0], want[0]), (seed, rows, nb)  # the same two BF16 roundings
-            ref64 = TP.epilogue_reference(*(t.double() for t in (red, pre)), blocks.double(), pw.double(),
+            ref64 = TPC.epilogue_reference(*(t.double() for t in (red, pre)), blocks.double(), pw.double(),
                                           nw.double(), ow.double(), 1e-5, add.double())[1]
             err_fused = (got[1].double() - ref64).abs().max()
             err_torch = (want[1].double() - ref64).abs().max()
@@ -79,7 +80,7 @@ def _tp_standard_worker(rank: int, world: int, seed: int) -> dict:
     """The TP standard path (library ops, NCCL all-reduces) captured in a CUDA graph vs the same eagerly."""
     from k3_fastpath.config import preset
     from k3_fastpath.runtime.device_synthetic import device_model
-    from k3_fastpath.runtime.tp import TorchComm
+    from k3_fastpath.runtime.tp_comm import TorchComm
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
     cfg = preset("k3-tiny").config
@@ -110,8 +111,8 @@ def test_tp2_standard_path_graph_is_eager(seed):
 
 
 def _allreduce_worker(rank: int, world: int, seed: int) -> dict:
-    from k3_fastpath.runtime.tp import TorchComm
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm
+    from k3_fastpath.runtime.tp_comm import TorchComm
 
     fused, plain = SymmMemComm(), TorchComm()
     g = torch.Generator(device="cuda").manual_seed(seed * 10 + rank)  # different partials per rank

@@ -1,4 +1,4 @@
-"""Signed bundles (verify/bundle/signing.py): keys, sign, verify with and without --trusted-keys, and the
+"""Signed bundles (verify/bundle/signing.py, verify/bundle/attestation.py): keys, sign, verify with and without --trusted-keys, and the
 forgeries a signature must catch -- a bundle changed after signing, an attestation moved to another bundle,
 a statement edited, a signature by another key under the trusted keyid, files added or removed."""
 

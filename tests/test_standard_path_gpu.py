@@ -14,7 +14,8 @@ from k3_fastpath._lib import counters
 from k3_fastpath.config import preset
 from k3_fastpath.runtime import standard_ops as S
 from k3_fastpath.runtime.executor import DecodeExecutor
-from verify.checks.equivalence import build_synthetic_model, compare_greedy, fill_reference
+from verify.checks.context_fill import fill_reference
+from verify.checks.equivalence import build_synthetic_model, compare_greedy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an sm_90 CUDA device")]

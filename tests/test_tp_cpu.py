@@ -15,6 +15,7 @@ import torch
 from k3_fastpath.config import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime import tp as TP
+from k3_fastpath.runtime import tp_comm as TPC
 from k3_fastpath.runtime.tp_launch import TPLaunchError, launch
 from k3_fastpath.synthetic import synthetic_state_dict
 
@@ -47,7 +48,7 @@ def test_tp1_through_the_tp_code_is_bitwise_the_reference(seed):
     cfg = preset(PRESET).config
     sd = synthetic_state_dict(cfg, seed=seed % 997)
     ref = load_reference(cfg, sd, dtype=torch.float32)
-    tpm = TP.build_tp_model(cfg, sd, TP.LocalComm(), dtype=torch.float32)
+    tpm = TP.build_tp_model(cfg, sd, TPC.LocalComm(), dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, cfg.vocab_size, (3, 7), generator=g)
     lengths = torch.tensor([7, 4, 1])
@@ -69,10 +70,10 @@ def test_epilogue_reference_matches_the_layer_order(seed):
     red, pre, add = (torch.randn(5, h, dtype=torch.float64) for _ in range(3))
     blocks = [torch.randn(5, h, dtype=torch.float64) for _ in range(2)]
     pw, nw, ow = torch.randn(1, h, dtype=torch.float64), 1 + torch.rand(h, dtype=torch.float64), torch.rand(h, dtype=torch.float64)
-    new, normed = TP.epilogue_reference(red, pre, blocks, pw, nw, ow, 1e-5, addend=add)
+    new, normed = TPC.epilogue_reference(red, pre, blocks, pw, nw, ow, 1e-5, addend=add)
     assert torch.equal(new, pre + (add + red))
     assert torch.allclose(normed, rms_norm(apply_attn_res(new, blocks, pw, nw, 1e-5), ow, 1e-5), rtol=0, atol=0)
-    new0, normed0 = TP.epilogue_reference(red, None, [], pw, nw, ow, 1e-5)
+    new0, normed0 = TPC.epilogue_reference(red, None, [], pw, nw, ow, 1e-5)
     assert torch.equal(new0, red) and torch.equal(normed0, rms_norm(red, ow, 1e-5))
 
 
@@ -133,14 +134,14 @@ def _interpreter_check(seed: int) -> None:
             add, pre = (rnd(rows, h) if has_add else None), (rnd(rows, h) if has_pre else None)
             pw, nw, ow = rnd(1, h, scale=0.3), 1 + rnd(h, scale=0.1), 1 + rnd(h, scale=0.1)
             got = fused_epilogue(red, pre, blocks, pw, nw, ow, 1e-5, add)
-            want = TP.epilogue_reference(red, pre, blocks, pw, nw, ow, 1e-5, add)
+            want = TPC.epilogue_reference(red, pre, blocks, pw, nw, ow, 1e-5, add)
             if tol is not None:
                 for a, b in zip(got, want, strict=True):
                     err = rel(a, b)
                     assert err <= tol, (seed, dt, nb, has_add, has_pre, err)
                 continue
             f64 = [None if t is None else t.double() for t in (red, pre, blocks, pw, nw, ow, add)]
-            oracle = TP.epilogue_reference(f64[0], f64[1], f64[2], f64[3], f64[4], f64[5], 1e-5, f64[6])
+            oracle = TPC.epilogue_reference(f64[0], f64[1], f64[2], f64[3], f64[4], f64[5], 1e-5, f64[6])
             for a, b, o in zip(got, want, oracle, strict=True):
                 err, ref_err = rel(a, o), rel(b, o)
                 assert err <= 2 * ref_err + 4 * 2.0**-8, (seed, dt, nb, has_add, has_pre, err, ref_err)
@@ -281,7 +282,8 @@ def test_assign_state_dict_is_load_state_dict_assign():
 def test_tp_fast_decoder_situ_glu_kernel_option(seed):
     """``TPFastDecoder(situ_glu_kernel=True)`` calls the ``situ_glu`` op once per MLP per step (here on one
     rank, kernels served by their references: bitwise the default decoder's logits)."""
-    from k3_fastpath.runtime.tp import LocalComm, rank_model
+    from k3_fastpath.runtime.tp import rank_model
+    from k3_fastpath.runtime.tp_comm import LocalComm
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
     cfg = preset(PRESET).config

@@ -190,7 +190,7 @@ def get_or_compile(key: CompileKey, build: Callable[[str], Any]) -> Any:
         raise CompileDuringCaptureError(
             f"kernel {key.kernel} {key.dtype} shapes={key.shapes} config={key.config} is not compiled "
             "and the current stream is capturing a CUDA graph; call k3_fastpath._lib.compile_cache."
-            "precompile(<preset>) (or the kernel's precompile) before capture")
+            "kernels.precompile(<preset>) (or the kernel's precompile) before capture")
     with _lock:
         fn = _memory.get(key)
         if fn is not None:
@@ -242,40 +242,4 @@ def artifact_paths(key: CompileKey) -> dict[str, Path]:
         hits = sorted(d.glob(f"*.{ext}"))
         if hits:
             out[ext] = hits[-1]
-    return out
-
-
-def compile_report(presets: list[str], kernels: list[str] | None = None) -> list[dict[str, Any]]:
-    """Compile every decode variant of ``presets`` and report, per (kernel, preset): variants, seconds,
-    and each failure as "config: error" (does not raise; for the ``kernels.compile`` check and the CLI)."""
-    from k3_fastpath import kernels as registry
-
-    out = []
-    for name in kernels or registry.names():
-        api = registry.api(name)
-        for preset_name in presets:
-            t0 = time.perf_counter()
-            variants = api.compile_variants(preset_name)
-            errors = []
-            for v in variants:
-                args = {k: val for k, val in v.items() if k not in ("shape_name", "M")}
-                try:
-                    api.compile_kernel(**args)
-                except Exception as e:  # report, keep going
-                    errors.append(f"{args}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
-            out.append({"kernel": name, "preset": preset_name, "variants": len(variants),
-                        "seconds": round(time.perf_counter() - t0, 2), "errors": errors})
-    return out
-
-
-def precompile(preset_name: str, kernels: list[str] | None = None) -> dict[str, int]:
-    """Compile every decode shape of ``preset_name`` for every registered kernel (or ``kernels``).
-
-    Returns {kernel: number of compiled variants}. Call it at load time, before any CUDA-graph capture.
-    """
-    from k3_fastpath import kernels as registry
-
-    out: dict[str, int] = {}
-    for name in kernels or registry.names():
-        out[name] = registry.api(name).precompile(preset_name)
     return out

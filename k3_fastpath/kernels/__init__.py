@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import functools
 import importlib
+import time
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from .._lib.kernel_spec import KernelSpec, load_spec
 
@@ -80,3 +82,35 @@ def api(name: str) -> ModuleType:
 
 def all_kernels() -> dict[str, ModuleType]:
     return {n: api(n) for n in KERNELS}
+
+
+def compile_report(presets: list[str], kernels: list[str] | None = None) -> list[dict[str, Any]]:
+    """Compile every decode variant of ``presets`` and report, per (kernel, preset): variants, seconds,
+    and each failure as "config: error" (does not raise; for the ``kernels.compile`` check and the CLI)."""
+    out = []
+    for name in kernels or names():
+        mod = api(name)
+        for preset_name in presets:
+            t0 = time.perf_counter()
+            variants = mod.compile_variants(preset_name)
+            errors = []
+            for v in variants:
+                args = {k: val for k, val in v.items() if k not in ("shape_name", "M")}
+                try:
+                    mod.compile_kernel(**args)
+                except Exception as e:  # report, keep going
+                    errors.append(f"{args}: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}")
+            out.append({"kernel": name, "preset": preset_name, "variants": len(variants),
+                        "seconds": round(time.perf_counter() - t0, 2), "errors": errors})
+    return out
+
+
+def precompile(preset_name: str, kernels: list[str] | None = None) -> dict[str, int]:
+    """Compile every decode shape of ``preset_name`` for every registered kernel (or ``kernels``).
+
+    Returns {kernel: number of compiled variants}. Call it at load time, before any CUDA-graph capture.
+    """
+    out: dict[str, int] = {}
+    for name in kernels or names():
+        out[name] = api(name).precompile(preset_name)
+    return out

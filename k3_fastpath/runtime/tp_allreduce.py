@@ -1,6 +1,6 @@
 """The fused all-reduce + residual add + AttnRes mix + RMSNorm of a TP rank on GPUs (never NVLink multicast).
 
-What follows every row-parallel projection of K3 (``tp.epilogue_reference``): sum the ranks' partials,
+What follows every row-parallel projection of K3 (``tp_comm.epilogue_reference``): sum the ranks' partials,
 add the sum to the residual prefix, mix the AttnRes sources (closed blocks + the new prefix), RMSNorm the
 mix. Unfused that is an NCCL all-reduce and ~15 small PyTorch kernels per sublayer; here it is two:
 
@@ -17,7 +17,7 @@ mix. Unfused that is an NCCL all-reduce and ~15 small PyTorch kernels per sublay
 
 Messages larger than ``ONE_SHOT_MAX_BYTES`` (prefill) take NCCL for the sum and the same epilogue kernel.
 ``fused_epilogue`` also runs on CPU tensors under ``TRITON_INTERPRET=1`` (tests/test_tp_cpu.py checks it
-against ``tp.epilogue_reference``); without Triton it raises, naming what is missing.
+against ``tp_comm.epilogue_reference``); without Triton it raises, naming what is missing.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .tp import Blocks, TorchComm
+from .tp_comm import Blocks, TorchComm
 
 ONE_SHOT_MAX_BYTES = 2 << 20  # 64 rows x 7168 x BF16 = 0.9 MB is the largest decode message
 NO_MULTICAST_ENV = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0"}
@@ -90,7 +90,7 @@ def fused_epilogue(reduced: torch.Tensor, prefix: torch.Tensor | None, blocks: B
                    res_norm_w: torch.Tensor, norm_w: torch.Tensor, eps: float, addend: torch.Tensor | None = None,
                    *, new_out: torch.Tensor | None = None, normed_out: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``tp.epilogue_reference`` in one Triton kernel. ``blocks``: stacked ``[nb, ..., H]`` (read in place
+    """``tp_comm.epilogue_reference`` in one Triton kernel. ``blocks``: stacked ``[nb, ..., H]`` (read in place
     when contiguous) or a list. Returns ``(new prefix, normed)`` shaped like ``reduced``."""
     h = reduced.shape[-1]
     rows = reduced.numel() // h

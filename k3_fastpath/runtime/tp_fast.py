@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from ..reference.common import rms_norm
-from .tp import Communicator, rank_config
+from .tp import rank_config
+from .tp_comm import Communicator
 
 
 def _attention_fns() -> tuple[Any, Any]:
@@ -214,7 +215,8 @@ def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, 
     on the last step). Returns the tokens, the active masks and the logits. (For ``tp_launch.launch``.)"""
     from ..config import preset
     from ..synthetic import synthetic_state_dict
-    from .tp import TorchComm, rank_model
+    from .tp import rank_model
+    from .tp_comm import TorchComm
 
     cfg = preset(preset_name).config
     comm = TorchComm()

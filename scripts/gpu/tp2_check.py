@@ -127,8 +127,8 @@ def numerics(preset: str, seed: int) -> dict:
 
 def allreduce_worker(rank: int, world: int, preset: str, seed: int) -> dict:
     from k3_fastpath.config import get_config
-    from k3_fastpath.runtime.tp import TorchComm
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm
+    from k3_fastpath.runtime.tp_comm import TorchComm
     from verify.checks.perf_sweep import allreduce_rows
 
     cfg = get_config(preset)
@@ -141,8 +141,9 @@ def allreduce_worker(rank: int, world: int, preset: str, seed: int) -> dict:
 def step_worker(rank: int, world: int, preset: str, seed: int, bw: float) -> dict:
     from k3_fastpath.config import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
-    from k3_fastpath.runtime.tp import TorchComm, TPModel
+    from k3_fastpath.runtime.tp import TPModel
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm
+    from k3_fastpath.runtime.tp_comm import TorchComm
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
     from verify.checks.perf_sweep import CONTEXT_SLACK, tp_point
 

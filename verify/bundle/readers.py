@@ -29,6 +29,7 @@ from verify.bundle.schema import (
 )
 from verify.bundle.verify import open_bundle
 from verify.result import CheckResult
+from verify.stats import percentile
 
 SWEEP_CHECK = "perf.decode_sweep"
 BENCH_CHECK = "bench.kernels"
@@ -133,17 +134,6 @@ def _num(v: Any) -> float | None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         return None
     return float(v)
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolation percentile (numpy's default), ``q`` in [0, 100]."""
-    xs = sorted(values)
-    if not xs:
-        raise ValueError("percentile of no values")
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 # ---------------------------------------------------------------- perf.decode_sweep points

@@ -11,7 +11,7 @@ What it checks, in order (``bundles/FORMAT.md`` is the contract):
    results only for planned checks and at most one each, artifacts present and hashed;
 4. the verdict recomputed from the results and the state equals the manifest's (and summary.md's);
 5. registered rescorers re-derive what they can from the raw records;
-6. a signature (``attestation.dsse.json``, ``verify/bundle/signing.py``) covers exactly these files and
+6. a signature (``attestation.dsse.json``, ``verify/bundle/attestation.py``) covers exactly these files and
    verifies, by a key in ``trusted_keys`` when given; an unsigned bundle gets the note "unsigned".
 
 Exit codes (the CLI passes them through): 0 valid, whatever the verdict; 1 the bundle does not verify
@@ -162,8 +162,11 @@ def _extract(archive: Path, dest: Path) -> Path:
 
 
 # ---------------------------------------------------------------- verification
-# Modules whose import registers a rescorer for the checks they implement (import is cheap: no torch).
-BUILTIN_RESCORERS = ("verify.checks.perf", "verify.evals.rescore")
+# (check id prefix, "module:function"): the rescorers kept beside their checks' code, resolved when a bundle
+# is verified (nothing registers itself on import; each module is cheap to import: no torch). Every other
+# check's rescorer is ``status_rules.rescore`` over its rule in ``status_rules.RULES``.
+BUILTIN_RESCORERS = (("perf.decode_sweep", "verify.checks.perf:rescore_decode_sweep"),
+                     ("evals.", "verify.evals.rescore:rescore_eval"))
 
 
 def load_builtin_rescorers() -> None:
@@ -173,8 +176,9 @@ def load_builtin_rescorers() -> None:
 
     from verify.checks import status_rules
 
-    for name in BUILTIN_RESCORERS:
-        importlib.import_module(name)
+    for prefix, target in BUILTIN_RESCORERS:
+        module, _, fn = target.partition(":")
+        register_rescorer(prefix, getattr(importlib.import_module(module), fn))
     for check_id in status_rules.RULES:  # reference.*, weights.roundtrip, kernels.*: status from the records
         register_rescorer(check_id, status_rules.rescore)
 
@@ -190,7 +194,7 @@ def verify_bundle(path: str | Path, *, rescorers: Sequence[tuple[str, Rescorer]]
     try:
         keys = None
         if trusted_keys is not None:
-            from verify.bundle.signing import load_public_keys
+            from verify.bundle.attestation import load_public_keys
 
             keys = load_public_keys(Path(trusted_keys))
         with open_bundle(path) as root:
@@ -388,7 +392,7 @@ def _verify_root(root: Path, rescorers: list[tuple[str, Rescorer]], repo: str | 
         "records": {k: len(v) for k, v in sorted(records.items())},
     }
     if ATTESTATION in files or trusted_keys is not None:
-        from verify.bundle.signing import attestation_problems
+        from verify.bundle.attestation import attestation_problems
 
         sig_problems, sig_notes, summary["signature"] = attestation_problems(root, files, trusted_keys)
         problems += sig_problems

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from verify.checks import fp64_rules
-from verify.checks.equivalence import _kv_dtype, _model, context_length, fill_reference
+from verify.checks.context_fill import context_length, fill_reference
+from verify.checks.equivalence import _kv_dtype, _model
 from verify.checks.fp64_rules import CLEAN, STANDARD, control_name
 from verify.checks.registry import check
 from verify.context import CheckContext

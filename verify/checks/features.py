@@ -23,19 +23,18 @@ Then: the same seed gives the same tokens (alone and twice in one batch), and ot
 token sequences are compared as vLLM's model tests do (identical, or at the first divergence each side's
 token is in the other's top-n log-probabilities). One token over the limit, as a longer prompt or as a
 prompt filling the context plus one token, must raise ``ContextLimitError`` naming the limit. Its status
-is ``status_rules.full_context_problems`` of its records (each side's generation or error, the comparison,
+is ``feature_rules.full_context_problems`` of its records (each side's generation or error, the comparison,
 the over-limit requests), which ``bundle verify`` applies again.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from typing import Any
 
 import numpy as np
 
-from verify.checks import status_rules
+from verify.checks import feature_rules
+from verify.checks.feature_rules import CASES, g_test, pooled_bins, reference_distribution, validate_output
 from verify.checks.registry import check
 from verify.context import CheckContext
 from verify.engines.base import Constraint, ContextLimitError, EngineError, SamplingParams
@@ -64,76 +63,6 @@ def _prompt_ids(seed: int, n: int, vocab: int, low: int = 3) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- structured output
-_NAME = {"type": "string", "pattern": "^[a-z]{1,6}$"}  # bounded by pattern (see validate_output's note)
-CASES: list[dict[str, Any]] = [
-    {"name": "person", "kind": "json_schema", "prompt": "Return the user as JSON.", "spec": {
-        "type": "object",
-        "properties": {
-            "name": _NAME,
-            "age": {"type": "integer", "minimum": 0, "maximum": 120},
-            "score": {"type": "number", "minimum": 0, "maximum": 1},
-            "role": {"enum": ["admin", "user", "guest"]},
-            "active": {"type": "boolean"},
-            "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 3},
-            "address": {"type": "object", "properties": {"city": _NAME, "zip": {"type": "string",
-                                                                                "pattern": "^[0-9]{5}$"}},
-                        "required": ["city", "zip"], "additionalProperties": False},
-        },
-        "required": ["name", "age", "score", "role", "active", "tags", "address"],
-        "additionalProperties": False}},
-    {"name": "order", "kind": "json_schema", "prompt": "List the order lines as JSON.", "spec": {
-        "type": "object",
-        "properties": {
-            "status": {"enum": ["open", "paid", "shipped"]},
-            "lines": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
-                "type": "object",
-                "properties": {"sku": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
-                               "qty": {"type": "integer", "minimum": 1, "maximum": 9},
-                               "price": {"type": "number", "minimum": -5, "maximum": 500}},
-                "required": ["sku", "qty", "price"], "additionalProperties": False}},
-        },
-        "required": ["status", "lines"], "additionalProperties": False}},
-    {"name": "compact", "kind": "json_schema", "prompt": "JSON:", "spec": {  # the same features, short keys
-        "type": "object",
-        "properties": {"p": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}},
-                             "required": ["x"], "additionalProperties": False},
-                       "s": {"type": "number", "minimum": 0, "maximum": 2},
-                       "t": {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 1, "maxItems": 2},
-                       "e": {"enum": ["u", "v"]}},
-        "required": ["p", "s", "t", "e"], "additionalProperties": False}},
-    {"name": "date", "kind": "regex", "prompt": "The date is", "spec": r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-2][0-9]"},
-    {"name": "ident", "kind": "regex", "prompt": "Identifier:", "spec": r"[a-z]{2,6}_[0-9]{1,3}"},
-    {"name": "email", "kind": "regex", "prompt": "Email:", "spec": r"[a-z]{1,8}@[a-z]{1,8}\.(com|org|net)"},
-    {"name": "sentiment", "kind": "choice", "prompt": "Sentiment:", "spec": ["positive", "negative", "neutral"]},
-    {"name": "prefixes", "kind": "choice", "prompt": "Answer:", "spec": ["yes", "yes please", "no", "no thanks"]},
-]
-
-
-def validate_output(kind: str, spec: Any, text: str) -> str | None:
-    """None if ``text`` satisfies the constraint, else why not (one line).
-
-    Note: xgrammar 0.2.8 compiles a ``maxLength``-only string to a character class that admits raw control
-    characters (invalid JSON); the cases here bound strings by ``pattern`` so the check tests the engines,
-    not that quirk. A schema that triggers it still fails here, as it should."""
-    if kind == "json_schema":
-        import jsonschema
-
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as e:
-            return f"not JSON: {e}"
-        try:
-            jsonschema.validate(obj, spec, format_checker=jsonschema.FormatChecker())
-        except jsonschema.ValidationError as e:
-            return f"schema violation at {list(e.absolute_path)}: {e.message}"[:300]
-        return None
-    if kind == "regex":
-        return None if re.fullmatch(spec, text) else "does not fully match the regex"
-    if kind == "choice":
-        return None if text in spec else "not one of the choices"
-    return f"unknown constraint kind {kind}"
-
-
 @check("features.structured_output",
        "JSON-schema / regex / choice constrained outputs all validate (100%), engine under test and baseline",
        imports=("jsonschema", "xgrammar"))
@@ -178,7 +107,7 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
                                 "valid": why is None, "error": why})
                     if t == 0.0:
                         greedy.setdefault(case["name"], {})[role] = c.text
-    problems = status_rules.structured_output_problems(ctx.recorded)
+    problems = feature_rules.structured_output_problems(ctx.recorded)
     agree = [v.get("engine_under_test") == v.get("baseline", v.get("engine_under_test")) for v in greedy.values()]
     metrics: dict[str, Any] = dict(info)
     for role, tot in totals.items():
@@ -188,73 +117,6 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
     metrics.update({"cases": [c["name"] for c in chosen], "temperatures": temperatures,
                     "greedy_agreement": sum(agree) / len(agree) if agree else None})
     return ctx.verdict(problems, metrics)
-
-
-# ---------------------------------------------------------------------------------------------- sampling statistics
-def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
-                           logit_tol: float = 0.0, mass_tol: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """float64 (probabilities, ambiguous) of sampling at ``temperature`` then top-k then top-p.
-
-    ``ambiguous[i]`` marks tokens whose membership in the kept set lies within ``logit_tol`` (top-k, in raw
-    logits) or ``mass_tol`` (top-p, in cumulative probability) of the boundary."""
-    x = logits.astype(np.float64) / temperature
-    amb = np.zeros(len(x), dtype=bool)
-    if 0 < top_k < len(x):
-        srt = np.sort(x)[::-1]
-        kth = srt[top_k - 1]
-        border = 0.5 * (srt[top_k - 1] + srt[top_k])
-        amb |= np.abs(x - border) <= logit_tol / temperature
-        x = np.where(x >= kth, x, -np.inf)
-    p = np.exp(x - x.max())
-    p /= p.sum()
-    if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        before = np.cumsum(p[order]) - p[order]
-        keep_sorted = before < top_p
-        keep_sorted[0] = True
-        amb_sorted = (np.abs(before - top_p) <= mass_tol) & (np.arange(len(p)) > 0)
-        keep = np.zeros(len(p), dtype=bool)
-        keep[order] = keep_sorted
-        amb[order[amb_sorted]] = True
-        p = np.where(keep, p, 0.0)
-        p /= p.sum()
-    return p, amb
-
-
-def pooled_bins(expected: np.ndarray, min_expected: float) -> list[list[int]]:
-    """Indices grouped so every group's expected count is >= ``min_expected``: tokens that reach it alone
-    are their own bin; the rest are pooled from the rarest up; a short remainder joins the last bin."""
-    order = [int(i) for i in np.argsort(-expected, kind="stable") if expected[i] > 0]
-    bins = [[i] for i in order if expected[i] >= min_expected]
-    pool, acc = [], 0.0
-    for i in reversed([i for i in order if expected[i] < min_expected]):
-        pool.append(i)
-        acc += expected[i]
-        if acc >= min_expected:
-            bins.append(pool)
-            pool, acc = [], 0.0
-    if pool:
-        if bins:
-            bins[-1] = bins[-1] + pool
-        else:
-            bins.append(pool)
-    return bins
-
-
-def g_test(observed: np.ndarray, expected: np.ndarray) -> tuple[float, int, float]:
-    """(G, degrees of freedom, p-value) of observed vs expected counts over bins (chi-square tail, df = bins-1)."""
-    import torch
-
-    o = observed.astype(np.float64)
-    e = expected.astype(np.float64)
-    nz = o > 0
-    g = float(2.0 * np.sum(o[nz] * np.log(o[nz] / e[nz])))
-    df = len(o) - 1
-    if df < 1:
-        return g, 0, 1.0
-    p = float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
-                                      torch.tensor(max(g, 0.0) / 2.0, dtype=torch.float64)))
-    return g, df, p
 
 
 def _logits_of(engine: Any, prompt: list[int]) -> np.ndarray:
@@ -323,7 +185,7 @@ def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.
                     "expected_bins": [round(float(e), 4) for e in exp], "observed_bins": obs.astype(int).tolist()})
     seq = _seed_checks(eut, prompt, seq_tokens, other_seeds, ctx.seed)
     ctx.record({"kind": "seeds", **seq})
-    problems = status_rules.temperature_sampling_problems(ctx.recorded)
+    problems = feature_rules.temperature_sampling_problems(ctx.recorded)
     metrics = dict(info, cells=len(cells), samples_per_cell=samples, alpha_family=alpha, alpha_per_test=alpha_cell,
                    correction="bonferroni", test="G-test (chi-square tail), rare tokens pooled to expected >= "
                    f"{min_expected:g}", min_p_value=worst_p, ambiguous_samples=ambiguous_samples,
@@ -401,7 +263,7 @@ def full_context(ctx: CheckContext, max_tokens: int = 4, top_logprobs: int = 5,
     cmp: dict[str, Any] = {}
     if "engine_under_test" in results:
         other = results.get("baseline", results["engine_under_test"])
-        ok, cmp = status_rules.compare_greedy(results["engine_under_test"].token_ids,
+        ok, cmp = feature_rules.compare_greedy(results["engine_under_test"].token_ids,
                                               results["engine_under_test"].logprobs, other.token_ids, other.logprobs)
         ctx.record({"kind": "comparison", **cmp, "ok": ok})
     over = {"longer_prompt": (_prompt_ids(ctx.seed + 303, limit - max_tokens + 1, eut.vocab_size), max_tokens),
@@ -410,6 +272,6 @@ def full_context(ctx: CheckContext, max_tokens: int = 4, top_logprobs: int = 5,
         why = _expect_rejection(eut, p, n, limit)
         ctx.record({"kind": "over_limit", "case": name, "prompt_len": len(p), "max_tokens": n,
                     "max_model_len": limit, "rejected_clearly": why is None, "error": why})
-    problems = status_rules.full_context_problems(ctx.recorded)
+    problems = feature_rules.full_context_problems(ctx.recorded)
     metrics = dict(info, max_model_len=limit, prompt_len=len(prompt), max_tokens=max_tokens, **cmp)
     return ctx.verdict(problems, metrics)

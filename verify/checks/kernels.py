@@ -12,7 +12,7 @@ check fails on any failed test, on any skipped one (a skip on an H200 means the 
 test ran at all, and when a registered kernel's launch counter (each of its spec's ``launch_names``) never
 moved.
 
-``kernels.sanitizer``: ``compute-sanitizer --tool T`` over ``k3_fastpath.kernels.sanitize_driver``,
+``kernels.sanitizer``: ``compute-sanitizer --tool T`` over ``k3_fastpath.runtime.sanitize_driver``,
 which launches every kernel once on small shapes; clean means "ERROR SUMMARY: 0 errors" and the
 driver's own "all kernels launched" line (a driver that silently fell back would prove nothing).
 """
@@ -39,9 +39,7 @@ REPO = Path(__file__).resolve().parents[2]
        requires=("cutlass",))
 def compile_all(ctx: CheckContext, presets: list[str] = ["k3-tp8-rank", "k3-tp16-rank"]) -> Any:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    from k3_fastpath._lib import compile_cache
-
-    rows = compile_cache.compile_report(list(presets))
+    rows = registry.compile_report(list(presets))
     for r in rows:
         ctx.record(r)
     metrics = {"variants": sum(r["variants"] for r in rows), "seconds": round(sum(r["seconds"] for r in rows), 1),
@@ -115,7 +113,7 @@ def sanitizer(ctx: CheckContext, tools: list[str] = ["memcheck"]) -> Any:
     metrics: dict[str, Any] = {}
     for tool in tools:
         cmd = [exe, "--tool", tool, "--error-exitcode", "3", sys.executable, "-m",
-               "k3_fastpath.kernels.sanitize_driver"]
+               "k3_fastpath.runtime.sanitize_driver"]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=ctx.budget_s,
                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
         out = proc.stdout + proc.stderr

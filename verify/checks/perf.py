@@ -397,11 +397,3 @@ def rescore_decode_sweep(records: Any, result: Any) -> list[str]:
                         + (f" ({missed[0]})" if missed else ""))
     return problems
 
-
-def _register() -> None:
-    from verify.bundle.verify import register_rescorer
-
-    register_rescorer("perf.decode_sweep", rescore_decode_sweep)
-
-
-_register()

@@ -11,7 +11,7 @@ Per TP1 point (batch x context x routing), in ONE process, on ONE cache:
    reference``: the eager PyTorch reference model, information only);
 2. the cache (from the fast executor's slot pool; the standard backend runs the reference model on the same
    views) is filled to ``context`` positions cheaply and never with zeros: MLA latents ~ N(0, 1), KDA state
-   ~ N(0, 0.05^2), conv state ~ N(0, 0.5^2) (``equivalence.synthesize_context``);
+   ~ N(0, 0.05^2), conv state ~ N(0, 0.5^2) (``context_fill.synthesize_context``);
 3. the step's tokens: ``uniform`` = seeded random ids, ``real`` = tokenized text (``routing.prompt_token_ids``);
    one standard step with router hooks records the experts each MoE layer touches (``touched_measured``);
    the floor uses the uniform expectation for ``uniform`` and the measured counts for ``real``;
@@ -197,7 +197,7 @@ def floor_for(cfg: Any, tp: int, batch: int, context: int, kv_bytes: int, routin
 
 
 def fill_cache(cache: Any, context: int, seed: int) -> None:
-    from verify.checks.equivalence import synthesize_context
+    from verify.checks.context_fill import synthesize_context
 
     synthesize_context(cache, context, seed)
     if hasattr(cache, "length_bound"):
@@ -427,8 +427,9 @@ def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
     """One rank of the TP sweep (spawned by ``tp_launch.launch`` with NCCL): see the module docstring."""
     from k3_fastpath.config import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
-    from k3_fastpath.runtime.tp import TorchComm, TPModel
+    from k3_fastpath.runtime.tp import TPModel
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm
+    from k3_fastpath.runtime.tp_comm import TorchComm
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
     cfg = get_config(params["preset"])

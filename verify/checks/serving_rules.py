@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from verify.bundle.readers import percentile
+from verify.stats import percentile
 
 Records = Sequence[Mapping[str, Any]]
 ROLES = ("baseline", "engine_under_test")

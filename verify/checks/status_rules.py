@@ -1,5 +1,6 @@
-"""The pass/fail rules of the reference, weights, kernels, equivalence, features and bandwidth-probe checks,
-as functions of their raw records.
+"""The pass/fail rules of the reference, weights, kernels, equivalence and bandwidth-probe checks, as
+functions of their raw records, and ``RULES``: every check id's rule, those kept beside their checks
+(``feature_rules``, ``bench_rules``, ``serving_rules``, ``fp64_rules``) included.
 
 Each rule takes a check's records (and, where the check states them, its result's metrics) and returns
 the problems, in the order the check reports them. The check computes its verdict by calling the same
@@ -18,6 +19,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from verify.checks.bench_rules import bench_kernels_problems
+from verify.checks.feature_rules import (
+    full_context_problems,
+    structured_output_problems,
+    temperature_sampling_problems,
+)
 from verify.checks.fp64_rules import fp64_problems
 from verify.checks.serving_rules import serving_problems
 
@@ -160,176 +166,6 @@ def sanitizer_problems(records: Records, metrics: Mapping[str, Any] | None = Non
             problems.append(f"{tool}: the driver did not launch every kernel (a fallback proves nothing)")
         if "executor_step_with_side_stream" in r and not r["executor_step_with_side_stream"]:
             problems.append(f"{tool}: the executor step with the shared experts on the side stream did not run")
-    return problems
-
-
-# ------------------------------------------------------------------------------------------ features
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-def _top(logprobs: Sequence[Mapping[Any, float]] | None) -> list[dict[int, float]]:
-    return [{int(k): float(v) for k, v in d.items()} for d in logprobs or []]
-
-
-def compare_greedy(a_ids: Sequence[int], a_lps: Sequence[Mapping[Any, float]] | None, b_ids: Sequence[int],
-                   b_lps: Sequence[Mapping[Any, float]] | None) -> tuple[bool, dict[str, Any]]:
-    """vLLM-style: identical tokens, or at the first divergence each side's token in the other's top-n
-    (``*_lps``: per position ``{token: logprob}``, keys int or str as a record holds them)."""
-    la, lb = _top(a_lps), _top(b_lps)
-    pos = first_divergence(a_ids, b_ids)
-    info: dict[str, Any] = {"first_divergence": pos}
-    if la and lb:
-        n = min(len(la), len(lb), len(a_ids), len(b_ids))
-        upto = n if pos is None else min(pos, n)
-        diffs = [abs(la[i][a_ids[i]] - lb[i][b_ids[i]]) for i in range(upto) if a_ids[i] in la[i] and b_ids[i] in lb[i]]
-        info["max_chosen_logprob_diff"] = max(diffs) if diffs else 0.0
-    if pos is None:
-        return True, info
-    if pos >= min(len(a_ids), len(b_ids)) or not (la and lb) or pos >= min(len(la), len(lb)):
-        return False, info
-    info["divergence_tokens"] = [a_ids[pos], b_ids[pos]]
-    return a_ids[pos] in lb[pos] and b_ids[pos] in la[pos], info
-
-
-def full_context_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
-    """features.full_context: each side's request of exactly the context (prompt counted, every token
-    generated), the engine under test against the baseline by ``compare_greedy``, the over-limit requests
-    rejected clearly."""
-    runs = {r.get("role"): r for r in records if r.get("kind") == "full_context"}
-    eut = runs.get("engine_under_test")
-    if eut is None:
-        return ["no full-context request of the engine under test was recorded"]
-    base = runs.get("baseline", eut)
-    problems = []
-    for role, r in runs.items():
-        limit = int(r.get("prompt_len", 0)) + int(r.get("max_tokens", 0))
-        if r.get("error"):
-            problems.append(f"{r.get('engine')} ({role}): a request of exactly {limit} tokens failed: {r['error']}")
-            continue
-        if r.get("prompt_tokens") != r.get("prompt_len"):
-            problems.append(f"{r.get('engine')} ({role}): counted {r.get('prompt_tokens')} prompt tokens of "
-                            f"{r.get('prompt_len')}")
-        if len(r.get("token_ids") or []) != r.get("max_tokens"):
-            problems.append(f"{r.get('engine')} ({role}): {len(r.get('token_ids') or [])} tokens at full context, "
-                            f"asked {r.get('max_tokens')} (finish_reason {r.get('finish_reason')})")
-    if not eut.get("error"):
-        other = base if not base.get("error") else eut
-        ok, cmp = compare_greedy(eut.get("token_ids") or [], eut.get("logprobs"), other.get("token_ids") or [],
-                                 other.get("logprobs"))
-        top_n = max((len(d) for d in eut.get("logprobs") or []), default=0)
-        if not ok:
-            problems.append(f"{eut.get('engine')} vs {base.get('engine')} at full context: tokens diverge at "
-                            f"position {cmp['first_divergence']} beyond each other's top-{eut.get('top_logprobs', top_n)}")
-        recorded = [r for r in records if r.get("kind") == "comparison"]
-        if recorded and (recorded[-1].get("ok"), recorded[-1].get("first_divergence")) != (ok, cmp["first_divergence"]):
-            problems.append(f"the comparison record (ok {recorded[-1].get('ok')}, first divergence "
-                            f"{recorded[-1].get('first_divergence')}) does not follow from the two generations "
-                            f"(ok {ok}, first divergence {cmp['first_divergence']})")
-    over = [r for r in records if r.get("kind") == "over_limit"]
-    if not over:
-        problems.append("no over-limit request was recorded")
-    for r in over:
-        if not r.get("rejected_clearly"):
-            problems.append(f"{eut.get('engine')} one token over ({r.get('case')}): {r.get('error')}")
-    return problems
-
-
-def structured_output_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
-    """features.structured_output: every sample's text validated again against its case's constraint
-    (``features.validate_output``, jsonschema / regex / choice) and its finish reason; a sample whose
-    recorded ``valid`` disagrees with its text is a problem of its own."""
-    from verify.checks.features import CASES, validate_output
-
-    spec_of = {c["name"]: c for c in CASES}
-    samples = [r for r in records if r.get("kind") == "sample"]
-    if not samples:
-        return ["no structured-output case ran (empty cases or temperatures)"]
-    problems = []
-    for r in samples:
-        case = spec_of.get(r.get("case"))
-        if case is None or case["kind"] != r.get("constraint"):
-            problems.append(f"{r.get('engine')} ({r.get('role')}): case {r.get('case')!r} ({r.get('constraint')}) is "
-                            "not one of the check's")
-            continue
-        text = r.get("text") or ""
-        why = validate_output(case["kind"], case["spec"], text)
-        if r.get("finish_reason") != "stop":
-            why = f"incomplete (finish_reason {r.get('finish_reason')} after {r.get('tokens')} tokens)" + (
-                f"; {why}" if why else "")
-        if bool(r.get("valid")) != (why is None):
-            problems.append(f"{r.get('engine')} ({r.get('role')}) {r.get('case')} T={r.get('temperature')}: recorded "
-                            f"valid={r.get('valid')}, its text gives {why is None}")
-        if why is not None:
-            problems.append(f"{r.get('engine')} ({r.get('role')}) {r.get('case')} T={r.get('temperature')} "
-                            f"{r.get('mode')}: {text[:60]!r}: {why}")
-    return problems
-
-
-def _seed_problems(r: Mapping[str, Any]) -> list[str]:
-    s0, first, others = r.get("seed"), r.get("tokens"), r.get("other_seeds") or []
-    problems = []
-    if not (first == r.get("again") and all(b == first for b in r.get("batched") or [None])):
-        problems.append(f"seed {s0}: the same seed gave different tokens ({first} / {r.get('again')} / "
-                        f"{r.get('batched')})")
-    if not any(o != first for o in others):
-        problems.append(f"seeds {s0 + 1}..{s0 + len(others)} all gave seed {s0}'s tokens {first}: the seed is ignored")
-    return problems
-
-
-def temperature_sampling_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
-    """features.temperature_sampling: per (temperature, filter) cell the distribution recomputed from the
-    recorded reference logits (``features.reference_distribution``), the G-test redone on the recorded token
-    counts (``pooled_bins``, ``g_test``) at alpha / cells; samples of filtered-out tokens; the seed rows'
-    tokens. A bundle written before the logits were recorded is judged on its cells' recorded p-values."""
-    import numpy as np
-
-    from verify.checks.features import g_test, pooled_bins, reference_distribution
-
-    ref = next((r for r in records if r.get("kind") == "reference_logits"), None)
-    cells = [r for r in records if r.get("kind") == "frequency"]
-    if not cells:
-        return ["no sampling cell was recorded"]
-    problems = []
-    for r in cells:
-        t, k, tp = r.get("temperature"), r.get("top_k"), r.get("top_p")
-        where = f"T={t} top_k={k} top_p={tp}"
-        if r.get("missing_tokens"):
-            problems.append(f"{where}: {r['missing_tokens']} requests returned no token")
-        forbidden, pval, g, df = r.get("forbidden_samples"), r.get("p_value"), r.get("G"), r.get("df")
-        alpha_cell = r.get("alpha_per_test")
-        if ref is not None:
-            alpha_cell = ref["alpha"] / len(cells)
-            p, amb = reference_distribution(np.array(ref["logits"], dtype=np.float64), t, k, tp, ref["logit_tol"],
-                                            ref["mass_tol"])
-            counts = np.zeros(len(p), dtype=np.int64)
-            for tok, c in (r.get("counts") or {}).items():
-                counts[int(tok)] = int(c)
-            clear = ~amb
-            forbidden = int(counts[(p == 0) & clear].sum())
-            n = int(counts[clear & (p > 0)].sum())
-            q = np.where(clear, p, 0.0)
-            q = q / q.sum() if q.sum() > 0 else q
-            bins = pooled_bins(n * q, ref["min_expected"])
-            obs = np.array([counts[b].sum() for b in bins], dtype=np.float64)
-            exp = np.array([n * q[b].sum() for b in bins], dtype=np.float64)
-            g, df, pval = g_test(obs, exp) if n > 0 else (0.0, 0, 1.0)
-            if int(counts.sum()) != r.get("samples") or not math.isclose(pval, r.get("p_value", -1.0), rel_tol=1e-6,
-                                                                           abs_tol=1e-12):
-                problems.append(f"{where}: the cell records {r.get('samples')} samples, p={r.get('p_value')}; its "
-                                f"counts and the reference logits give {int(counts.sum())}, p={pval:.6g}")
-        if forbidden:
-            problems.append(f"{where}: {forbidden} samples of tokens the filters remove")
-        if not isinstance(pval, (int, float)) or not isinstance(alpha_cell, (int, float)):
-            problems.append(f"{where}: no p-value or alpha recorded")
-        elif pval < alpha_cell:
-            problems.append(f"{where}: token frequencies differ from softmax(logits/T) "
-                            f"(G={g:.1f}, df={df}, p={pval:.2g} < {alpha_cell:.2g})")
-    seeds = [r for r in records if r.get("kind") == "seeds"]
-    problems += _seed_problems(seeds[-1]) if seeds else ["no seed check was recorded"]
     return problems
 
 

@@ -14,7 +14,9 @@ Conventions every implementation keeps:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 
@@ -97,3 +99,13 @@ class Engine(Protocol):
     def close(self) -> None:
         """Release what the engine holds (stop a launched server by PID)."""
         ...
+
+
+def model_vocab_size(model_dir: str | Path) -> int | None:
+    """``vocab_size`` from a HF model dir's config.json (or its ``text_config``), if it has one."""
+    p = Path(model_dir) / "config.json"
+    if not p.is_file():
+        return None
+    cfg = json.loads(p.read_text())
+    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+    return int(v) if v else None

@@ -41,9 +41,16 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from verify.engines.base import Completion, Constraint, ContextLimitError, EngineError, SamplingParams
+from verify.engines.base import (
+    Completion,
+    Constraint,
+    ContextLimitError,
+    EngineError,
+    SamplingParams,
+    model_vocab_size,
+)
 
-__all__ = ["OpenAIEngine", "VLLMServer", "launch_vllm", "structured_outputs_field"]
+__all__ = ["OpenAIEngine", "structured_outputs_field"]
 
 _CONTEXT_MESSAGE = re.compile(r"maximum context length|max_model_len|context length|too long|"
                               r"longer than the maximum|exceeds the model", re.IGNORECASE)
@@ -163,8 +170,6 @@ class OpenAIEngine:
         return getattr(self, "model", None) or self.root_url
 
     def _vocab_from_config(self) -> int | None:
-        from verify.engines.vllm_server import model_vocab_size
-
         return model_vocab_size(self.tokenizer_dir) if self.tokenizer_dir is not None else None
 
     # -- Engine properties and tokenizer
@@ -370,6 +375,3 @@ class OpenAIEngine:
         if self._server is not None:
             self._server.stop()
 
-
-# the launcher lives in vllm_server.py; re-exported so ``verify.engines.openai`` is the one entry point
-from verify.engines.vllm_server import VLLMServer, launch_vllm  # noqa: E402

@@ -42,7 +42,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from verify.engines.base import EngineError
+from verify.engines.base import EngineError, model_vocab_size
 
 DEFAULT_MAX_MODEL_LEN = 512
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -62,16 +62,6 @@ def _has_cuda() -> bool:
         return bool(torch.cuda.is_available())
     except ImportError:
         return False
-
-
-def model_vocab_size(model_dir: str | Path) -> int | None:
-    """``vocab_size`` from a HF model dir's config.json (or its ``text_config``), if it has one."""
-    p = Path(model_dir) / "config.json"
-    if not p.is_file():
-        return None
-    cfg = json.loads(p.read_text())
-    v = cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
-    return int(v) if v else None
 
 
 def log_tail(path: str | Path, lines: int = 25) -> str:

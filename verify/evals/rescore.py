@@ -19,7 +19,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from evals.utils import SCORERS
-from verify.bundle.verify import register_rescorer
 from verify.evals.gates import Thresholds, compare, headline
 
 SIDES = ("baseline", "under_test")
@@ -132,5 +131,3 @@ def rescore_eval(records: Mapping[str, list], result: Any) -> list[str]:
         problems.append(f"result failed ({result.reason}) but the records pass every gate")
     return problems
 
-
-register_rescorer("evals.", rescore_eval)

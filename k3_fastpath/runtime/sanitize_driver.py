@@ -1,7 +1,7 @@
 """Launch every fast kernel once on small shapes: the program ``kernels.sanitizer`` runs under
 compute-sanitizer (memcheck, racecheck, synccheck, initcheck).
 
-    compute-sanitizer --tool racecheck python -m k3_fastpath.kernels.sanitize_driver
+    compute-sanitizer --tool racecheck python -m k3_fastpath.runtime.sanitize_driver
 
 Small shapes keep the sanitizer's 10-100x slowdown affordable; each kernel's variants that matter for
 races (the split-K reduction of the skinny GEMM, the block reductions of the norms) are all exercised.
