@@ -23,6 +23,7 @@ from k3_fastpath.runtime.cache_pool import CachePool, PooledCache, copy_cache
 from k3_fastpath.runtime.envelope import PREFILL_REASON, Envelope
 from k3_fastpath.runtime.executor import DecodeExecutor, _buckets
 from k3_fastpath.runtime.graphs import bucket_for
+from k3_fastpath.runtime.options import DecodeOptions
 from k3_fastpath.runtime.trace import TRACE_ENV, fast_path_problems, read_trace, summarize
 from k3_fastpath.synthetic import synthetic_state_dict
 
@@ -470,7 +471,8 @@ def test_situ_glu_kernel_option_serves_every_mlp_activation(sd_stable, seed):
     the default executor's, and the trace counts the refused kernel calls with their reason (never silent)."""
     m16 = load_reference(CFG, sd_stable, dtype=torch.bfloat16)
     plain = DecodeExecutor(m16, max_len=16, max_batch=2, envelope=Envelope(emulate=True))
-    glu = DecodeExecutor(m16, max_len=16, max_batch=2, envelope=Envelope(emulate=True), situ_glu_kernel=True)
+    glu = DecodeExecutor(m16, max_len=16, max_batch=2, envelope=Envelope(emulate=True),
+                         options=DecodeOptions(situ_glu_kernel=True))
     assert "situ_glu" not in plain.ops and glu.ops["situ_glu"].kernel == "situ_glu"
     assert glu.trace.meta["ops"]["situ_glu"] == "situ_glu"
     ids = _prompt(2, 5, seed)

@@ -25,6 +25,7 @@ import torch
 from k3_fastpath import kernels as registry
 from k3_fastpath.config import preset
 from k3_fastpath.runtime.executor import DecodeExecutor
+from k3_fastpath.runtime.options import DecodeOptions
 from k3_fastpath.runtime.trace import fast_path_problems, summarize
 from verify.checks.context_fill import fill_reference
 from verify.checks.equivalence import build_synthetic_model, compare_greedy
@@ -137,8 +138,8 @@ def test_replay_allocates_nothing_and_never_syncs(seed):
 
 def test_l2_prefetch_changes_no_bit(seed):
     model = _model("k3-tiny")
-    off = DecodeExecutor(model, max_len=48, max_batch=2, buckets=(2,), prefetch=False)
-    on = DecodeExecutor(model, max_len=48, max_batch=2, buckets=(2,), prefetch=True)
+    off = DecodeExecutor(model, max_len=48, max_batch=2, buckets=(2,), options=DecodeOptions(prefetch=False))
+    on = DecodeExecutor(model, max_len=48, max_batch=2, buckets=(2,), options=DecodeOptions(prefetch=True))
     on.warmup_and_capture()
     off.warmup_and_capture()
     ref, c_off, first = _filled(model, off, 2, 8, seed, 48)
@@ -173,9 +174,10 @@ def test_pdl_changes_no_bit(seed):
     from k3_fastpath.runtime import fast_ops
 
     model = _model("tiny-6heads")
-    off = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=False)
-    on = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=True)
-    on_eager = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), pdl=True, use_graphs=False)
+    off = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), options=DecodeOptions(pdl=False))
+    on = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), options=DecodeOptions(pdl=True))
+    on_eager = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), options=DecodeOptions(pdl=True),
+                               use_graphs=False)
     for name, (default_fn, twin) in fast_ops.PDL_VARIANTS.items():
         assert off.ops[name].fn is default_fn and on.ops[name].fn is twin, name
     off.warmup_and_capture()
@@ -221,7 +223,7 @@ def test_no_bf16_expert_copies_and_shared_stream(seed):
     no bit against an executor without it."""
     model = _model("k3-tiny")
     on = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,))
-    off = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,), shared_stream=False)
+    off = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,), options=DecodeOptions(shared_stream=False))
     assert on.side.stream is not None and off.side.stream is None
     for layer in on._plan.layers:
         if layer.moe:
@@ -323,7 +325,7 @@ def test_single_expert_copy_changes_no_bit_and_frees_the_checkpoint_layout(seed)
     assert deltas[0] >= 0.95 * expert_bytes, f"the two-copy plan added {deltas[0]} B < the experts' {expert_bytes} B"
     assert deltas[1] <= deltas[0] - 0.9 * expert_bytes, f"single copy still added {deltas[1]} B of {deltas[0]} B"
     ex2 = DecodeExecutor(two, max_len=48, max_batch=4, buckets=(4,))
-    ex1 = DecodeExecutor(one, max_len=48, max_batch=4, buckets=(4,), single_expert_copy=True)
+    ex1 = DecodeExecutor(one, max_len=48, max_batch=4, buckets=(4,), options=DecodeOptions(single_expert_copy=True))
     ex2.warmup_and_capture()
     ex1.warmup_and_capture()
     r2, c2, f2 = _filled(two, ex2, 4, 8, seed, 48)
@@ -369,7 +371,8 @@ def test_situ_glu_kernel_option(name, seed):
     stays inside the reference's top-5 with the same KL bound as the default executor, and its logits sit
     as close to the default executor's as tanh's last bits allow (PyTorch's tanhf vs cute.math.tanh)."""
     model = _model(name)
-    ex = DecodeExecutor(model, max_len=64, max_batch=8, buckets=(1, 2, 4, 8), situ_glu_kernel=True)
+    ex = DecodeExecutor(model, max_len=64, max_batch=8, buckets=(1, 2, 4, 8),
+                         options=DecodeOptions(situ_glu_kernel=True))
     ex.warmup_and_capture()
     base = DecodeExecutor(model, max_len=64, max_batch=8, buckets=(1, 2, 4, 8))
     base.warmup_and_capture()

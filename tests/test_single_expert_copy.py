@@ -1,4 +1,4 @@
-"""The routed experts kept once (``ExpertBank(single_copy=True)`` / ``DecodeExecutor(single_expert_copy=True)``),
+"""The routed experts kept once (``ExpertBank(single_copy=True)`` / ``DecodeOptions(single_expert_copy=True)``),
 without a GPU: the fragment layout becomes the only copy, and every reader of the checkpoint layout (the
 reference modules: prefill, the standard path, fallbacks, ``cache_dense_experts``) sees bit for bit the bytes
 it saw before; the rank-emulation byte model counts the experts once, so a full TP16 rank fits an H200.
@@ -16,6 +16,7 @@ from k3_fastpath.reference.moe import MXFP4Weight, cache_dense_experts
 from k3_fastpath.runtime.envelope import Envelope
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.runtime.fast_step import ModelPlan
+from k3_fastpath.runtime.options import DecodeOptions
 from k3_fastpath.runtime.rank_emulation import cache_pool_bytes, check_fits, emulation_bytes
 from k3_fastpath.synthetic import synthetic_state_dict
 
@@ -83,7 +84,8 @@ def test_emulated_executor_matches_the_two_copy_one(sd, seed):
     outs = []
     for single in (False, True):
         m = load_reference(CFG, sd, dtype=torch.bfloat16)
-        ex = DecodeExecutor(m, max_len=24, max_batch=2, envelope=Envelope(emulate=True), single_expert_copy=single)
+        ex = DecodeExecutor(m, max_len=24, max_batch=2, envelope=Envelope(emulate=True),
+                            options=DecodeOptions(single_expert_copy=single))
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(3, CFG.vocab_size, (2, 4), generator=g)
         cache = ex.new_cache(2)

@@ -19,6 +19,7 @@ from k3_fastpath.runtime import compiled_glue as G
 from k3_fastpath.runtime import standard_ops as S
 from k3_fastpath.runtime.envelope import Envelope
 from k3_fastpath.runtime.executor import DecodeExecutor
+from k3_fastpath.runtime.options import DecodeOptions
 from k3_fastpath.synthetic import synthetic_state_dict
 
 CFG = preset("k3-tiny").config
@@ -222,10 +223,10 @@ def test_dynamo_guard_miss_inside_capture_raises_instead_of_recompiling(monkeypa
 
 @torch.no_grad()
 def test_executor_with_compiled_glue_on_cpu_equals_eager_glue(m16, no_compile, seed):
-    """``DecodeExecutor(standard_compiled_glue=True)`` on a CPU: the same logits bit for bit as the eager-glue
+    """``DecodeOptions(standard_compiled_glue=True)`` on a CPU: the same logits bit for bit as the eager-glue
     executor, nothing compiled, the trace's ops and step records say eager on cpu."""
     kw = dict(backend="standard_graph", max_len=16, max_batch=4, envelope=Envelope(emulate=True))
-    eager, comp = DecodeExecutor(m16, **kw), DecodeExecutor(m16, standard_compiled_glue=True, **kw)
+    eager, comp = DecodeExecutor(m16, **kw), DecodeExecutor(m16, options=DecodeOptions(standard_compiled_glue=True), **kw)
     assert comp.trace.meta["standard_compiled_glue"] and not eager.trace.meta["standard_compiled_glue"]
     g = torch.Generator().manual_seed(seed)
     ca, cb = eager.new_cache(3), comp.new_cache(3)

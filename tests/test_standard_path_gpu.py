@@ -14,6 +14,7 @@ from k3_fastpath._lib import counters
 from k3_fastpath.config import preset
 from k3_fastpath.runtime import standard_ops as S
 from k3_fastpath.runtime.executor import DecodeExecutor
+from k3_fastpath.runtime.options import DecodeOptions
 from verify.checks.context_fill import fill_reference
 from verify.checks.equivalence import build_synthetic_model, compare_greedy
 
@@ -86,7 +87,7 @@ def _glue_executors(model, dtype):
     env = Envelope(dtypes=(dtype,), kv_dtypes=(dtype,))
     kw = dict(backend="standard_graph", max_len=64, max_batch=4, buckets=_GLUE_BUCKETS, envelope=env)
     eager = DecodeExecutor(model, **kw)
-    comp = DecodeExecutor(model, standard_compiled_glue=True, **kw)
+    comp = DecodeExecutor(model, options=DecodeOptions(standard_compiled_glue=True), **kw)
     assert comp.fast and comp.use_graphs and eager.use_graphs, comp.model_reason
     return eager, comp
 

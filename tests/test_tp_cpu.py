@@ -16,6 +16,7 @@ from k3_fastpath.config import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime import tp as TP
 from k3_fastpath.runtime import tp_comm as TPC
+from k3_fastpath.runtime.options import DecodeOptions
 from k3_fastpath.runtime.tp_launch import TPLaunchError, launch
 from k3_fastpath.synthetic import synthetic_state_dict
 
@@ -280,7 +281,7 @@ def test_assign_state_dict_is_load_state_dict_assign():
 
 
 def test_tp_fast_decoder_situ_glu_kernel_option(seed):
-    """``TPFastDecoder(situ_glu_kernel=True)`` calls the ``situ_glu`` op once per MLP per step (here on one
+    """``TPFastDecoder(options=DecodeOptions(situ_glu_kernel=True))`` calls the ``situ_glu`` op once per MLP per step (here on one
     rank, kernels served by their references: bitwise the default decoder's logits)."""
     from k3_fastpath.runtime.tp import rank_model
     from k3_fastpath.runtime.tp_comm import LocalComm
@@ -288,7 +289,8 @@ def test_tp_fast_decoder_situ_glu_kernel_option(seed):
 
     cfg = preset(PRESET).config
     model = rank_model(cfg, synthetic_state_dict(cfg, 0, conditioning="stable"), 1, 0)
-    decs = [TPFastDecoder(cfg, model, LocalComm(), max_batch=2, max_len=6, use_graphs=False, situ_glu_kernel=k)
+    decs = [TPFastDecoder(cfg, model, LocalComm(), max_batch=2, max_len=6, use_graphs=False,
+                          options=DecodeOptions(pdl=False, situ_glu_kernel=k))
             for k in (False, True)]
     assert "situ_glu" not in decs[0].ops and decs[1].ops["situ_glu"].kernel == "situ_glu"
     caches = [d.new_cache(2) for d in decs]

@@ -25,16 +25,12 @@ kernel's reference, which synchronises) is not captured: its steps run eagerly, 
 
 The MLA latent pools hold ``max_len`` rounded up to a multiple of 64 positions (``CachePool``): the slot
 pool is then a paged cache of 64-position pages, the layout ``mla_decode`` takes; ``max_len`` itself stays
-the context limit of the envelope and of ``new_cache``. Launch-level options: ``pdl`` (on by default:
-programmatic dependent launch of every kernel of the step, ``fast_ops.op_table(pdl=True)``;
-``pdl_support()`` says exactly what it covers; bitwise the same logits, tests/test_executor_gpu.py::
-test_pdl_changes_no_bit; measured in session 5 beside the same executor without it, perf.decode_sweep
-fast_variants: 4-11% faster steps on the emulated TP16 rank, within +-1% on k3-mini) and ``prefetch`` (off
-by default: the next layer's weights into L2 on a side stream, ``prefetch.py``; measured on/off by
-scripts/gpu/decode_executor_check.py). ``situ_glu_kernel`` (off by default, not yet run on a GPU): the
-shared experts' and dense MLP's SiTU-GLU activation as one kernel (``kernels/situ_glu``) instead of ~12
-PyTorch elementwise kernels per MLP (session 6's CUPTI profile of the full TP16 rank: 1604 glue kernels
-per step, ~3 ms at batch 1); to be measured with perf.decode_sweep fast_variants {situ_glu_kernel: true}.
+the context limit of the envelope and of ``new_cache``. Launch-level switches are one ``DecodeOptions``
+(``options.py``: PDL, L2 prefetch and its budget, the shared-experts stream, the SiTU-GLU kernel, a single
+expert copy, the standard path's compiled glue), resolved for the backend (``options.resolve``: an option
+the backend cannot honour is refused) and recorded whole in the trace metadata (``options``);
+``pdl_support()`` says exactly what PDL covers (bitwise the same logits:
+tests/test_executor_gpu.py::test_pdl_changes_no_bit).
 """
 
 from __future__ import annotations
@@ -51,7 +47,9 @@ from .envelope import PREFILL_REASON, Envelope
 from .fast_ops import GLUE_OPS, op_table
 from .fast_step import ModelPlan, OpCalls, SideStream, StepIO, run_step
 from .graphs import BucketGraphs, bucket_for, counter_delta
-from .prefetch import DEFAULT_BUDGET_BYTES, L2Prefetcher
+from .options import DecodeOptions
+from .options import resolve as resolve_options
+from .prefetch import L2Prefetcher
 from .standard_ops import standard_op_table
 from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
 
@@ -84,11 +82,8 @@ class DecodeExecutor:
     def __init__(self, model: Any, *, backend: str = "latency_specialized", max_batch: int = 64, max_len: int,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, use_graphs: bool = True, trace_dir: str | None = None,
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
-                 envelope: Envelope | None = None, prefetch: bool = False,
-                 prefetch_budget: int = DEFAULT_BUDGET_BYTES, pdl: bool = True,
-                 shared_stream: bool = True, pool_from: DecodeExecutor | None = None,
-                 standard_compiled_glue: bool = False, single_expert_copy: bool = False,
-                 situ_glu_kernel: bool = False) -> None:
+                 envelope: Envelope | None = None, options: DecodeOptions | None = None,
+                 pool_from: DecodeExecutor | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -110,16 +105,14 @@ class DecodeExecutor:
                                                       kv_dtype=self.kv_dtype)
         self.fast = backend in STEP_BACKENDS and self.model_reason is None
         self.use_graphs = bool(use_graphs and self.fast and self.device.type == "cuda")
-        self.single_expert_copy = single_expert_copy  # ExpertBank(single_copy=...): the experts kept once
-        self.pdl = bool(pdl and backend == "latency_specialized")  # the standard backends launch without PDL
-        # standard_compiled_glue: the standard path's glue through torch.compile, compiled at warm-up (standard_ops)
-        # situ_glu_kernel (opt-in, latency_specialized only): the shared experts' and dense MLP's SiTU-GLU
-        # as one kernel (kernels/situ_glu) instead of the PyTorch glue
-        self.situ_glu_kernel = bool(situ_glu_kernel and backend == "latency_specialized")
-        self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
+        self.options = opts = resolve_options(options, backend)
+        self.single_expert_copy = opts.single_expert_copy  # ExpertBank(single_copy=...): the experts kept once
+        self.pdl = opts.pdl
+        self.situ_glu_kernel = opts.situ_glu_kernel
+        self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device)
                     if backend == "standard_graph" else op_table(pdl=self.pdl, situ_glu_kernel=self.situ_glu_kernel))
-        self.side = SideStream(self.device, enabled=shared_stream and self.fast)
-        self.prefetcher = L2Prefetcher(self.device, prefetch_budget, enabled=prefetch and self.fast)
+        self.side = SideStream(self.device, enabled=opts.shared_stream and self.fast)
+        self.prefetcher = L2Prefetcher(self.device, opts.prefetch_budget, enabled=opts.prefetch and self.fast)
         self.pool: CachePool | None = None
         if pool_from is not None:  # e.g. the standard_graph backend timed on the fast backend's caches
             if (pool_from.max_len, pool_from.max_batch, pool_from.kv_dtype, pool_from.kv_scale, pool_from.dtype) != (
@@ -137,15 +130,16 @@ class DecodeExecutor:
                 "envelope": self.envelope.as_dict(), "model_reason": self.model_reason, "buckets": list(self.buckets),
                 "max_len": max_len, "use_graphs": self.use_graphs,
                 "ops": {n: (o.kernel if o.kernel else f"standard: {o.standard_reason}") for n, o in self.ops.items()},
-                "glue_ops": list(GLUE_OPS), "pdl": {"requested": self.pdl, "effect": pdl_support() if self.pdl else "off"},
-                "l2_prefetch": {"enabled": self.prefetcher.enabled, "budget_bytes": prefetch_budget},
+                "glue_ops": list(GLUE_OPS), "options": opts.as_dict(),
+                "pdl": {"requested": self.pdl, "effect": pdl_support() if self.pdl else "off"},
+                "l2_prefetch": {"enabled": self.prefetcher.enabled, "budget_bytes": opts.prefetch_budget},
                 "mla_pool_len": CachePool.latent_length(max_len),
                 "shared_experts_stream": self.side.stream is not None,
-                "standard_compiled_glue": bool(standard_compiled_glue and backend == "standard_graph"),
-                "single_expert_copy": bool(single_expert_copy)}
+                "standard_compiled_glue": opts.standard_compiled_glue,
+                "single_expert_copy": opts.single_expert_copy}
         self.trace = ExecutionTrace(trace_dir if trace_dir is not None else trace_dir_from_env(), meta)
         if self.fast:  # the routed experts' kernel weights (and W_UK / W_UV) once, here, never per step
-            self._plan = ModelPlan.build(model, single_expert_copy=single_expert_copy)
+            self._plan = ModelPlan.build(model, single_expert_copy=opts.single_expert_copy)
             self.trace.set_meta(expert_weights=self.cfg.expert_format)
 
     # ------------------------------------------------------------------ caches

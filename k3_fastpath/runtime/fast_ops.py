@@ -19,7 +19,7 @@ A kernel that refuses a call (its ``is_supported``) serves it from its reference
 with the reason; the trace lists it per step (``kernel_fallbacks``), and the executor runs such a bucket
 eagerly instead of capturing it (the references synchronise with the host).
 
-``op_table(pdl=True)`` (what ``DecodeExecutor(pdl=True)`` runs) serves every op whose entry is still the
+``op_table(pdl=True)`` (what ``DecodeOptions(pdl=True)`` runs) serves every op whose entry is still the
 default kernel adapter by its programmatic-dependent-launch twin (``PDL_VARIANTS``): the same kernels with
 ``pdl=True``, each launched with the PDL attribute, reading only weights before ``griddepcontrol.wait``
 (what each reads is in ``executor.pdl_support()`` and the kernels' docstrings). The PyTorch glue between
@@ -260,7 +260,7 @@ PDL_VARIANTS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
 
 
 # opt-in op -> (kernel adapter, its PDL twin, kernel): in a table only when asked (op_table(situ_glu_kernel=True),
-# DecodeExecutor(situ_glu_kernel=True)); without it the step keeps the PyTorch glue (GLUE_OPS "situ_glu").
+# DecodeOptions(situ_glu_kernel=True)); without it the step keeps the PyTorch glue (GLUE_OPS "situ_glu").
 # ``situ_glu``: ``(g [Bk,I] bf16, u [Bk,I] bf16, beta, linear_beta) -> [Bk,I] bf16``, one kernel for the
 # shared experts' and the dense MLP's activation (kernels/situ_glu) instead of ~12 elementwise kernels.
 OPT_IN_OPS: dict[str, tuple[Callable[..., Any], Callable[..., Any], str]] = {

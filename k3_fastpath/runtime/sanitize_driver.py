@@ -101,12 +101,13 @@ def executor_step() -> int:
     from k3_fastpath.config import preset
     from k3_fastpath.reference.model import load_reference
     from k3_fastpath.runtime.executor import DecodeExecutor
+    from k3_fastpath.runtime.options import DecodeOptions
     from k3_fastpath.synthetic import synthetic_state_dict
 
     cfg = preset("k3-tiny").config
     model = load_reference(cfg, synthetic_state_dict(cfg, 0, conditioning="stable"), dtype=torch.bfloat16,
                            device="cuda")
-    ex = DecodeExecutor(model, max_len=128, max_batch=4, shared_stream=True)
+    ex = DecodeExecutor(model, max_len=128, max_batch=4, options=DecodeOptions(shared_stream=True))
     cache = ex.new_cache(3)
     counters.reset()
     for _ in range(3):

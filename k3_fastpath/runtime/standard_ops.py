@@ -19,7 +19,7 @@ static buffers, one graph per bucket, shared experts on a side stream) with this
 | ``moe_experts`` | rows sorted by expert + ``torch._grouped_mm`` (cuBLAS-class grouped GEMM, sm_90) over |
 |                 | BF16 experts dequantised once at build (``StandardExperts``); FP32 weighted combine    |
 
-``standard_op_table(compiled_glue=True)`` (``DecodeExecutor(..., standard_compiled_glue=True)``; default off)
+``standard_op_table(compiled_glue=True)`` (``DecodeOptions(standard_compiled_glue=True)``; default off)
 serves the PyTorch glue above through ``torch.compile`` on CUDA tensors (``compiled_glue.py`` says how it stays
 capture-safe): ``GLUE_FNS`` (RMSNorm, the AttnRes mix + norm, the KDA conv update + row mask, the router's
 selection after the cuBLAS logits, the experts' sort / offsets / gather, SiTU-GLU between the grouped GEMMs

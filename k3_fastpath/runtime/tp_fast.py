@@ -29,6 +29,8 @@ from typing import Any
 import torch
 
 from ..reference.common import rms_norm
+from .options import DecodeOptions
+from .options import resolve as resolve_options
 from .tp import rank_config
 from .tp_comm import Communicator
 
@@ -102,17 +104,16 @@ class TPFastDecoder:
     ``backend="standard_graph"`` is the strong standard path at TP > 1: the same step and graphs with
     ``standard_ops``' library op table (cuBLAS, fla, ``torch._grouped_mm`` over the rank's BF16 expert slices)
     and, given ``TorchComm``, NCCL all-reduces followed by separate PyTorch ops (captured too). ``pool_from``
-    shares another decoder's slot pool, so both backends time the same cache. ``pdl``: our kernels launched
-    with programmatic dependent launch (``fast_ops.op_table(pdl=True)``, the single-GPU executor's default);
-    off here until measured at TP2 (``perf.decode_sweep`` ``tp_fast_pdl``: a ``fast_pdl`` row beside ``fast``).
-    ``situ_glu_kernel``: the MLPs' SiTU-GLU as one kernel (``DecodeExecutor``'s opt-in of the same name);
-    standard_graph's glue is compiled at warm-up when ``standard_compiled_glue``."""
+    shares another decoder's slot pool, so both backends time the same cache. ``options``: the
+    ``DecodeOptions`` it honours (``options.HONOURED["tp:<backend>"]``: PDL and the SiTU-GLU kernel, or the
+    standard path's compiled glue); given none, ``options.defaults`` (PDL off here until measured at TP2:
+    ``perf.decode_sweep`` ``tp_fast_pdl`` times a ``fast_pdl`` row beside ``fast``)."""
 
     def __init__(self, cfg: Any, model: Any, comm: Communicator, *, max_batch: int = 64, max_len: int,
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
                  kv_dtype: torch.dtype | None = None, stacked_experts: bool | str = "auto",
                  backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None,
-                 standard_compiled_glue: bool = False, pdl: bool = False, situ_glu_kernel: bool = False) -> None:
+                 options: DecodeOptions | None = None) -> None:
         from .cache_pool import CachePool
         from .executor import STEP_BACKENDS, _buckets
         from .fast_ops import op_table
@@ -134,9 +135,10 @@ class TPFastDecoder:
             stacked_experts = ExpertBank.stacked_bytes(model.cfg, model.dtype) < free // 2
         self.plan = ModelPlan.build(model, stacked_experts=bool(stacked_experts))
         self.backend = backend
-        self.ops = (standard_op_table(compiled_glue=standard_compiled_glue, device=self.device)
-                    if backend == "standard_graph" else op_table(pdl=pdl, situ_glu_kernel=situ_glu_kernel))
-        self.pdl = bool(pdl and backend == "latency_specialized")
+        self.options = opts = resolve_options(options, f"tp:{backend}")
+        self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device)
+                    if backend == "standard_graph" else op_table(pdl=opts.pdl, situ_glu_kernel=opts.situ_glu_kernel))
+        self.pdl = opts.pdl
         self.kv_dtype = kv_dtype or model.dtype
         if pool_from is not None:  # e.g. the standard path timed on the fast decoder's caches
             if (pool_from.model is not model or pool_from.max_len != max_len or pool_from.kv_dtype != self.kv_dtype

@@ -42,6 +42,7 @@ from k3_fastpath._lib import compile_cache  # noqa: E402
 from k3_fastpath.config import preset  # noqa: E402
 from k3_fastpath.runtime.envelope import Envelope  # noqa: E402
 from k3_fastpath.runtime.executor import DecodeExecutor  # noqa: E402
+from k3_fastpath.runtime.options import DecodeOptions  # noqa: E402
 from k3_fastpath.runtime.trace import fast_path_problems, summarize  # noqa: E402
 from verify.checks.equivalence import build_synthetic_model, fill_reference, run_point  # noqa: E402
 
@@ -265,7 +266,7 @@ def main() -> int:
     def _():
         b = 8 if 8 in batches else batches[0]
         out, problems = {}, []
-        for label, kw in (("prefetch", {"prefetch": True}), ("pdl", {"pdl": True})):
+        for label, kw in (("prefetch", {"options": DecodeOptions(prefetch=True)}), ("pdl", {"options": DecodeOptions(pdl=True)})):
             e = executor(model, max_batch=max(batches), max_len=max_len, buckets=batches, **kw)
             e.warmup_and_capture()
             state[label] = e

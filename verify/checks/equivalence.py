@@ -233,21 +233,22 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
            conditioning: str = "stable", prompt_len: int = 16, top_k: int = 5, max_mean_kl: float = MAX_MEAN_KL,
            kv_cache: str = "bf16", use_graphs: bool = True, emulate: bool = False,
            reference_dense_experts: Any = "auto", max_later_violation_rate: float = MAX_LATER_VIOLATION_RATE,
-           executor_options: dict[str, bool] | None = None) -> Any:
+           executor_options: dict[str, Any] | None = None) -> Any:
     """The check (module docstring). ``reference_dense_experts``: keep the reference's MXFP4 experts
     dequantised (``reference.moe.cache_dense_experts``: bitwise the same reference, without dequantising every
     touched expert per step); ``"auto"`` = on a GPU when it takes under 40% of the free memory.
-    ``executor_options``: boolean ``DecodeExecutor`` switches for the fast side (those ``perf.decode_sweep``
-    variants take: ``pdl``, ``prefetch``, ``situ_glu_kernel``), e.g. to check an opt-in kernel before it
-    becomes the default; recorded in the metrics."""
+    ``executor_options``: ``DecodeOptions`` fields for the fast side (``runtime/options.py``; what
+    ``perf.decode_sweep`` variants take too), e.g. to check an opt-in kernel before it becomes the default;
+    recorded in the metrics."""
     from k3_fastpath.runtime.envelope import Envelope
     from k3_fastpath.runtime.executor import DecodeExecutor
-    from verify.checks.perf_sweep import VARIANT_EXECUTOR_OPTIONS
+    from k3_fastpath.runtime.options import DecodeOptions
 
     options = dict(executor_options or {})
-    bad = {k: v for k, v in options.items() if k not in VARIANT_EXECUTOR_OPTIONS or not isinstance(v, bool)}
-    if bad:
-        return ctx.failed(f"executor_options {bad}: expected true / false for {', '.join(VARIANT_EXECUTOR_OPTIONS)}")
+    try:
+        decode_options = DecodeOptions.from_mapping(options)
+    except ValueError as e:
+        return ctx.failed(f"executor_options: {e}")
     kv_dtype = _kv_dtype(kv_cache)
     if ctx.on_checkpoint:  # the run's checkpoint, whatever the tier's preset says
         from verify.model_source import build_reference_model
@@ -272,7 +273,8 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
     for context in contexts:
         n = context_length(context)
         ex = DecodeExecutor(model, max_batch=max(batches), max_len=(n or prompt_len) + steps + 1, buckets=batches,
-                            use_graphs=use_graphs, kv_dtype=kv_dtype, envelope=Envelope(emulate=emulate), **options)
+                            use_graphs=use_graphs, kv_dtype=kv_dtype, envelope=Envelope(emulate=emulate),
+                            options=decode_options)
         ex.warmup_and_capture()
         for batch in batches:
             where = f"batch {batch} context {context}"

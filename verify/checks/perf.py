@@ -194,6 +194,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     from k3_fastpath.config import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.executor import DecodeExecutor
+    from k3_fastpath.runtime.options import DecodeOptions, defaults
     from verify.checks import perf_sweep as S
 
     routing = list(routing)
@@ -273,18 +274,21 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                 continue
             max_len = context + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
             t_exec = time.perf_counter()
+            fast_opts = DecodeOptions(single_expert_copy=single_expert_copy)
             fast = DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches), max_len=max_len,
-                                  kv_dtype=kv_dtype, single_expert_copy=single_expert_copy)
+                                  kv_dtype=kv_dtype, options=fast_opts)
             std = DecodeExecutor(model, backend="standard", max_batch=max(batches), max_len=max_len, kv_dtype=kv_dtype)
             strong = DecodeExecutor(model, backend="standard_graph", max_batch=max(batches), max_len=max_len,
-                                    kv_dtype=kv_dtype, pool_from=fast, single_expert_copy=single_expert_copy,
-                                    standard_compiled_glue=standard_compiled_glue) if standard_graph else None
+                                    kv_dtype=kv_dtype, pool_from=fast,
+                                    options=defaults("standard_graph").replace(
+                                        single_expert_copy=single_expert_copy,
+                                        standard_compiled_glue=standard_compiled_glue)) if standard_graph else None
             variants = {}
             for name, opts in (fast_variants or {}).items():
                 kw, env = S.variant_split(opts)
                 variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches),
                                                  max_len=max_len, kv_dtype=kv_dtype, pool_from=fast,
-                                                 single_expert_copy=single_expert_copy, **kw), opts, env)
+                                                 options=fast_opts.replace(**kw)), opts, env)
             notes.append(f"tp=1 context={context}: executors built in {time.perf_counter() - t_exec:.1f}s")
             for batch in sorted(batches):
                 for r in routing:

@@ -46,35 +46,34 @@ import torch
 
 FILL_SEED = 11
 CONTEXT_SLACK = 64  # positions past the context for warm-up / timed standard steps
-# fast_variants: options a variant row may set (DecodeExecutor keywords, and skinny_gemm's variant switch,
-# an environment variable read when a GEMM's config is picked: at warm-up and capture, never at replay)
-VARIANT_EXECUTOR_OPTIONS = ("pdl", "prefetch", "situ_glu_kernel")
+# fast_variants: options a variant row may set: any DecodeOptions field (runtime/options.py), and skinny_gemm's
+# variant switch, an environment variable read when a GEMM's config is picked (at warm-up and capture, never
+# at replay)
 VARIANT_ENV_OPTIONS = {"skinny_gemm_wgmma": "K3_SKINNY_GEMM_WGMMA"}
 
 
 def check_fast_variants(variants: dict[str, dict[str, Any]] | None) -> str | None:
     """Why ``fast_variants`` is malformed, or None. Names are row backends ``fast_<word>``; options are
-    VARIANT_EXECUTOR_OPTIONS (booleans) and VARIANT_ENV_OPTIONS (strings)."""
+    ``DecodeOptions`` fields (checked by ``DecodeOptions.from_mapping``) and VARIANT_ENV_OPTIONS (strings)."""
     import re
+
+    from k3_fastpath.runtime.options import DecodeOptions
 
     for name, opts in (variants or {}).items():
         if not re.fullmatch(r"fast_[a-z0-9_]+", str(name)):
             return f"fast_variants: name {name!r} must be fast_<lowercase word>"
         if not isinstance(opts, dict) or not opts:
             return f"fast_variants.{name}: expected a mapping of options, got {opts!r}"
-        bad = [k for k in opts if k not in VARIANT_EXECUTOR_OPTIONS and k not in VARIANT_ENV_OPTIONS]
-        if bad:
-            return (f"fast_variants.{name}: unknown option(s) {bad} (known: "
-                    f"{list(VARIANT_EXECUTOR_OPTIONS) + list(VARIANT_ENV_OPTIONS)})")
-        for k in VARIANT_EXECUTOR_OPTIONS:
-            if k in opts and not isinstance(opts[k], bool):
-                return f"fast_variants.{name}.{k}: expected true or false, got {opts[k]!r}"
+        try:
+            DecodeOptions.from_mapping({k: v for k, v in opts.items() if k not in VARIANT_ENV_OPTIONS})
+        except ValueError as e:
+            return f"fast_variants.{name}: {e} (or {', '.join(VARIANT_ENV_OPTIONS)})"
     return None
 
 
-def variant_split(opts: dict[str, Any]) -> tuple[dict[str, bool], dict[str, str]]:
-    """(DecodeExecutor keywords, environment overrides) of one fast variant's options."""
-    return ({k: opts[k] for k in VARIANT_EXECUTOR_OPTIONS if k in opts},
+def variant_split(opts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(DecodeOptions fields, environment overrides) of one fast variant's options."""
+    return ({k: v for k, v in opts.items() if k not in VARIANT_ENV_OPTIONS},
             {VARIANT_ENV_OPTIONS[k]: str(int(v) if isinstance(v, bool) else v)
              for k, v in opts.items() if k in VARIANT_ENV_OPTIONS})
 
@@ -427,6 +426,7 @@ def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
     """One rank of the TP sweep (spawned by ``tp_launch.launch`` with NCCL): see the module docstring."""
     from k3_fastpath.config import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
+    from k3_fastpath.runtime.options import defaults
     from k3_fastpath.runtime.tp import TPModel
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm
     from k3_fastpath.runtime.tp_comm import TorchComm
@@ -453,10 +453,12 @@ def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
                              max_len=context + CONTEXT_SLACK)
         strong = TPFastDecoder(cfg, model, comms["unfused"], max_batch=max(params["batches"]),
                                max_len=context + CONTEXT_SLACK, backend="standard_graph", pool_from=fast,
-                               standard_compiled_glue=params.get("standard_compiled_glue", False))
+                               options=defaults("tp:standard_graph").replace(
+                                   standard_compiled_glue=params.get("standard_compiled_glue", False)))
         fast_pdl = TPFastDecoder(cfg, model, comms["fused"], max_batch=max(params["batches"]),
                                  max_len=context + CONTEXT_SLACK, pool_from=fast,
-                                 pdl=True) if params.get("tp_fast_pdl") else None
+                                 options=defaults("tp:latency_specialized").replace(pdl=True)
+                                 ) if params.get("tp_fast_pdl") else None
         for batch in params["batches"]:
             for routing in params["routing"]:
                 try:

@@ -15,6 +15,6 @@ SPEC = KernelSpec(
     pdl=True,
     # before griddepcontrol.wait: nothing (g and u are activations; it reads no weight)
     pdl_prologue_reads=(),
-    # opt-in: DecodeExecutor(situ_glu_kernel=True) (fast_ops.OPT_IN_OPS); the default step keeps the PyTorch glue
+    # opt-in: DecodeOptions(situ_glu_kernel=True) (fast_ops.OPT_IN_OPS); the default step keeps the PyTorch glue
     in_default_step=False,
 )
