@@ -5,15 +5,10 @@ import json
 
 import pytest
 
-from k3_fastpath.config import (
-    PRESET_NAMES,
-    ConfigError,
-    from_hf_dict,
-    load_config,
-    preset,
-    rank_shapes,
-)
+from k3_fastpath.config import ConfigError, from_hf_dict, load_config
 from k3_fastpath.manifest import tensor_specs
+from k3_fastpath.presets import PRESET_NAMES, preset
+from k3_fastpath.rank_shapes import rank_shapes
 
 
 @pytest.mark.parametrize("name", PRESET_NAMES)

@@ -168,7 +168,7 @@ def test_pool_builds_lazily_shares_and_remembers_failures():
 
 
 def test_weights_from_a_preset_spec():
-    """A preset spec with overrides (config.preset_spec) loads synthetic weights of the overridden model."""
+    """A preset spec with overrides (presets.preset_spec) loads synthetic weights of the overridden model."""
     from verify.engines.builtin import _load_weights
 
     cfg, sd, source, path = _load_weights("k3-tiny:experts=8,layers=4", 3)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3_fastpath.config import preset
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.synthetic import synthetic_state_dict
@@ -190,7 +190,7 @@ def test_reference_dense_experts_survive_the_executor(monkeypatch, seed):
     same model (its ExpertBank re-points the expert tensors: a copy made before that would be invalidated and
     every step would dequantise again). Counts mxfp4.dequantize calls during a reference decode."""
     import k3_fastpath.mxfp4 as mxfp4
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
     from k3_fastpath.runtime.envelope import Envelope
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.fast_step import ModelPlan

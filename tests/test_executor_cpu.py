@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from k3_fastpath.config import preset
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime import fast_ops
 from k3_fastpath.runtime.cache_pool import CachePool, PooledCache, copy_cache

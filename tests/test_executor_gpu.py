@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from k3_fastpath import kernels as registry
-from k3_fastpath.config import preset
+from k3_fastpath.presets import preset
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.runtime.options import DecodeOptions
 from k3_fastpath.runtime.trace import fast_path_problems, summarize

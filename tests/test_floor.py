@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from k3_fastpath.config import preset
 from k3_fastpath.manifest import tensor_specs
+from k3_fastpath.presets import preset
 from k3_fastpath.runtime import floor as F
 from k3_fastpath.runtime import routing as R
 from k3_fastpath.weights import rank_shape

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3_fastpath.config import get_config
+from k3_fastpath.presets import get_config
 from k3_fastpath.runtime.generator import ContextLengthError, GenerationRequest, Generator
 from k3_fastpath.runtime.sampler import SamplingConfig
 

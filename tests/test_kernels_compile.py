@@ -116,8 +116,8 @@ def _inner_loop(lines: list[str]) -> list[str]:
 
 
 def _gemm_cases():
-    from k3_fastpath.config import preset
     from k3_fastpath.kernels.skinny_gemm import SkinnyGemmConfig
+    from k3_fastpath.presets import preset
 
     N, K = preset("k3-tp8-rank").shapes.kda_in_proj
     n_small, k_small = preset("k3-tp16-rank").shapes.mla_gate

@@ -91,7 +91,7 @@ def test_rmsnorm_residual(M, H, residual, seed):
 
 # ----------------------------------------------------------------------------------------- skinny_gemm
 def _gemm_shapes():
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
 
     shapes = {}
     for p in ("k3-tp8-rank", "k3-tp16-rank"):

@@ -19,9 +19,9 @@ import secrets
 import pytest
 import torch
 
-from k3_fastpath.config import preset
 from k3_fastpath.kernels import mla_decode as k
 from k3_fastpath.kernels.mla_decode.config import MAX_SPLITS, TILE, choose_splits
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.mla import FP8, GatedMLA, MLACache
 
 CFG = preset("k3-tiny").config

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3_fastpath import synthetic, weights
-from k3_fastpath.config import preset
+from k3_fastpath.presets import preset
 from k3_fastpath.weights import checkpoint_digest, checkpoint_files, write_synthetic_checkpoint
 from verify.model_source import ModelSourceError, model_argument, resolve
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from k3_fastpath import mxfp4
-from k3_fastpath.config import preset
 from k3_fastpath.kernels import moe_experts as k
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.moe import LatentMoE
 
 CFG = preset("k3-tiny").config

@@ -93,7 +93,7 @@ def recorded_launches():
 
 
 def _tp8():
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
 
     return preset("k3-tp8-rank")
 

@@ -86,7 +86,7 @@ def test_bench_decode_tier_loads():
 
 
 def test_floor_for_states_cold_l2_by_volume():
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
 
     cfg = preset("k3-mini").config
     fl = S.floor_for(cfg, 1, 8, 1024, 2, "uniform", None, 4.3e12)

@@ -51,7 +51,7 @@ def test_fused_epilogue_on_gpu_matches_the_reference(seed):
 
 
 def test_one_sweep_point_on_k3_tiny(seed):
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
     from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.executor import DecodeExecutor
     from verify.checks import perf_sweep as S
@@ -78,7 +78,7 @@ def test_one_sweep_point_on_k3_tiny(seed):
 
 def _tp_standard_worker(rank: int, world: int, seed: int) -> dict:
     """The TP standard path (library ops, NCCL all-reduces) captured in a CUDA graph vs the same eagerly."""
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
     from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.tp_comm import TorchComm
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
@@ -146,7 +146,7 @@ def test_tp2_symm_mem_allreduce_and_fused_epilogue(seed):
 
 def test_tp2_model_equals_tp1_on_gpu(seed):
     _two_gpus()
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
     from k3_fastpath.reference.model import load_reference
     from k3_fastpath.runtime.tp_launch import launch
     from k3_fastpath.synthetic import synthetic_state_dict

@@ -13,16 +13,9 @@ import re
 import pytest
 import torch
 
-from k3_fastpath.config import (
-    PRESET_NAMES,
-    ConfigError,
-    _k3_layers,
-    get_config,
-    load_config,
-    preset,
-    preset_spec,
-    rank_shapes,
-)
+from k3_fastpath.config import ConfigError, load_config
+from k3_fastpath.presets import PRESET_NAMES, _k3_layers, get_config, preset, preset_spec
+from k3_fastpath.rank_shapes import rank_shapes
 from k3_fastpath.runtime import floor, rank_emulation
 from k3_fastpath.runtime.rank_emulation import (
     RankEmulationError,

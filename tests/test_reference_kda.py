@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-from k3_fastpath.config import preset
 from k3_fastpath.manifest import layer_specs
+from k3_fastpath.presets import preset
 from k3_fastpath.reference import kda as kda_mod
 from k3_fastpath.reference.kda import (
     KDACache,

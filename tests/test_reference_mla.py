@@ -17,7 +17,7 @@ import secrets
 import pytest
 import torch
 
-from k3_fastpath.config import preset
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.mla import FP8, GatedMLA, MLACache
 
 CFG = preset("k3-tiny").config

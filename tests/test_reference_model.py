@@ -24,8 +24,8 @@ import secrets
 import pytest
 import torch
 
-from k3_fastpath.config import preset
 from k3_fastpath.manifest import tensor_specs
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.kda import KDACache
 from k3_fastpath.reference.mla import FP8, GatedMLA, MLACache
 from k3_fastpath.reference.model import K3ForCausalLM, load_reference

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import k3_fastpath.mxfp4 as mxfp4
-from k3_fastpath.config import preset
 from k3_fastpath.manifest import tensor_specs
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.common import situ_glu
 from k3_fastpath.reference.moe import LatentMoE, dense_mlp, route
 from k3_fastpath.synthetic import synthetic_tensor

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3_fastpath.config import preset, preset_spec
 from k3_fastpath.kernels.moe_experts.layout import ExpertWeights
+from k3_fastpath.presets import preset, preset_spec
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.reference.moe import MXFP4Weight, cache_dense_experts
 from k3_fastpath.runtime.envelope import Envelope

@@ -52,7 +52,7 @@ def _cache(tmp_path_factory):
 
 # ----------------------------------------------------------------------------------------------- config
 def _all_shapes() -> dict[tuple[int, int], str]:
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
 
     out: dict[tuple[int, int], str] = {}
     for p in PRESETS:
@@ -166,7 +166,7 @@ def test_compile_variants_follow_the_env(monkeypatch, env, lo):
 
 # ---------------------------------------------------------------------------------------------- compile
 def _compile_cases() -> list[tuple[str, int, int, SkinnyGemmConfig]]:
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
 
     tp8, tp16, mini = (preset(p).shapes for p in PRESETS)
     if FULL:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3_fastpath._lib.compile_cache import CompileDuringCaptureError
-from k3_fastpath.config import preset
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime import compiled_glue as G
 from k3_fastpath.runtime import standard_ops as S

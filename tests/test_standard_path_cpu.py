@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3_fastpath.config import preset
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime import standard_ops as S
 from k3_fastpath.runtime.envelope import Envelope

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from k3_fastpath._lib import counters
-from k3_fastpath.config import preset
+from k3_fastpath.presets import preset
 from k3_fastpath.runtime import standard_ops as S
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.runtime.options import DecodeOptions

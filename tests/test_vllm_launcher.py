@@ -107,7 +107,7 @@ def test_command_and_environment(model_dir, monkeypatch):
         assert "--enforce-eager" in cmd
         assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
     plain = VLLMServer(model_dir, "tiny").command()
-    assert "--additional-config" not in plain
+    assert "--additional-config" not in plain and "--language-model-only" not in plain
     assert engine_name(None) == "openai:vllm"
     assert engine_name({"decode_backend": "latency_specialized"}) == "openai:vllm+latency_specialized"
 
@@ -161,3 +161,18 @@ def test_launch_vllm_input_errors(tmp_path):
         launch_vllm()
     with pytest.raises(EngineError, match="does not exist"):
         launch_vllm(tmp_path / "nope")
+
+
+def test_a_k3_checkpoint_without_vision_weights_is_served_text_only(tmp_path):
+    """vLLM builds a default vision tower for a kimi_k3 config without vision_config; the launcher passes its
+    text-only switch, once, and not for a config that has a vision tower or another model."""
+    from k3_fastpath.presets import preset
+    from k3_fastpath.weights import write_synthetic_checkpoint
+
+    k3 = tmp_path / "k3"
+    write_synthetic_checkpoint(preset("k3-tiny").config, k3, seed=0)
+    assert VLLMServer(k3, "k3").command().count("--language-model-only") == 1
+    assert VLLMServer(k3, "k3", extra_args=["--language-model-only"]).command().count("--language-model-only") == 1
+    cfg = json.loads((k3 / "config.json").read_text())
+    (k3 / "config.json").write_text(json.dumps({**cfg, "vision_config": {"depth": 27}}))
+    assert "--language-model-only" not in VLLMServer(k3, "k3").command()

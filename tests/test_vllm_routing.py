@@ -27,10 +27,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3_fastpath.config import preset
 from k3_fastpath.integrations.vllm_model import decode_rows, encode_rows
 from k3_fastpath.integrations.vllm_routing import VLLM_PATH, VllmDecodeRouter, classify_step, config_refusal
 from k3_fastpath.integrations.vllm_state import VllmLayout, export_request, import_request, layout_reason
+from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime.envelope import PREFILL_REASON, Envelope
 from k3_fastpath.runtime.executor import DecodeExecutor

@@ -20,8 +20,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from k3_fastpath import mxfp4, synthetic, weights
-from k3_fastpath.config import preset
 from k3_fastpath.manifest import COL, EXPERT_COL, EXPERT_ROW, HEAD_VEC, REP, ROW, tensor_specs
+from k3_fastpath.presets import preset
 from k3_fastpath.weights import CheckpointError, load_checkpoint, slice_tensor, write_synthetic_checkpoint
 
 P = "language_model."

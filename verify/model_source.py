@@ -96,7 +96,8 @@ class ModelSource:
 
 def resolve(preset: str, seed: int = 0) -> ModelSource:
     """The run's model: ``preset`` is ``auto``, a preset name/spec, a config.json path or a checkpoint dir."""
-    from k3_fastpath.config import ConfigError, get_config
+    from k3_fastpath.config import ConfigError
+    from k3_fastpath.presets import get_config
 
     name = "k3-tiny" if preset == "auto" else str(preset)
     if Path(name).is_dir():

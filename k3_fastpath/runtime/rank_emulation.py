@@ -34,7 +34,8 @@ import dataclasses
 import os
 from typing import Any
 
-from ..config import ConfigError, K3Config, Preset, _k3_layers, preset_spec, spec_name
+from ..config import ConfigError, K3Config
+from ..presets import Preset, _k3_layers, preset_spec, spec_name
 from .floor import (
     expected_distinct_experts,
     kda_conv_state_bytes_per_seq,
@@ -259,7 +260,7 @@ def device_free_bytes(device: Any) -> int:
 def emulation_model(spec: str, seed: int, device: Any, *, conditioning: str = "stable", standard: bool = False,
                     cache_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES,
                     single_copy: bool = False) -> tuple[Any, Preset]:
-    """Rank 0 of preset spec ``spec`` (``config.preset_spec``: e.g. ``k3-tp8-rank:experts=120``) as a BF16
+    """Rank 0 of preset spec ``spec`` (``presets.preset_spec``: e.g. ``k3-tp8-rank:experts=120``) as a BF16
     reference model of ``rank_config(cfg, preset.tp_size)`` on ``device``, and the preset.
 
     Checked before anything is allocated: ``check_fits`` against the device's free memory (``standard``: a
@@ -287,7 +288,7 @@ def emulation_record(p: Preset, *, standard: bool = False, fragments: bool = Tru
     """What a bundle records about an emulated rank: the spec, the reductions against the full model, the
     byte estimate, and with ``batch`` the experts a uniform routing touches per MoE layer over the pool vs
     over the full model's pool."""
-    from ..config import preset
+    from ..presets import preset
 
     cfg = p.config
     try:

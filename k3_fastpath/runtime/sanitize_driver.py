@@ -98,7 +98,7 @@ def executor_step() -> int:
     event fork / join) so racecheck / synccheck / memcheck see the two-stream overlap of issue #4 as
     it runs in a step. Prints its own line; kernel fallbacks here are reported, and fail the driver."""
     from k3_fastpath._lib import counters
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
     from k3_fastpath.reference.model import load_reference
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.options import DecodeOptions

@@ -240,7 +240,7 @@ def equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch
     (For ``tp_launch.launch``.)"""
     import torch.distributed as dist
 
-    from ..config import preset
+    from ..presets import preset
     from ..synthetic import synthetic_state_dict
 
     cfg = preset(preset_name).config

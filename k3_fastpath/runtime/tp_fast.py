@@ -215,7 +215,7 @@ def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, 
     """One rank of ``TPFastDecoder`` on CPU (gloo, kernels served by their references) over the stable
     synthetic weights: ``steps`` decode steps from an empty cache on seeded tokens (the last sequence inactive
     on the last step). Returns the tokens, the active masks and the logits. (For ``tp_launch.launch``.)"""
-    from ..config import preset
+    from ..presets import preset
     from ..synthetic import synthetic_state_dict
     from .tp import rank_model
     from .tp_comm import TorchComm

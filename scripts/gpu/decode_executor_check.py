@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from k3_fastpath._lib import compile_cache  # noqa: E402
-from k3_fastpath.config import preset  # noqa: E402
+from k3_fastpath.presets import preset  # noqa: E402
 from k3_fastpath.runtime.envelope import Envelope  # noqa: E402
 from k3_fastpath.runtime.executor import DecodeExecutor  # noqa: E402
 from k3_fastpath.runtime.options import DecodeOptions  # noqa: E402
@@ -341,7 +341,7 @@ def main() -> int:
     if args.tp16_layers > 0:
         @part("tp16_rank", 120, budget)
         def _():
-            from k3_fastpath.config import _k3_layers
+            from k3_fastpath.presets import _k3_layers
 
             full = preset("k3-tp16-rank").config
             kda, mla = _k3_layers(args.tp16_layers)

@@ -74,7 +74,7 @@ def _run_fast(prefill_model, fast, ids: torch.Tensor, fed: torch.Tensor) -> torc
 
 
 def numerics_worker(rank: int, world: int, preset: str, seed: int) -> dict:
-    from k3_fastpath.config import get_config
+    from k3_fastpath.presets import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.tp import TPModel
     from k3_fastpath.runtime.tp_allreduce import make_comm
@@ -91,7 +91,7 @@ def numerics_worker(rank: int, world: int, preset: str, seed: int) -> dict:
 
 
 def numerics(preset: str, seed: int) -> dict:
-    from k3_fastpath.config import get_config
+    from k3_fastpath.presets import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.tp_launch import launch
 
@@ -126,7 +126,7 @@ def numerics(preset: str, seed: int) -> dict:
 
 
 def allreduce_worker(rank: int, world: int, preset: str, seed: int) -> dict:
-    from k3_fastpath.config import get_config
+    from k3_fastpath.presets import get_config
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm
     from k3_fastpath.runtime.tp_comm import TorchComm
     from verify.checks.perf_sweep import allreduce_rows
@@ -139,7 +139,7 @@ def allreduce_worker(rank: int, world: int, preset: str, seed: int) -> dict:
 
 
 def step_worker(rank: int, world: int, preset: str, seed: int, bw: float) -> dict:
-    from k3_fastpath.config import get_config
+    from k3_fastpath.presets import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.tp import TPModel
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm

@@ -75,7 +75,7 @@ def test_fallback_reasons_name_the_envelope():
 
 
 def test_heuristic_configs_are_valid_for_every_rank_shape():
-    from k3_fastpath.config import preset
+    from k3_fastpath.presets import preset
 
     for name in ("k3-tp8-rank", "k3-tp16-rank", "k3-mini", "k3-tiny"):
         for (N, K) in preset(name).shapes.gemm_shapes().values():

@@ -168,7 +168,7 @@ def build_synthetic_model(cfg: Any, seed: int, conditioning: str, device: str | 
 
 
 def _model(preset: str, seed: int, conditioning: str, device: str) -> Any:
-    from k3_fastpath.config import get_config
+    from k3_fastpath.presets import get_config
 
     return build_synthetic_model(get_config(preset), seed, conditioning, device)
 

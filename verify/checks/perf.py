@@ -191,7 +191,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
-    from k3_fastpath.config import get_config
+    from k3_fastpath.presets import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.options import DecodeOptions, defaults
@@ -208,7 +208,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(kv_cache)
     if kv_dtype is None:
         return ctx.failed(f"kv_cache must be bf16 or fp8, got {kv_cache!r}")
-    from k3_fastpath.config import is_preset_spec, preset_spec
+    from k3_fastpath.presets import is_preset_spec, preset_spec
     from k3_fastpath.runtime.rank_emulation import (
         RankEmulationError,
         cache_pool_bytes,

@@ -424,7 +424,7 @@ def allreduce_rows(comms: dict[str, Any], batches: Sequence[int], hidden: int, s
 
 def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
     """One rank of the TP sweep (spawned by ``tp_launch.launch`` with NCCL): see the module docstring."""
-    from k3_fastpath.config import get_config
+    from k3_fastpath.presets import get_config
     from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.options import defaults
     from k3_fastpath.runtime.tp import TPModel

@@ -44,7 +44,7 @@ def fast_path_unavailable_reason(device: str) -> str | None:
 
 def _load_weights(preset: str, seed: int, model_source: Any = None, conditioning: str = "stable"
                   ) -> tuple[Any, dict[str, torch.Tensor], str, Path | None]:
-    from k3_fastpath.config import get_config, is_preset_spec
+    from k3_fastpath.presets import get_config, is_preset_spec
 
     if model_source is not None and model_source.is_checkpoint and model_source.preset == preset:
         return (model_source.config, model_source.state_dict(), f"checkpoint {model_source.path} "

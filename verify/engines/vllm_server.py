@@ -64,6 +64,18 @@ def _has_cuda() -> bool:
         return False
 
 
+def text_only_k3(model_dir: str | Path) -> bool:
+    """A Kimi K3 checkpoint without a ``vision_config``: vLLM would build its default vision tower (27 blocks,
+    ~0.84 GB in BF16) and never load it; its documented text-only switch is ``--language-model-only``
+    (tests/integration/test_vllm_k3_checkpoint.py)."""
+    p = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(p.read_text()) if p.is_file() else {}
+    except ValueError:
+        return False
+    return raw.get("model_type") == "kimi_k3" and not raw.get("vision_config")
+
+
 def log_tail(path: str | Path, lines: int = 25) -> str:
     try:
         text = Path(path).read_text(errors="replace")
@@ -132,6 +144,8 @@ class VLLMServer:
             cmd.append("--enforce-eager")
         if self.additional_config:
             cmd += ["--additional-config", json.dumps(self.additional_config, sort_keys=True)]
+        if text_only_k3(self.model_dir) and "--language-model-only" not in self.extra_args:
+            cmd.append("--language-model-only")
         return cmd + list(self.extra_args)
 
     def environment(self) -> dict[str, str]:

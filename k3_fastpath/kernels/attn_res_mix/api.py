@@ -49,7 +49,7 @@ def compile_attn_res_mix(dtype: str, S: int, H: int, config: AttnResConfig) -> A
 def compile_variants(preset_name: str) -> list[dict[str, Any]]:
     """Every source count a decode step of ``preset_name`` mixes (1 .. blocks + 1, capped at 9), with
     the trailing norm (before attention / MLP / the final norm) and without it."""
-    from ...config import preset
+    from ...presets import preset
 
     cfg = preset(preset_name).config
     H = cfg.hidden_size

@@ -65,7 +65,7 @@ def compile_kda_decode(dtype: str, H: int, D: int, config: KDADecodeConfig) -> A
 
 def compile_variants(preset_name: str) -> list[dict[str, Any]]:
     """The (H, D) of one rank of ``preset_name``: KDA heads per GPU (rank_shapes) and the head dim."""
-    from ...config import preset
+    from ...presets import preset
 
     p = preset(preset_name)
     D = p.config.linear_attn_config.head_dim

@@ -109,7 +109,7 @@ PAGE_SIZE = 64  # the page size the serving cache uses (FlashMLA's); other multi
 
 def compile_variants(preset_name: str) -> list[dict[str, Any]]:
     """MLA heads per GPU of ``preset_name`` x cache dtype (BF16 and FP8), page size 64, the preset's gate."""
-    from ...config import preset
+    from ...presets import preset
 
     p = preset(preset_name)
     cfg = p.config

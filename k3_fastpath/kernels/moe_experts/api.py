@@ -152,7 +152,7 @@ def compile_moe_experts(dtype: str, E: int, I: int, L: int, k_top: int, config: 
 
 def compile_variants(preset_name: str) -> list[dict[str, Any]]:
     """The routed experts of one rank of ``preset_name`` in the checkpoint's format (MXFP4 for K3)."""
-    from ...config import preset
+    from ...presets import preset
 
     p = preset(preset_name)
     cfg = p.config

@@ -56,7 +56,7 @@ def compile_moe_router(dtype: str, E: int, top_k: int, config: MoERouterConfig) 
 
 def compile_variants(preset_name: str) -> list[dict[str, Any]]:
     """The router of ``preset_name``: (num_experts, num_experts_per_token, moe_renormalize)."""
-    from ...config import preset
+    from ...presets import preset
 
     cfg = preset(preset_name).config
     if cfg.num_experts == 0:

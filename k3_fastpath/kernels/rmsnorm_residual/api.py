@@ -50,7 +50,7 @@ def compile_rmsnorm_residual(dtype: str, H: int, config: RMSNormConfig) -> Any:
 def compile_variants(preset_name: str) -> list[dict[str, Any]]:
     """Every (H, residual?) a decode step of ``preset_name`` normalises: the residual stream (with and
     without the add), the MLA q_a / kv_a latents, the LatentMoE latent, the KDA per-head norm."""
-    from ...config import preset
+    from ...presets import preset
 
     cfg = preset(preset_name).config
     wanted = [(cfg.hidden_size, True), (cfg.hidden_size, False), (cfg.q_lora_rank, False),

@@ -45,7 +45,8 @@ def compile_situ_glu(dtype: str, I: int, config: SituGluConfig) -> Any:  # noqa:
 def compile_variants(preset_name: str) -> list[dict[str, Any]]:
     """Every width a decode step of ``preset_name`` activates: its rank's shared experts (as one GLU) and
     dense MLP."""
-    from ...config import preset, rank_shapes
+    from ...presets import preset
+    from ...rank_shapes import rank_shapes
 
     p = preset(preset_name)
     cfg = p.config

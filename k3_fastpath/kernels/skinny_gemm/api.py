@@ -59,7 +59,7 @@ def compile_skinny_gemm(dtype: str, N: int, K: int, config: SkinnyGemmConfig) ->
 
 def preset_shapes(preset_name: str) -> dict[str, tuple[int, int]]:
     """name -> (N, K) of every decode GEMM of one rank of ``preset_name``."""
-    from ...config import preset
+    from ...presets import preset
 
     return dict(preset(preset_name).shapes.gemm_shapes())
 
