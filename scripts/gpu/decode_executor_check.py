@@ -44,7 +44,8 @@ from k3_fastpath.runtime.envelope import Envelope  # noqa: E402
 from k3_fastpath.runtime.executor import DecodeExecutor  # noqa: E402
 from k3_fastpath.runtime.options import DecodeOptions  # noqa: E402
 from k3_fastpath.runtime.trace import fast_path_problems, summarize  # noqa: E402
-from verify.checks.equivalence import build_synthetic_model, fill_reference, run_point  # noqa: E402
+from verify.checks.context_fill import fill_reference  # noqa: E402
+from verify.checks.equivalence import build_synthetic_model, run_point  # noqa: E402
 
 OUT = Path(os.environ.get("OUT", "/tmp/decode_executor_check"))
 RESULTS: dict = {"parts": {}}

@@ -167,10 +167,22 @@ def build_synthetic_model(cfg: Any, seed: int, conditioning: str, device: str | 
     return model.eval()
 
 
-def _model(preset: str, seed: int, conditioning: str, device: str) -> Any:
+def check_model(ctx: CheckContext, preset: str, conditioning: str | None) -> tuple[Any, str, str | None, str]:
+    """(BF16 reference model, preset, conditioning, weights description) a comparing check runs on: the run's
+    checkpoint when it has one (``preset`` and ``conditioning`` then do not apply), else the seeded synthetic
+    checkpoint of ``preset`` (``"auto"``: k3-mini on a GPU, the run's preset on a CPU)."""
+    if ctx.on_checkpoint:  # the run's checkpoint, whatever the tier's preset says
+        from verify.model_source import build_reference_model
+
+        if preset != "auto":
+            ctx.note(f"preset {preset}: not used, this run verifies checkpoint {ctx.model_source.path}")
+        return build_reference_model(ctx.config, ctx.state_dict(), ctx.device), ctx.preset, None, ctx.weights()
     from k3_fastpath.presets import get_config
 
-    return build_synthetic_model(get_config(preset), seed, conditioning, device)
+    if preset == "auto":
+        preset = "k3-mini" if ctx.device == "cuda" else ctx.preset
+    model = build_synthetic_model(get_config(preset), ctx.seed, conditioning, ctx.device)
+    return model, preset, conditioning, f"synthetic (seed {ctx.seed}, conditioning {conditioning})"
 
 
 def _keep_reference_experts_dense(model: Any, when: Any) -> int:
@@ -250,18 +262,7 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
     except ValueError as e:
         return ctx.failed(f"executor_options: {e}")
     kv_dtype = _kv_dtype(kv_cache)
-    if ctx.on_checkpoint:  # the run's checkpoint, whatever the tier's preset says
-        from verify.model_source import build_reference_model
-
-        if preset != "auto":
-            ctx.note(f"preset {preset}: not used, this run verifies checkpoint {ctx.model_source.path}")
-        preset, conditioning, weights = ctx.preset, None, ctx.weights()
-        model = build_reference_model(ctx.config, ctx.state_dict(), ctx.device)
-    else:
-        if preset == "auto":
-            preset = "k3-mini" if ctx.device == "cuda" else ctx.preset
-        weights = f"synthetic (seed {ctx.seed}, conditioning {conditioning})"
-        model = _model(preset, ctx.seed, conditioning, ctx.device)
+    model, preset, conditioning, weights = check_model(ctx, preset, conditioning)
     from k3_fastpath.runtime.fast_step import ModelPlan
 
     ModelPlan.build(model)  # re-points the experts at their stacked tensors once, before their dense copies

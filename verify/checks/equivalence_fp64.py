@@ -36,7 +36,7 @@ import torch
 
 from verify.checks import fp64_rules
 from verify.checks.context_fill import context_length, fill_reference
-from verify.checks.equivalence import _kv_dtype, _model
+from verify.checks.equivalence import _kv_dtype, check_model
 from verify.checks.fp64_rules import CLEAN, STANDARD, control_name
 from verify.checks.registry import check
 from verify.context import CheckContext
@@ -161,16 +161,7 @@ def fp64(ctx: CheckContext, batches: list[int] = [8], contexts: list[Any] = ["sh
         if set(c) != {"op", "scale"} or not float(c["scale"]) != 1.0:
             return ctx.failed(f"control {c}: expected {{op: NAME, scale: S}} with S != 1")
     kvs = {k: (_kv_dtype(k), fp8_scale if k == "fp8" else None) for k in kv_caches}
-    if ctx.on_checkpoint:
-        from verify.model_source import build_reference_model
-
-        preset, conditioning, weights = ctx.preset, None, ctx.weights()
-        model = build_reference_model(ctx.config, ctx.state_dict(), ctx.device)
-    else:
-        if preset == "auto":
-            preset = "k3-mini" if ctx.device == "cuda" else ctx.preset
-        weights = f"synthetic (seed {ctx.seed}, conditioning {conditioning})"
-        model = _model(preset, ctx.seed, conditioning, ctx.device)
+    model, preset, conditioning, weights = check_model(ctx, preset, conditioning)
     from k3_fastpath.runtime.fast_step import ModelPlan
 
     ModelPlan.build(model)
