@@ -135,3 +135,27 @@ def test_zero_samples_are_a_problem():
              "sides": {}, "trace": {}}
     assert fp64_problems([plan, point]) == ["batch 8 context short kv bf16: no error samples"]
     assert fp64_problems([{**plan, "points": []}]) == ["the plan holds no point"]
+
+
+SESSION10 = Path(__file__).resolve().parents[1] / "bundles" / "runs" / "2026-12-02-h200-session10" / "standard"
+
+
+@pytest.mark.parametrize("status", ["passed", "failed"])
+def test_a_flipped_status_in_the_committed_h200_bundle_fails_verify(tmp_path, status):
+    """The H200 bundle's equivalence.fp64 ended `error` (over budget, one of two points run). Flipped in
+    results.jsonl and re-sealed, `bundle verify` re-derives it from the 18 records and refuses: `passed`
+    contradicts the missing FP8 point and the missed controls, `failed` with a made-up reason is not theirs."""
+    import shutil
+
+    from test_status_rescore import forge
+
+    from verify.bundle.verify import verify_bundle
+
+    dest = tmp_path / "b"
+    shutil.copytree(SESSION10, dest)
+    assert verify_bundle(dest).ok
+    forge(dest, "equivalence.fp64", result={"status": status, "reason": "forged" if status == "failed" else ""})
+    problems = [p for p in verify_bundle(dest).problems if "equivalence.fp64" in p]
+    assert problems, verify_bundle(dest).problems
+    want = "records give 'failed'" if status == "passed" else "is not what its records give"
+    assert any(want in p for p in problems), problems

@@ -3,10 +3,10 @@ records with the re-execution's, which catches fabricated raw records that a res
 
 How: the bundle must verify. Its manifest's ``config.check_plan`` (every check's resolved parameters and
 budget, written by ``k3-verify run``) and its model, seed and engines are turned into a tier that
-``k3-verify run`` executes into a re-run bundle (or ``--rerun B`` names a re-run made before, e.g. the one an
-earlier audit attached: the comparison is then redone without executing, against B's device); then for each audited check a seeded sample of its
-records (``--sample N`` indices, the same ones for the same ``--seed``) is compared field by field with
-the re-run's record at the same index:
+``k3-verify run`` executes into a re-run bundle (or ``--rerun B`` names a re-run made before, e.g. the one
+an earlier audit attached: the comparison is then redone without executing, against B's device); then for
+each audited check a seeded sample of its records (``--sample N`` indices, the same ones for the same
+``--seed``) is compared field by field with the re-run's record at the same index:
 
 * **timings** (fields named like ``*_us``, ``*_ms``, ``*_per_s``, ``pct_of_*``, ``speedup``, ``vs_*``,
   ``spread``, ``interactivity*``, a unit between underscores as in ``floor_us_by_layer_type``: ``TIMING``,

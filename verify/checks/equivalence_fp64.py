@@ -12,9 +12,11 @@ Per point (batch x context x KV cache):
    state then teacher-forced steps) in the point's KV cache format (``fp8``: e4m3 at ``fp8_scale``, a
    non-unit scale, so a path that drops the scale shows); the oracle's and every fast side's caches are
    copies of it, so all sides start from the same state;
-3. ``steps`` decode steps, every side fed the oracle's greedy token; each side keeps its own cache (its
-   errors accumulate the way they do in serving). Per step and sequence: ``fp64_rules.row_error`` of the
-   standard path and of each fast side against the oracle;
+3. ``steps`` decode steps, every side fed the oracle's greedy token and started at every step from the
+   oracle's state (rounded to the side's cache format): the per-step error of each path's arithmetic, not of
+   a trajectory (on the default draw BF16 trajectories part chaotically from the FP64 one within a few
+   steps, and their errors then say nothing about the path). Per step and sequence:
+   ``fp64_rules.row_error`` of the standard path and of each fast side against the oracle;
 4. at the first point, planted controls: one more fast executor per ``controls`` entry with that op's output
    scaled by ``scale`` (e.g. ``kda_step`` x1.03: a 3% error in one op), run beside the clean one. The
    default scales are the smallest the 2x gate sees on k3-mini (the tier files say what was measured):
@@ -77,10 +79,10 @@ def fp64_oracle(model: Any) -> Any:
 def run_point(model: Any, oracle: Any, make_executor: Callable[[str], Any], sides: list[str], batch: int,
               context: Any, steps: int, prompt_len: int, seed: int, kv: tuple[torch.dtype, float | None]
               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """One point (module docstring, steps 2-3): the standard path first (its replay also fixes the tokens:
-    the oracle's greedy ones), then each fast side in turn on its own executor (``make_executor(side)``,
-    closed before the next: one expert bank at a time), each replayed beside a fresh oracle from the same
-    start. Returns the step rows and the clean side's trace summary."""
+    """One point (module docstring, steps 2-3): each fast side in turn on its own executor
+    (``make_executor(side)``, closed before the next: one expert bank at a time), replayed beside a fresh
+    oracle from the same start, the first (clean) side in lockstep with the standard path. Returns the step
+    rows and the clean side's trace summary."""
     from k3_fastpath.runtime.cache_pool import copy_cache
     from k3_fastpath.runtime.trace import summarize
 
@@ -92,32 +94,36 @@ def run_point(model: Any, oracle: Any, make_executor: Callable[[str], Any], side
     rows = [{"step": s, "standard_err": [], "fast_err": {}, "nonfinite": False} for s in range(steps)]
     tokens = [first.argmax(-1)]
 
-    def replay(side: str, decode: Callable[[torch.Tensor, Any], torch.Tensor], cache: Any,
-               sync: Callable[[Any, Any], Any]) -> None:
+    def replay(sides: list[tuple[str, Callable[[torch.Tensor, Any], torch.Tensor], Any, Callable[[Any, Any], Any]]]
+               ) -> None:
+        """One fresh oracle from the start, the given (name, decode, cache, sync) sides in lockstep beside it;
+        the first replay also fixes the tokens (the oracle's greedy ones)."""
         orc = copy_cache(oracle.new_cache(batch, max_len), start)
         for s in range(steps):
-            sync(cache, orc)  # the side starts every step from the oracle's state (rounded to its cache)
-            ls = decode(tokens[s], cache)
+            for _, _, cache, sync in sides:  # every side starts the step from the oracle's state (rounded)
+                sync(cache, orc)
             lo = oracle.decode(tokens[s], orc)
-            err = fp64_rules.row_error(ls, lo)
-            if side == STANDARD:
-                rows[s]["standard_err"] = err
+            if s + 1 == len(tokens):
                 tokens.append(lo.argmax(-1))
-            else:
-                rows[s]["fast_err"][side] = err
-            rows[s]["nonfinite"] = rows[s]["nonfinite"] or not bool(torch.isfinite(ls).all() and torch.isfinite(lo).all())
+            for name, decode, cache, _ in sides:
+                ls = decode(tokens[s], cache)
+                err = fp64_rules.row_error(ls, lo)
+                if name == STANDARD:
+                    rows[s]["standard_err"] = err
+                else:
+                    rows[s]["fast_err"][name] = err
+                rows[s]["nonfinite"] = rows[s]["nonfinite"] or not bool(torch.isfinite(ls).all() and torch.isfinite(lo).all())
 
     ref = model.new_cache(batch, max_len, kv_dtype=kv_dtype, kv_scale=kv_scale)
-    replay(STANDARD, model.decode, ref, copy_cache)
-    del ref
     trace: dict[str, Any] = {}
-    for side in sides:
+    for i, side in enumerate(sides):  # the clean side in lockstep with the standard path, each control alone
         ex = make_executor(side)
         cache = ex.new_cache(batch, max_len)
         try:
             out = torch.empty(batch, model.cfg.vocab_size, dtype=torch.float32, device=model.device)
             begin = len(ex.trace)
-            replay(side, lambda t, c, ex=ex, out=out: ex.decode(t, c, out=out), cache, ex.copy_cache)
+            fast = (side, lambda t, c, ex=ex, out=out: ex.decode(t, c, out=out), cache, ex.copy_cache)
+            replay([(STANDARD, model.decode, ref, copy_cache), fast] if i == 0 else [fast])
             if side == CLEAN:
                 trace = summarize(ex.trace.since(begin))
         finally:
