@@ -13,7 +13,7 @@ from k3_fastpath.runtime.envelope import Envelope
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.runtime.options import HONOURED, DecodeOptions, defaults, resolve
 from k3_fastpath.synthetic import synthetic_state_dict
-from verify.checks.perf_sweep import check_fast_variants, variant_split
+from verify.checks.perf_sweep import check_fast_variants
 
 CFG = preset("k3-tiny").config
 
@@ -53,10 +53,28 @@ def test_from_mapping_validates_names_and_types():
 
 
 def test_perf_variants_take_decode_options_and_the_gemm_switch():
-    assert check_fast_variants({"fast_nopdl": {"pdl": False}, "fast_fma": {"skinny_gemm_wgmma": "0"}}) is None
+    assert check_fast_variants({"fast_nopdl": {"pdl": False}, "fast_fma": {"gemm_wgmma_min_m": 0}}) is None
     assert "unknown decode option" in check_fast_variants({"fast_x": {"bogus": True}})
+    assert "unknown decode option" in check_fast_variants({"fast_x": {"skinny_gemm_wgmma": "0"}})  # no env switch
     assert "expected true or false" in check_fast_variants({"fast_x": {"prefetch": "yes"}})
-    assert variant_split({"pdl": False, "skinny_gemm_wgmma": True}) == ({"pdl": False}, {"K3_SKINNY_GEMM_WGMMA": "1"})
+    assert "gemm_wgmma_min_m" in check_fast_variants({"fast_x": {"gemm_wgmma_min_m": 65}})
+
+
+def test_the_gemm_variant_is_an_option_of_the_linear_op():
+    """``gemm_wgmma_min_m`` reaches ``SkinnyGemmConfig.select`` through the op table (no environment):
+    0 keeps every M on fma / mma, 1 sends every M to wgmma; the TP decoder honours it, standard_graph refuses it."""
+    from k3_fastpath.kernels.skinny_gemm.config import SkinnyGemmConfig
+    from k3_fastpath.runtime.fast_ops import op_table
+
+    assert op_table(DecodeOptions(gemm_wgmma_min_m=0))["linear"].launch["gemm_wgmma_min_m"] == 0
+    assert SkinnyGemmConfig.select(8, 256, 512, wgmma_min_m=0).variant != "wgmma"
+    assert SkinnyGemmConfig.select(2, 256, 512, wgmma_min_m=1).variant == "wgmma"
+    assert SkinnyGemmConfig.select(8, 256, 512).variant == "wgmma"
+    assert resolve(DecodeOptions(gemm_wgmma_min_m=9), "tp:latency_specialized").gemm_wgmma_min_m == 9
+    with pytest.raises(ValueError, match="gemm_wgmma_min_m=9"):
+        resolve(DecodeOptions(gemm_wgmma_min_m=9), "standard_graph")
+    with pytest.raises(ValueError, match="M threshold in 1..64"):
+        DecodeOptions(gemm_wgmma_min_m=99)
 
 
 def test_the_executor_records_its_resolved_options():

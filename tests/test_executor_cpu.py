@@ -16,6 +16,8 @@ import os
 import pytest
 import torch
 
+from k3_fastpath.kernels.mla_decode.api import step_op as mla_step_op
+from k3_fastpath.kernels.moe_experts.api import step_op as experts_step_op
 from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime import fast_ops
@@ -306,7 +308,7 @@ def test_mla_attention_adapter_matches_reference(kv, tol, seed):
     table, ctx_len = fast_ops.mla_step_index(slots, pos, pool.latent.shape[1])
     assert ctx_len.tolist() == [11, 5, 8] and table.shape == (3, 1)
     before = counters.fallbacks("mla_decode")
-    o = fast_ops.mla_attention_kernel(q, kv_raw, attn.kv_a_layernorm.weight, CFG.rms_norm_eps, pool.latent,
+    o = mla_step_op(q, kv_raw, attn.kv_a_layernorm.weight, CFG.rms_norm_eps, pool.latent,
                                       pool.scale, slots, pos, table, ctx_len, w_uk.float(), w_uv,
                                       attn.softmax_scale, attn.g_proj(x)[:, 0])
     assert counters.fallbacks("mla_decode") == before + 1  # served by the kernel api (its reference here)
@@ -350,7 +352,7 @@ def test_moe_experts_adapter_matches_reference(norm, seed):
     assert ExpertBank(moe, CFG).weights is bank.weights  # built once per module
     before = counters.fallbacks("moe_experts")
     norm_w = moe.routed_expert_norm.weight if norm else None
-    got = fast_ops.moe_experts_kernel(z, ids, w, bank, norm_w, CFG.rms_norm_eps)
+    got = experts_step_op(z, ids, w, bank, norm_w, CFG.rms_norm_eps)
     assert counters.fallbacks("moe_experts") == before + 1
     if norm:
         want = rms_norm(want, norm_w, CFG.rms_norm_eps).bfloat16()
@@ -361,7 +363,7 @@ def test_moe_experts_adapter_matches_reference(norm, seed):
     assert err <= (1e-2 if norm else 1e-5), f"seed {seed}: relative error {err:.3g}"
 
 
-def test_moe_router_standard_matches_reference(seed):
+def test_route_from_logits_matches_reference(seed):
     from k3_fastpath.reference.moe import route
 
     g = torch.Generator().manual_seed(seed)
@@ -369,26 +371,36 @@ def test_moe_router_standard_matches_reference(seed):
     w = (torch.randn(CFG.num_experts, CFG.hidden_size, generator=g) * 0.1).bfloat16()
     bias = torch.randn(CFG.num_experts, generator=g) * 0.02
     x[3] = 0  # all scores tied: the lower expert index wins
-    ids, wt = fast_ops.moe_router_standard(x, w, bias, 4, True, 1.0)
+    ids, wt = fast_ops.route_from_logits(x.float() @ w.float().T, bias, 4, True, 1.0)
     rid, rw = route(x, w, bias, 4, True, 1.0)
     assert torch.equal(ids, rid)
     assert torch.allclose(wt, rw, rtol=1e-5, atol=1e-6)
 
 
-def test_op_registry_plugs_one_op():
+def test_op_table_is_derived_from_the_kernel_specs_and_overrides_stay_local():
+    """One entry per kernel spec (``serves_op``), launch options bound from ``DecodeOptions``; an override
+    changes that table only (no global registry), and cannot add an op the step does not call."""
+    from k3_fastpath import kernels
+
     table = fast_ops.op_table()
     assert table["linear"].kernel == "skinny_gemm" and table["kda_step"].kernel == "kda_decode"
     assert table["mla_attention"].kernel == "mla_decode" and table["moe_experts"].kernel == "moe_experts"
     assert [n for n, o in table.items() if o.standard_reason] == []  # every op of the step is a kernel
-    saved = dict(fast_ops._REGISTRY)
-    try:
-        fast_ops.register_op("mla_attention", lambda *a, **k: None, standard_reason="a test")
-        assert fast_ops.op_table()["mla_attention"].standard_reason == "a test"
-        with pytest.raises(ValueError, match="exactly one"):
-            fast_ops.register_op("x", lambda: None)
-    finally:
-        fast_ops._REGISTRY.clear()
-        fast_ops._REGISTRY.update(saved)
+    assert set(table) == {s.serves_op for s in kernels.all_specs() if s.in_default_step}
+    assert table["linear"].launch == {"pdl": True, "gemm_wgmma_min_m": 4}
+    off = fast_ops.op_table(DecodeOptions(pdl=False, gemm_wgmma_min_m=0, situ_glu_kernel=True))
+    assert off["linear"].launch == {"pdl": False, "gemm_wgmma_min_m": 0} and off["situ_glu"].launch == {"pdl": False}
+    custom = fast_ops.OpImpl("mla_attention", lambda *a, **k: None, standard_reason="a test")
+    mine = fast_ops.op_table(overrides={"mla_attention": custom})
+    assert mine["mla_attention"] is custom and fast_ops.op_table()["mla_attention"].kernel == "mla_decode"
+    ex = DecodeExecutor(load_reference(CFG, synthetic_state_dict(CFG, 0), dtype=torch.float32), max_len=32,
+                        ops={"mla_attention": custom})
+    assert ex.ops["mla_attention"] is custom and ex.trace.meta["ops"]["mla_attention"] == "standard: a test"
+    with pytest.raises(ValueError, match="no such op"):
+        fast_ops.op_table(overrides={"situ_glu": custom})  # opt-in op not asked for
+    with pytest.raises(ValueError, match="exactly one"):
+        fast_ops.OpImpl("x", lambda: None)
+    assert fast_ops.launch_options(lambda x, pdl=False, *, out=None, prefetch=False: x) == ("prefetch",)
 
 
 @pytest.mark.compile

@@ -169,7 +169,7 @@ def test_pdl_changes_no_bit(seed):
     """Programmatic dependent launch only moves when kernels start: logits and caches (KDA conv and recurrent
     state, MLA latents) are bit for bit those of normal launches, replayed from CUDA graphs and eagerly (a
     kernel reading activations before its wait would break this under load). Every op of the pdl=True
-    table is its PDL twin, and every kernel family of the step was compiled as a PDL build."""
+    table launches its PDL build, and every kernel family of the step was compiled as a PDL build."""
     from k3_fastpath._lib import compile_cache
     from k3_fastpath.runtime import fast_ops
 
@@ -178,8 +178,10 @@ def test_pdl_changes_no_bit(seed):
     on = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), options=DecodeOptions(pdl=True))
     on_eager = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), options=DecodeOptions(pdl=True),
                                use_graphs=False)
-    for name, (default_fn, twin) in fast_ops.PDL_VARIANTS.items():
-        assert off.ops[name].fn is default_fn and on.ops[name].fn is twin, name
+    for name, impl in on.ops.items():  # every op with a PDL build gets pdl=True, the same adapter
+        assert impl.fn is off.ops[name].fn and impl.launch.get("pdl", True) is True, name
+        assert off.ops[name].launch.get("pdl", False) is False, name
+    assert sum("pdl" in o.launch for o in on.ops.values()) == len(fast_ops.op_table())
     off.warmup_and_capture()
     on.warmup_and_capture()
     ref, c_off, first = _filled(model, off, 8, 8, seed, 48)

@@ -12,7 +12,7 @@ A kernel is declared once, by its spec; every list of kernels is derived from th
    problem named;
 4. the derived lists agree: ``kernels.numerics`` runs every spec's GPU tests, the sanitizer driver expects
    every launch name and calls every kernel, the executor's op tables serve exactly the default-step
-   kernels (PDL twins for each with a PDL build) and the opt-in ones.
+   kernels (each under its ``serves_op``, ``pdl`` bound where it has a PDL build) and the opt-in ones.
 """
 
 from __future__ import annotations
@@ -79,7 +79,8 @@ BROKEN = {  # id -> (the spec, a problem validate_specs must name)
     "api-of-another-kernel": (_broken(api="k3_fastpath.kernels.situ_glu.api"), "NAME is 'situ_glu'"),
     "launch-names-without-name": (_broken(launch_names=("kda",)), "must start with the kernel's name"),
     "reads-without-pdl": (_broken(pdl=False), "without a PDL build"),
-    "not-a-bool": (_broken(in_default_step="yes"), "in_default_step"),
+    "not-a-bool": (_broken(pdl="yes"), "pdl"),
+    "op-not-a-name": (_broken(serves_op="two words"), "serves_op"),
 }
 
 
@@ -129,14 +130,24 @@ def test_sanitizer_driver_expects_and_calls_every_kernel():
 
 
 def test_op_tables_serve_the_specs_kernels():
-    """``fast_ops``: the default op table's kernels are the specs with in_default_step, ``PDL_VARIANTS``
-    covers each of them with a PDL build, the opt-in ops serve the rest (with a PDL twin where pdl)."""
+    """``fast_ops.op_table``: the default table's kernels are the specs in the default step, each under the op
+    its spec names; every opt-in names a DecodeOptions bool that adds exactly its kernel's op; an adapter takes ``pdl``
+    (keyword-only) exactly when its kernel has a PDL build."""
+    import dataclasses
+    import inspect
+
     from k3_fastpath.runtime import fast_ops
+    from k3_fastpath.runtime.options import DecodeOptions
 
     specs = registry.all_specs()
     plain = fast_ops.op_table()
-    assert {o.kernel for o in plain.values() if o.kernel is not None} == {s.name for s in specs if s.in_default_step}
-    assert {plain[n].kernel for n in fast_ops.PDL_VARIANTS} == {s.name for s in specs if s.in_default_step and s.pdl}
-    opt_in = {kernel: pdl_fn for _, pdl_fn, kernel in fast_ops.OPT_IN_OPS.values()}
-    assert set(opt_in) == {s.name for s in specs if not s.in_default_step}
-    assert all(opt_in[s.name] is not None for s in specs if not s.in_default_step and s.pdl)
+    assert {n: o.kernel for n, o in plain.items()} == {s.serves_op: s.name for s in specs if s.in_default_step}
+    bools = {f.name for f in dataclasses.fields(DecodeOptions) if f.type in (bool, "bool")}
+    for s in specs:
+        params = inspect.signature(s.resolve("api").step_op).parameters
+        assert "pdl" not in params or params["pdl"].kind is inspect.Parameter.KEYWORD_ONLY, s.name
+        assert ("pdl" in fast_ops.launch_options(s.resolve("api").step_op)) == s.pdl, s.name
+        if s.opt_in:
+            assert s.opt_in in bools, f"{s.name}: opt_in {s.opt_in!r} is not a DecodeOptions bool"
+            added = set(fast_ops.op_table(DecodeOptions(**{s.opt_in: True}))) - set(plain)
+            assert added == {s.serves_op}, (s.name, added)

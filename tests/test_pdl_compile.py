@@ -25,8 +25,8 @@ rank; each launch of the multi-launch kernels) this module compiles the PDL buil
    ``pdl_prologue_reads``, which (checked without the DSL) is exactly the weights its cases expect read.
 Besides: every kernel compiles with ``pdl=True`` for every decode variant of k3-tiny (the model the GPU
 executor test runs with ``pdl=True``), no PDL build spills, the analysis itself flags an early activation
-load or store on hand-written PTX / SASS, and ``op_table(pdl=True)`` swaps every kernel op for its PDL twin
-(that last part needs no DSL). The bitwise GPU check is ``test_executor_gpu.py::test_pdl_changes_no_bit``.
+load or store on hand-written PTX / SASS, and ``op_table(DecodeOptions(pdl=True))`` binds ``pdl=True`` to
+every kernel op with a PDL build (that last part needs no DSL). The bitwise GPU check is ``test_executor_gpu.py::test_pdl_changes_no_bit``.
 """
 
 from __future__ import annotations
@@ -432,28 +432,23 @@ def test_pdl_builds_use_no_local_memory():
 
 
 # ------------------------------------------------------------------------------------------ the op table (no DSL)
-def test_op_table_pdl_swaps_every_default_kernel_op():
-    """``op_table(pdl=True)`` serves every kernel op of the step by its PDL twin (same kernel name for the
-    launch counters); an op registered with another function keeps it; ``pdl_support`` names every kernel."""
+def test_op_table_pdl_reaches_every_kernel_op():
+    """``op_table(DecodeOptions(pdl=True))`` binds ``pdl=True`` to every op whose kernel has a PDL build
+    (same adapter, same kernel name for the launch counters) and ``pdl=False`` without it; every kernel with a
+    PDL build takes the option in its adapter; ``pdl_support`` names every kernel."""
     from k3_fastpath.runtime import fast_ops
     from k3_fastpath.runtime.executor import pdl_support
+    from k3_fastpath.runtime.options import DecodeOptions
 
-    plain, pdl = fast_ops.op_table(), fast_ops.op_table(pdl=True)
-    kernel_ops = {n for n, o in plain.items() if o.kernel is not None}
-    assert kernel_ops == set(fast_ops.PDL_VARIANTS), "an op served by a kernel has no PDL twin (or vice versa)"
-    for name, (default_fn, twin) in fast_ops.PDL_VARIANTS.items():
-        assert plain[name].fn is default_fn and pdl[name].fn is twin, name
-        assert pdl[name].kernel == plain[name].kernel
+    on = fast_ops.op_table(DecodeOptions(pdl=True, situ_glu_kernel=True))
+    off = fast_ops.op_table(DecodeOptions(pdl=False, situ_glu_kernel=True))
+    by_kernel = {o.kernel: n for n, o in on.items()}
+    for spec in registry.all_specs():
+        name = by_kernel[spec.name]
+        assert ("pdl" in on[name].launch) == spec.pdl, f"{spec.name}: pdl build {spec.pdl}, adapter options {on[name].launch}"
+        if spec.pdl:
+            assert on[name].launch["pdl"] is True and off[name].launch["pdl"] is False, name
+        assert on[name].fn is off[name].fn and on[name].kernel == off[name].kernel == spec.name
     text = pdl_support()
     for kernel in PDL_KERNELS:
         assert kernel in text, f"pdl_support() does not say what {kernel} does"
-    saved = dict(fast_ops._REGISTRY)
-    try:
-        def custom(*args, **kwargs):
-            return None
-
-        fast_ops.register_op("rmsnorm", custom, kernel="rmsnorm_residual")
-        assert fast_ops.op_table(pdl=True)["rmsnorm"].fn is custom
-    finally:
-        fast_ops._REGISTRY.clear()
-        fast_ops._REGISTRY.update(saved)

@@ -140,21 +140,13 @@ def test_bundle_verify_rederives_the_sweep_targets(tmp_path):
     assert not framed.ok and any("status 'failed', but its records give 'passed'" in p for p in framed.problems)
 
 
-def test_fast_variants_are_checked_split_and_scoped():
+def test_fast_variants_are_checked():
     assert S.check_fast_variants(None) is None
-    assert S.check_fast_variants({"fast_pdl": {"pdl": True}, "fast_mma": {"skinny_gemm_wgmma": "0"}}) is None
+    assert S.check_fast_variants({"fast_pdl": {"pdl": True}, "fast_mma": {"gemm_wgmma_min_m": 0}}) is None
     assert "must be fast_" in S.check_fast_variants({"pdl": {"pdl": True}})
     assert "unknown decode option" in S.check_fast_variants({"fast_x": {"graphs": False}})
     assert "true or false" in S.check_fast_variants({"fast_x": {"pdl": "yes"}})
     assert "mapping of options" in S.check_fast_variants({"fast_x": {}})
-    kw, env = S.variant_split({"pdl": True, "skinny_gemm_wgmma": False})
-    assert kw == {"pdl": True} and env == {"K3_SKINNY_GEMM_WGMMA": "0"}
-    import os
-
-    os.environ.pop("K3_SKINNY_GEMM_WGMMA", None)
-    with S.env_override(env):
-        assert os.environ["K3_SKINNY_GEMM_WGMMA"] == "0"
-    assert "K3_SKINNY_GEMM_WGMMA" not in os.environ
 
 
 def test_fast_variant_rows_are_information_not_targets():

@@ -3,7 +3,7 @@ for sm_90a, and what its SASS must contain.
 
 1. Config (no cutlass needed): validation, ``wgmma_for`` (fits 2 CTAs per SM, split-K keeps >= 4 K stages
    per split), ``from_heuristic`` never returns it, ``select`` / ``m_buckets`` / ``compile_variants`` send
-   M >= 4 to it by default and follow ``K3_SKINNY_GEMM_WGMMA`` (0 = off, an integer = the threshold).
+   M >= 4 to it by default and follow their ``wgmma_min_m`` (``DecodeOptions.gemm_wgmma_min_m``: 0 = off, 1..64 = the threshold).
 2. Compiles (CUTE_DSL_ARCH=sm_90a, fake tensors, symbolic M) for the K3 rank shapes at M = 32 and 64: by
    default the projections the variant is for (KDA in_proj at TP8/TP16, o_proj, MLA q_b, lm_head, the dense
    MLP) plus epilogue / knob variants; every GEMM shape of k3-tp8-rank, k3-tp16-rank and k3-mini with
@@ -28,21 +28,15 @@ from k3_fastpath.kernels.skinny_gemm import api
 from k3_fastpath.kernels.skinny_gemm.config import (
     MMA_BUCKETS,
     SMEM_PER_SM_H200,
-    WGMMA_ENV,
     SkinnyGemmConfig,
     m_buckets,
-    wgmma_min_m,
+    wgmma_threshold,
 )
 
 FULL = os.environ.get("K3_COMPILE_FULL", "") not in ("", "0")
 needs_dsl = pytest.mark.skipif(not arch.is_available(), reason=f"needs nvidia-cutlass-dsl: {arch.unavailable_reason()}")
 needs_nvdisasm = pytest.mark.skipif(NVDISASM is None, reason="nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
 PRESETS = ("k3-tp8-rank", "k3-tp16-rank", "k3-mini")
-
-
-@pytest.fixture(autouse=True)
-def _default_env(monkeypatch):
-    monkeypatch.delenv(WGMMA_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
@@ -111,47 +105,37 @@ def test_heuristic_never_picks_wgmma():
                 pass
 
 
-def test_default_and_env(monkeypatch):
+def test_default_and_threshold():
     N, K = 6288, 7168
-    assert wgmma_min_m() == 4 and SkinnyGemmConfig.select(4, N, K) == SkinnyGemmConfig.wgmma_for(4, N, K)
+    assert wgmma_threshold(4) == 4 and SkinnyGemmConfig.select(4, N, K) == SkinnyGemmConfig.wgmma_for(4, N, K)
     assert SkinnyGemmConfig.select(3, N, K).variant == "fma"
     assert m_buckets() == (1, 2, 3, 4, 16, 32, 64)
-    monkeypatch.setenv(WGMMA_ENV, "0")
-    assert wgmma_min_m() is None and SkinnyGemmConfig.select(40, N, K).variant == "mma"
-    assert m_buckets() == (1, 2, 3, 4) + MMA_BUCKETS
-    monkeypatch.setenv(WGMMA_ENV, "1")
-    assert wgmma_min_m() == 4
-    monkeypatch.setenv(WGMMA_ENV, "17")
-    assert wgmma_min_m() == 17
-    assert SkinnyGemmConfig.select(16, N, K).variant == "mma"
-    assert SkinnyGemmConfig.select(17, N, K) == SkinnyGemmConfig.wgmma_for(17, N, K)
-    assert SkinnyGemmConfig.select(64, N, K, residual=True).residual
-    assert m_buckets() == (1, 2, 3, 4, 8, 16, 17, 32, 64)
-    monkeypatch.setenv(WGMMA_ENV, "9")
-    assert SkinnyGemmConfig.select(9, N, K).m_max == 16 and SkinnyGemmConfig.select(8, N, K).variant == "mma"
-    monkeypatch.setenv(WGMMA_ENV, "all")
-    assert wgmma_min_m() == 1 and SkinnyGemmConfig.select(1, N, K) == SkinnyGemmConfig.wgmma_for(1, N, K)
-    assert m_buckets() == (1, 16, 32, 64)
-    monkeypatch.setenv(WGMMA_ENV, "5")
-    assert SkinnyGemmConfig.select(5, N, K).m_max == 16 and SkinnyGemmConfig.select(4, N, K).variant == "fma"
-    for raw in ("65", "maybe", "1.5", "-3"):
-        monkeypatch.setenv(WGMMA_ENV, raw)
-        with pytest.raises(ValueError, match=WGMMA_ENV):
-            wgmma_min_m()
+    assert wgmma_threshold(0) is None and SkinnyGemmConfig.select(40, N, K, wgmma_min_m=0).variant == "mma"
+    assert m_buckets(0) == (1, 2, 3, 4) + MMA_BUCKETS
+    assert SkinnyGemmConfig.select(16, N, K, wgmma_min_m=17).variant == "mma"
+    assert SkinnyGemmConfig.select(17, N, K, wgmma_min_m=17) == SkinnyGemmConfig.wgmma_for(17, N, K)
+    assert SkinnyGemmConfig.select(64, N, K, residual=True, wgmma_min_m=17).residual
+    assert m_buckets(17) == (1, 2, 3, 4, 8, 16, 17, 32, 64)
+    assert SkinnyGemmConfig.select(9, N, K, wgmma_min_m=9).m_max == 16
+    assert SkinnyGemmConfig.select(8, N, K, wgmma_min_m=9).variant == "mma"
+    assert SkinnyGemmConfig.select(1, N, K, wgmma_min_m=1) == SkinnyGemmConfig.wgmma_for(1, N, K)
+    assert m_buckets(1) == (1, 16, 32, 64)
+    assert SkinnyGemmConfig.select(5, N, K, wgmma_min_m=5).m_max == 16
+    assert SkinnyGemmConfig.select(4, N, K, wgmma_min_m=5).variant == "fma"
+    for raw in (65, "5", 1.5, -3, True):
+        with pytest.raises(ValueError, match="wgmma_min_m"):
+            wgmma_threshold(raw)
 
 
-@pytest.mark.parametrize("env,lo", [(None, 4), ("on", 4), ("all", 1), ("5", 5), ("17", 17), ("20", 20), ("40", 40)])
-def test_compile_variants_follow_the_env(monkeypatch, env, lo):
+@pytest.mark.parametrize("lo", [4, 1, 5, 17, 20, 40])
+def test_compile_variants_follow_the_threshold(lo):
     """precompile must cover what select() launches, or a decode step would compile during graph capture:
     every M 1..64 of every shape and epilogue is served by a listed config."""
-    monkeypatch.setenv(WGMMA_ENV, "0")
-    off = api.compile_variants("k3-tp16-rank")
+    off = api.compile_variants("k3-tp16-rank", wgmma_min_m=0)
     assert not any(v["config"].variant == "wgmma" for v in off)
-    if env is None:
-        monkeypatch.delenv(WGMMA_ENV)
-    else:
-        monkeypatch.setenv(WGMMA_ENV, env)
-    on = api.compile_variants("k3-tp16-rank")
+    on = api.compile_variants("k3-tp16-rank", wgmma_min_m=lo)
+    if lo == 4:
+        assert on == api.compile_variants("k3-tp16-rank")  # the default threshold
     wg = [v for v in on if v["config"].variant == "wgmma"]
     assert wg and all(v["M"] >= lo for v in wg)
     listed = {(v["N"], v["K"], v["config"]) for v in on}
@@ -159,7 +143,7 @@ def test_compile_variants_follow_the_env(monkeypatch, env, lo):
         epilogues = ((False, False),) + api.EXTRA_EPILOGUES.get(name, ())
         for M in range(1, 65):
             for out_fp32, residual in epilogues:
-                cfg = SkinnyGemmConfig.select(M, N, K, out_fp32=out_fp32, residual=residual)
+                cfg = SkinnyGemmConfig.select(M, N, K, out_fp32=out_fp32, residual=residual, wgmma_min_m=lo)
                 assert (N, K, cfg) in listed, (name, M, cfg)
                 assert (cfg.variant == "wgmma") == (M >= lo)
 

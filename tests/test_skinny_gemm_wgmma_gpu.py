@@ -11,7 +11,7 @@ a store past N in the last row would land there too); repeats are bitwise identi
 the second call also proves the arrival counters were reset). Inputs are fresh random tensors; the seed is
 in each failure message.
 
-Grid: M in (1, 8, 9, 16) (the 16-row bucket; M <= 8 only with K3_SKINNY_GEMM_WGMMA=all or 2..8), 17 / 32 (the 32-row bucket: smallest, boundary), 33 / 64 (the
+Grid: M in (1, 8, 9, 16) (the 16-row bucket; M <= 8 only with wgmma_min_m 1..8), 17 / 32 (the 32-row bucket: smallest, boundary), 33 / 64 (the
 64-row bucket); shapes from the K3 TP8 / TP16 ranks with N % 64 != 0 (6288, 3216), split-K 16 (router),
 K = 384 (split 1), two warpgroups (lm_head), and a small 200 x 520 (N % 64 = 8, K % 64 = 8: the TMA unit
 zero-fills the K tail and the rows past N).
@@ -27,7 +27,7 @@ from test_kernels_gpu import _check_close  # the same FP64 bound as the mma vari
 
 from k3_fastpath._lib import counters
 from k3_fastpath.kernels.skinny_gemm import api
-from k3_fastpath.kernels.skinny_gemm.config import WGMMA_ENV, SkinnyGemmConfig
+from k3_fastpath.kernels.skinny_gemm.config import SkinnyGemmConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an sm_90 CUDA device")]
@@ -153,26 +153,23 @@ def test_pdl_launch_gives_the_same_bits(seed):
     assert torch.equal(y, y_pdl), f"PDL launch differs seed={seed}"
 
 
-@pytest.mark.parametrize("env,routes", [(None, ((40, "wgmma"), (4, "wgmma"), (3, "fma"), (1, "fma"))),
-                                        ("17", ((40, "wgmma"), (17, "wgmma"), (16, "mma"), (2, "fma"))),
-                                        ("0", ((40, "mma"), (9, "mma"), (2, "fma"))),
-                                        ("all", ((1, "wgmma"), (8, "wgmma"), (40, "wgmma")))])
-def test_env_routes_to_wgmma(monkeypatch, seed, env, routes):
-    """skinny_gemm without a config launches wgmma for M >= 4 by default; K3_SKINNY_GEMM_WGMMA moves the
-    threshold (17) or turns it off (0)."""
-    if env is None:
-        monkeypatch.delenv(WGMMA_ENV, raising=False)
-    else:
-        monkeypatch.setenv(WGMMA_ENV, env)
+@pytest.mark.parametrize("min_m,routes", [(None, ((40, "wgmma"), (4, "wgmma"), (3, "fma"), (1, "fma"))),
+                                          (17, ((40, "wgmma"), (17, "wgmma"), (16, "mma"), (2, "fma"))),
+                                          (0, ((40, "mma"), (9, "mma"), (2, "fma"))),
+                                          (1, ((1, "wgmma"), (8, "wgmma"), (40, "wgmma")))])
+def test_threshold_routes_to_wgmma(seed, min_m, routes):
+    """skinny_gemm without a config launches wgmma for M >= 4 by default; ``wgmma_min_m`` (the decode step's
+    ``DecodeOptions.gemm_wgmma_min_m``) moves the threshold (17, 1) or turns it off (0)."""
+    kw = {} if min_m is None else {"wgmma_min_m": min_m}
     N, K = SHAPES["tp8_o_proj"]
     w = _weight(N, K)
     for M, variant in routes:
         x = torch.randn(M, K, device="cuda").bfloat16()
         n0 = dict(api.VARIANT_LAUNCHES)
-        y = api.skinny_gemm(x, w)
+        y = api.skinny_gemm(x, w, **kw)
         assert api.VARIANT_LAUNCHES[variant] == n0.get(variant, 0) + 1, f"M={M}: expected {variant}"
         ref64, same = _refs(x, w, None, torch.bfloat16)
-        _check_close(y, same, ref64, f"env {env} M={M}", seed)
+        _check_close(y, same, ref64, f"wgmma_min_m {min_m} M={M}", seed)
 
 
 def test_cuda_graph_replay_matches_eager(seed):

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from k3_fastpath.kernels.mla_decode.api import write_latent as write_mla_latent
 from k3_fastpath.reference.common import compute_dtype
 from k3_fastpath.reference.mla import FP8
 from k3_fastpath.runtime import standard_ops as S
-from k3_fastpath.runtime.fast_ops import write_mla_latent
 
 NOPE, ROPE, RANK, V, HEADS = 128, 64, 512, 128, 8
 SOFTMAX_SCALE = (NOPE + ROPE) ** -0.5

@@ -132,6 +132,7 @@ def test_mla_attention_standard_matches_the_kernel_adapter(seed):
     """The PyTorch absorbed attention vs the ``mla_decode`` adapter (its reference on a CPU) on the same pool:
     same latent written, same output within BF16."""
     from k3_fastpath.kernels.mla_decode.api import split_kv_b
+    from k3_fastpath.kernels.mla_decode.api import step_op as mla_step_op
     from k3_fastpath.reference.mla import MLACache
     from k3_fastpath.runtime import fast_ops
 
@@ -152,7 +153,7 @@ def test_mla_attention_standard_matches_the_kernel_adapter(seed):
     w_uk, w_uv = split_kv_b(attn.kv_b_proj.weight, attn.num_heads, attn.nope, attn.v_dim)
     table, ctx_len = fast_ops.mla_step_index(slots, pos, 64)
     common = (attn.kv_a_layernorm.weight, CFG.rms_norm_eps)
-    want = fast_ops.mla_attention_kernel(q, kv_raw, *common, pools[0].latent, pools[0].scale, slots, pos, table,
+    want = mla_step_op(q, kv_raw, *common, pools[0].latent, pools[0].scale, slots, pos, table,
                                          ctx_len, w_uk.float(), w_uv, attn.softmax_scale, gate)
     got = S.mla_attention_standard(q, kv_raw, *common, pools[1].latent, pools[1].scale, slots, pos, table, ctx_len,
                                    w_uk.float(), w_uv, attn.softmax_scale, gate)

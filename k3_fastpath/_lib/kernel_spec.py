@@ -44,7 +44,11 @@ class KernelSpec:
     * ``pdl_prologue_reads``: the parameters (as the kernel and ``tests/test_pdl_compile.py`` name them)
       its PDL build may read, or prefetch into L2, before ``griddepcontrol.wait``: weights only, never
       anything a step writes; empty when it touches no global memory before the wait.
-    * ``in_default_step``: a default decode step (``DecodeExecutor`` without opt-ins) launches it.
+    * ``serves_op``: the fast step's op it serves (``runtime.fast_ops``' table): the api's ``step_op`` is that
+      op's adapter, with the step's signature; its keyword-only parameters are the ``DecodeOptions`` fields
+      it takes (``pdl``, ``gemm_wgmma_min_m``), bound when the executor builds its table.
+    * ``opt_in``: ``""`` when a default decode step launches it, else the ``DecodeOptions`` field that puts
+      its op in the table (``situ_glu_kernel``).
     """
 
     name: str
@@ -57,7 +61,13 @@ class KernelSpec:
     gpu_tests: tuple[str, ...]
     pdl: bool
     pdl_prologue_reads: tuple[str, ...]
-    in_default_step: bool
+    serves_op: str
+    opt_in: str
+
+    @property
+    def in_default_step(self) -> bool:
+        """A default decode step (``DecodeOptions()``, no opt-in) launches this kernel."""
+        return not self.opt_in
 
     def resolve(self, field: str) -> Any:
         """The object a target field names (``"api"``: the module), imported now."""
@@ -167,6 +177,7 @@ def validate_specs(specs: Iterable[KernelSpec], repo_root: Path | str) -> list[s
     problems: list[str] = []
     seen_names: dict[str, int] = {}
     seen_launches: dict[str, str] = {}
+    seen_ops: dict[str, str] = {}
     for spec in specs:
         if not isinstance(spec, KernelSpec):
             problems.append(f"{spec!r} is not a KernelSpec")
@@ -200,5 +211,13 @@ def validate_specs(specs: Iterable[KernelSpec], repo_root: Path | str) -> list[s
             problems.append(f"{spec.name}: pdl_prologue_reads {reads!r} without a PDL build (pdl=False)")
         if len(set(reads)) != len(reads) or not all(isinstance(r, str) and r.isidentifier() for r in reads):
             problems.append(f"{spec.name}: pdl_prologue_reads {reads!r} must be distinct parameter names")
+        if not (isinstance(spec.serves_op, str) and spec.serves_op.isidentifier()):
+            problems.append(f"{spec.name}: serves_op {spec.serves_op!r} is not an op name")
+        elif spec.serves_op in seen_ops:
+            problems.append(f"{spec.name}: op {spec.serves_op!r} is also served by {seen_ops[spec.serves_op]}")
+        else:
+            seen_ops[spec.serves_op] = spec.name
+        if not isinstance(spec.opt_in, str) or (spec.opt_in and not spec.opt_in.isidentifier()):
+            problems.append(f"{spec.name}: opt_in {spec.opt_in!r} is neither '' nor a DecodeOptions field name")
     problems += [f"{n}: declared by {k} specs" for n, k in seen_names.items() if k > 1]
     return problems

@@ -27,16 +27,17 @@ The MLA latent pools hold ``max_len`` rounded up to a multiple of 64 positions (
 pool is then a paged cache of 64-position pages, the layout ``mla_decode`` takes; ``max_len`` itself stays
 the context limit of the envelope and of ``new_cache``. Launch-level switches are one ``DecodeOptions``
 (``options.py``: PDL, L2 prefetch and its budget, the shared-experts stream, the SiTU-GLU kernel, a single
-expert copy, the standard path's compiled glue), resolved for the backend (``options.resolve``: an option
+expert copy, the standard path's compiled glue, the skinny GEMM's wgmma threshold), resolved for the backend (``options.resolve``: an option
 the backend cannot honour is refused) and recorded whole in the trace metadata (``options``);
 ``pdl_support()`` says exactly what PDL covers (bitwise the same logits:
-tests/test_executor_gpu.py::test_pdl_changes_no_bit).
+tests/test_executor_gpu.py::test_pdl_changes_no_bit). ``ops`` replaces entries of this executor's op
+table (``fast_ops.op_table``'s ``overrides``: a kernel under test, a planted error); other executors keep theirs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ import torch
 from .._lib import counters
 from .cache_pool import CachePool, PooledCache, copy_cache
 from .envelope import PREFILL_REASON, Envelope
-from .fast_ops import GLUE_OPS, op_table
+from .fast_ops import GLUE_OPS, OpImpl, op_table
 from .fast_step import ModelPlan, OpCalls, SideStream, StepIO, run_step
 from .graphs import BucketGraphs, bucket_for, counter_delta
 from .options import DecodeOptions
@@ -73,7 +74,7 @@ def pdl_support() -> str:
             "shared-memory MXFP4 table (which experts they read depends on the router), its combine loads the "
             "latent norm weight; situ_glu (opt-in) reads g and u only after the wait (it reads no weight). "
             "The PyTorch glue between kernels launches normally; the standard_graph "
-            "backend and tp_fast.TPFastDecoder do not use PDL")
+            "backend does not use PDL, tp_fast.TPFastDecoder only when asked (options.BACKEND_DEFAULTS)")
 
 
 class DecodeExecutor:
@@ -83,7 +84,7 @@ class DecodeExecutor:
                  buckets: Sequence[int] = DEFAULT_BUCKETS, use_graphs: bool = True, trace_dir: str | None = None,
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
                  envelope: Envelope | None = None, options: DecodeOptions | None = None,
-                 pool_from: DecodeExecutor | None = None) -> None:
+                 pool_from: DecodeExecutor | None = None, ops: Mapping[str, OpImpl] | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -110,7 +111,7 @@ class DecodeExecutor:
         self.pdl = opts.pdl
         self.situ_glu_kernel = opts.situ_glu_kernel
         self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device)
-                    if backend == "standard_graph" else op_table(pdl=self.pdl, situ_glu_kernel=self.situ_glu_kernel))
+                    if backend == "standard_graph" else op_table(opts, overrides=ops))
         self.side = SideStream(self.device, enabled=opts.shared_stream and self.fast)
         self.prefetcher = L2Prefetcher(self.device, opts.prefetch_budget, enabled=opts.prefetch and self.fast)
         self.pool: CachePool | None = None

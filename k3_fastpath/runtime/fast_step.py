@@ -332,7 +332,7 @@ class SideStream:
 
 def mlp_activation(ops: OpCalls, g: torch.Tensor, u: torch.Tensor, cfg: Any) -> torch.Tensor:
     """SiTU-GLU of the gate / up projections, rounded to their dtype: the ``situ_glu`` op (one kernel) where
-    the table has it (``op_table(situ_glu_kernel=True)``), else the PyTorch glue."""
+    the table has it (``op_table(DecodeOptions(situ_glu_kernel=True))``), else the PyTorch glue."""
     beta, lb = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
     if "situ_glu" in ops.table:
         return ops("situ_glu", g, u, beta, lb)

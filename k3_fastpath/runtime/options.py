@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..kernels.skinny_gemm.config import MAX_M as GEMM_MAX_M
+from ..kernels.skinny_gemm.config import WGMMA_MIN_M
 from .prefetch import DEFAULT_BUDGET_BYTES
 
 
@@ -30,6 +32,12 @@ class DecodeOptions:
     situ_glu_kernel: bool = False  # the shared experts' / dense MLP's SiTU-GLU as one kernel (kernels/situ_glu)
     single_expert_copy: bool = False  # the routed experts kept once, in the kernel's layout (ExpertBank)
     standard_compiled_glue: bool = False  # standard_graph only: its PyTorch glue through torch.compile
+    gemm_wgmma_min_m: int = WGMMA_MIN_M  # the skinny GEMM's wgmma variant for M >= it (0: never; 1: every M)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gemm_wgmma_min_m <= GEMM_MAX_M:
+            raise ValueError(f"decode option gemm_wgmma_min_m: expected 0 (never) or an M threshold in "
+                             f"1..{GEMM_MAX_M}, got {self.gemm_wgmma_min_m!r}")
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -56,11 +64,11 @@ class DecodeOptions:
 # (backend or runner) -> the options it honours; PDL exists only in the latency_specialized step
 HONOURED: dict[str, frozenset[str]] = {
     "latency_specialized": frozenset({"pdl", "prefetch", "prefetch_budget", "shared_stream", "situ_glu_kernel",
-                                      "single_expert_copy"}),
+                                      "single_expert_copy", "gemm_wgmma_min_m"}),
     "standard_graph": frozenset({"prefetch", "prefetch_budget", "shared_stream", "single_expert_copy",
                                  "standard_compiled_glue"}),
     "standard": frozenset(),
-    "tp:latency_specialized": frozenset({"pdl", "situ_glu_kernel"}),
+    "tp:latency_specialized": frozenset({"pdl", "situ_glu_kernel", "gemm_wgmma_min_m"}),
     "tp:standard_graph": frozenset({"standard_compiled_glue"}),
 }
 

@@ -43,11 +43,12 @@ import torch
 
 from ..kernels.attn_res_mix.reference import attn_res_mix_ref
 from ..kernels.kda_decode.reference import _conv_w3
+from ..kernels.mla_decode.api import write_latent as write_mla_latent
 from ..kernels.rmsnorm_residual.reference import rmsnorm_residual_ref
 from ..reference.common import compute_dtype, rms_norm, situ_glu
 from ..reference.kda import kda_gate, kda_recurrent_step, l2_normalize
 from .compiled_glue import GLUE_COMPILED, GLUE_EAGER, GlueSet, compile_unavailable
-from .fast_ops import OpImpl, route_from_logits, write_mla_latent
+from .fast_ops import OpImpl, route_from_logits
 
 CUBLAS = "standard path: cuBLAS (torch.nn.functional.linear)"
 TORCH = "standard path: PyTorch ops in the CUDA graph"
@@ -234,7 +235,7 @@ def _latent_rows(latent: torch.Tensor) -> tuple[torch.Tensor, int] | None:
 
 def mla_attention_standard(q, kv, kv_norm_w, eps, latent, scale, slot, pos, block_table, ctx_len, w_uk, w_uv,
                            softmax_scale, gate=None):
-    """``fast_ops.mla_attention_kernel``'s contract in library code: writes the new latent
+    """``kernels.mla_decode.api.step_op``'s contract in library code: writes the new latent
     (``write_mla_latent``), absorbs q through W_UK, attends over positions ``0..pos`` of the row's slot,
     applies W_UV and the sigmoid gate; returns ``[Bk, heads * v_dim]`` in ``q.dtype``. ``block_table`` /
     ``ctx_len`` are the kernel's view of the same pool and unused here (``pos`` says the same).

@@ -137,7 +137,7 @@ class TPFastDecoder:
         self.backend = backend
         self.options = opts = resolve_options(options, f"tp:{backend}")
         self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device)
-                    if backend == "standard_graph" else op_table(pdl=opts.pdl, situ_glu_kernel=opts.situ_glu_kernel))
+                    if backend == "standard_graph" else op_table(opts))
         self.pdl = opts.pdl
         self.kv_dtype = kv_dtype or model.dtype
         if pool_from is not None:  # e.g. the standard path timed on the fast decoder's caches

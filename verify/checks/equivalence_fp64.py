@@ -62,7 +62,8 @@ def plant_error(executor: Any, op: str, scale: float) -> None:
             raise TypeError(f"op {op} returns {type(out).__name__}, not a tensor: it cannot carry a planted error")
         return out.mul_(scale)
 
-    executor.ops[op] = OpImpl(op, scaled, kernel=impl.kernel, standard_reason=impl.standard_reason)
+    executor.ops[op] = OpImpl(op, scaled, kernel=impl.kernel, standard_reason=impl.standard_reason,
+                              launch=impl.launch)
 
 
 def fp64_oracle(model: Any) -> Any:

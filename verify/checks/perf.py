@@ -180,7 +180,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     all); ``layer_times``: per-layer-type times of the fast and standard graph paths;
     ``standard_compiled_glue``: the standard path's glue through torch.compile (rows say ``standard_glue``);
     ``fast_variants``: more fast executors timed beside ``fast`` on the same cache, e.g. ``{fast_pdl: {pdl:
-    true}, fast_mma: {skinny_gemm_wgmma: "0"}}`` (TP1 points; ``perf_sweep.check_fast_variants``);
+    true}, fast_mma: {gemm_wgmma_min_m: 0}}`` (TP1 points; ``perf_sweep.check_fast_variants``);
     ``single_expert_copy``: the executors keep the routed experts once, in the kernel's layout
     (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
     points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache); ``kernel_profile``: TP1
@@ -285,10 +285,9 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                                         standard_compiled_glue=standard_compiled_glue)) if standard_graph else None
             variants = {}
             for name, opts in (fast_variants or {}).items():
-                kw, env = S.variant_split(opts)
                 variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches),
                                                  max_len=max_len, kv_dtype=kv_dtype, pool_from=fast,
-                                                 options=fast_opts.replace(**kw)), opts, env)
+                                                 options=fast_opts.replace(**opts)), opts)
             notes.append(f"tp=1 context={context}: executors built in {time.perf_counter() - t_exec:.1f}s")
             for batch in sorted(batches):
                 for r in routing:

@@ -46,15 +46,12 @@ import torch
 
 FILL_SEED = 11
 CONTEXT_SLACK = 64  # positions past the context for warm-up / timed standard steps
-# fast_variants: options a variant row may set: any DecodeOptions field (runtime/options.py), and skinny_gemm's
-# variant switch, an environment variable read when a GEMM's config is picked (at warm-up and capture, never
-# at replay)
-VARIANT_ENV_OPTIONS = {"skinny_gemm_wgmma": "K3_SKINNY_GEMM_WGMMA"}
 
 
 def check_fast_variants(variants: dict[str, dict[str, Any]] | None) -> str | None:
     """Why ``fast_variants`` is malformed, or None. Names are row backends ``fast_<word>``; options are
-    ``DecodeOptions`` fields (checked by ``DecodeOptions.from_mapping``) and VARIANT_ENV_OPTIONS (strings)."""
+    ``DecodeOptions`` fields (runtime/options.py, checked by ``DecodeOptions.from_mapping``), e.g.
+    ``{fast_mma: {gemm_wgmma_min_m: 0}}``."""
     import re
 
     from k3_fastpath.runtime.options import DecodeOptions
@@ -65,34 +62,10 @@ def check_fast_variants(variants: dict[str, dict[str, Any]] | None) -> str | Non
         if not isinstance(opts, dict) or not opts:
             return f"fast_variants.{name}: expected a mapping of options, got {opts!r}"
         try:
-            DecodeOptions.from_mapping({k: v for k, v in opts.items() if k not in VARIANT_ENV_OPTIONS})
+            DecodeOptions.from_mapping(opts)
         except ValueError as e:
-            return f"fast_variants.{name}: {e} (or {', '.join(VARIANT_ENV_OPTIONS)})"
+            return f"fast_variants.{name}: {e}"
     return None
-
-
-def variant_split(opts: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
-    """(DecodeOptions fields, environment overrides) of one fast variant's options."""
-    return ({k: v for k, v in opts.items() if k not in VARIANT_ENV_OPTIONS},
-            {VARIANT_ENV_OPTIONS[k]: str(int(v) if isinstance(v, bool) else v)
-             for k, v in opts.items() if k in VARIANT_ENV_OPTIONS})
-
-
-@contextmanager
-def env_override(env: dict[str, str]):
-    """Set environment variables for the block and restore them after."""
-    import os
-
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -298,9 +271,9 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
             for row, ex in zip(rows, (fast, strong), strict=False):
                 if row.get("timer") == "cuda_graph_replay":
                     row["kernel_profile"] = _kernel_profile(ex, row["bucket"])
-        for name, (ex, opts, env) in (variants or {}).items():
+        for name, (ex, opts) in (variants or {}).items():
             try:
-                rows.append(_variant_row(name, ex, opts, env, common, rows[0], tokens, cache, out, fl, iters=iters,
+                rows.append(_variant_row(name, ex, opts, common, rows[0], tokens, cache, out, fl, iters=iters,
                                          warmup=warmup, standard_iters=standard_iters, layer_times=layer_times,
                                          kernel_profile=kernel_profile))
             except (RuntimeError, ValueError) as e:  # a variant must not cost the point its fast / standard rows
@@ -322,23 +295,22 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
             cache.release()
 
 
-def _variant_row(name: str, ex: Any, opts: dict[str, Any], env: dict[str, str], common: dict[str, Any],
+def _variant_row(name: str, ex: Any, opts: dict[str, Any], common: dict[str, Any],
                  fast_row: dict[str, Any], tokens: torch.Tensor, cache: Any, out: torch.Tensor, fl: dict[str, Any], *,
                  iters: int, warmup: int, standard_iters: int, layer_times: bool,
                  kernel_profile: bool = False) -> dict[str, Any]:
     """One fast variant's record at a point: captured and timed (and its sections, and with
-    ``kernel_profile`` its CUPTI profile) under its environment."""
-    with env_override(env):
-        samples, v_extra = _graph_row(ex, tokens, cache, out, iters, warmup, standard_iters)
-        vs = stats(samples)
-        row = {**common, "backend": name, "variant_of": "fast", "options": dict(opts), **vs, **v_extra,
-               **throughput(vs["step_us_median"], int(tokens.shape[0]), 1),
-               "pct_of_floor": fl["floor_us"] / vs["step_us_median"], "x_floor": vs["step_us_median"] / fl["floor_us"],
-               "vs_fast": fast_row["step_us_median"] / vs["step_us_median"], "expert_format": fast_row["expert_format"]}
-        if layer_times:
-            row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
-        if kernel_profile and row.get("timer") == "cuda_graph_replay":
-            row["kernel_profile"] = _kernel_profile(ex, row["bucket"])
+    ``kernel_profile`` its CUPTI profile)."""
+    samples, v_extra = _graph_row(ex, tokens, cache, out, iters, warmup, standard_iters)
+    vs = stats(samples)
+    row = {**common, "backend": name, "variant_of": "fast", "options": dict(opts), **vs, **v_extra,
+           **throughput(vs["step_us_median"], int(tokens.shape[0]), 1),
+           "pct_of_floor": fl["floor_us"] / vs["step_us_median"], "x_floor": vs["step_us_median"] / fl["floor_us"],
+           "vs_fast": fast_row["step_us_median"] / vs["step_us_median"], "expert_format": fast_row["expert_format"]}
+    if layer_times:
+        row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
+    if kernel_profile and row.get("timer") == "cuda_graph_replay":
+        row["kernel_profile"] = _kernel_profile(ex, row["bucket"])
     return row
 
 

@@ -129,3 +129,9 @@ def attn_res_mix(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tens
        current_stream(sources.device))
     counters.count_launch(NAME)
     return mix_out, (normed_out if has_norm else None)
+
+
+def step_op(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float, out_w: torch.Tensor,
+            *, pdl: bool = False) -> torch.Tensor:
+    """The fast step's ``attn_res`` op (``runtime.fast_ops``): RMSNorm(mix of ``sources``) * ``out_w``."""
+    return attn_res_mix(sources, norm_w, proj_w, eps, out_w=out_w, out_eps=eps, pdl=pdl)[1]

@@ -15,5 +15,6 @@ SPEC = KernelSpec(
     pdl=True,
     # before griddepcontrol.wait: loads norm_w and proj_w, prefetches out_w into L2; the sources after it
     pdl_prologue_reads=("norm_w", "proj_w", "out_w"),
-    in_default_step=True,
+    serves_op="attn_res",
+    opt_in="",
 )

@@ -173,3 +173,8 @@ def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, 
        float(eps), float(lower_bound), current_stream(q.device))
     counters.count_launch(NAME)
     return out
+
+
+def step_op(*args: Any, pdl: bool = False, **kwargs: Any) -> torch.Tensor:
+    """The fast step's ``kda_step`` op (``runtime.fast_ops``): ``kda_decode`` itself."""
+    return kda_decode(*args, pdl=pdl, **kwargs)

@@ -16,5 +16,6 @@ SPEC = KernelSpec(
     # before griddepcontrol.wait: the per-layer parameters; slot, the projections, the conv and recurrent
     # state after it
     pdl_prologue_reads=("conv_q_w", "conv_k_w", "conv_v_w", "A_log", "dt_bias", "o_norm_w"),
-    in_default_step=True,
+    serves_op="kda_step",
+    opt_in="",
 )

@@ -21,6 +21,8 @@ cache with page_size L (L % 64 == 0) or any divisor of L that is a multiple of 6
 Outside the envelope (see ``is_supported``) the call is served by ``reference.py`` and counted as a
 fallback with the reason. ``pdl=True`` (or ``config.pdl``) launches both kernels for programmatic
 dependent launch (``MLADecodeConfig.pdl``, kernel.py): the same arithmetic, the same bits.
+``step_op`` is the fast step's ``mla_attention`` op over a slot pool (``write_latent`` + ``absorb_q`` +
+``mla_decode``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ import torch
 
 from ..._lib import compile_cache, counters
 from ..._lib.dispatch import OK, Support, check_tensors, no
+from ...reference.common import rms_norm
+from ...reference.mla import FP8_MAX
 from .config import MAX_SPLITS, TILE, MLADecodeConfig, choose_splits
 from .reference import mla_attention_ref, mla_decode_ref, mla_merge_ref
 
@@ -364,3 +368,33 @@ def mla_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor, w_uv: torch.Tensor
     y = _combine_final(o_parts, lse_parts, w_uv, gate, out, cfg)
     counters.count_launch(op)
     return y
+
+
+def write_latent(kv: torch.Tensor, kv_norm_w: torch.Tensor, eps: float, latent: torch.Tensor, scale: Any,
+                 slot: torch.Tensor, pos: torch.Tensor) -> None:
+    """Glue before ``mla_decode``: ``concat(RMSNorm(c_kv), k_pe)`` (FP8-encoded with ``scale`` for an FP8
+    pool, saturating like ``reference.mla.MLACache.encode``) into ``latent[slot[b], pos[b]]``. Padded rows
+    write slot 0."""
+    rank = kv_norm_w.shape[0]
+    new = torch.cat([rms_norm(kv[:, :rank], kv_norm_w, eps), kv[:, rank:]], dim=-1)
+    enc = (new.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8) if latent.dtype == FP8 else new.to(latent.dtype)
+    latent[slot.long(), pos] = enc
+
+
+def step_op(q, kv, kv_norm_w, eps, latent, scale, slot, pos, block_table, ctx_len, w_uk, w_uv, softmax_scale,
+            gate=None, *, pdl: bool = False) -> torch.Tensor:
+    """The fast step's ``mla_attention`` op (``runtime.fast_ops``): absorbed gated-MLA decode over the slot
+    pool (``reference.mla`` semantics). Writes the new latent at ``(slot, pos)`` (``write_latent``), absorbs
+    ``q_nope`` through W_UK (``absorb_q``: FP32 accumulate, rounded), then one ``mla_decode`` over the pool
+    viewed as pages of ``block_table``'s page size: positions ``0 .. ctx_len - 1 = pos`` of each row's slot,
+    W_UV and the output gate fused into the combine. ``max_ctx`` is the pool length (static: one graph per
+    bucket)."""
+    write_latent(kv, kv_norm_w, eps, latent, scale, slot, pos)
+    nope = w_uk.shape[1]
+    q_lat = absorb_q(q[..., :nope], w_uk).contiguous()
+    q_pe = q[..., nope:].contiguous()
+    n, length, width = latent.shape
+    page = length // (block_table.shape[1])
+    paged = latent.view(n * length // page, page, width)
+    return mla_decode(q_lat, q_pe, paged, block_table, ctx_len, w_uv, gate, softmax_scale=softmax_scale,
+                      cache_scale=scale if latent.dtype == FP8 else None, max_ctx=length, pdl=pdl)

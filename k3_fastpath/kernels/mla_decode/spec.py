@@ -17,5 +17,6 @@ SPEC = KernelSpec(
     # before griddepcontrol.wait: the attention kernel reads nothing (q, block table, ctx_len and the latent
     # cache are a step's); the final combine prefetches W_UV into L2
     pdl_prologue_reads=("w_uv",),
-    in_default_step=True,
+    serves_op="mla_attention",
+    opt_in="",
 )

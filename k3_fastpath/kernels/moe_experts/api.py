@@ -268,3 +268,15 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
             float(eps), stream)
     counters.count_launch(NAME)
     return out
+
+
+def step_op(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, bank: Any, norm_w: torch.Tensor | None = None,
+            eps: float = 1e-5, *, pdl: bool = False) -> torch.Tensor:
+    """The fast step's ``moe_experts`` op (``runtime.fast_ops``) over an expert bank (``.weights``, ``.beta``,
+    ``.linear_beta``: MXFP4 as the checkpoint stores it, in this kernel's fragment layout built once per bank):
+    the FP32 weighted sum, or with ``norm_w`` the routed latent RMSNorm fused into the combine (bf16). Router
+    ids come as int32 from ``moe_router``; the standard router's int64 ids are narrowed (glue)."""
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    return moe_experts(z, ids, weights.float(), bank.weights, beta=bank.beta, linear_beta=bank.linear_beta,
+                       norm_weight=norm_w, eps=eps, pdl=pdl)

@@ -16,5 +16,6 @@ SPEC = KernelSpec(
     # before griddepcontrol.wait: only the combine's latent norm weight; the plan reads ids after it and the
     # grouped GEMMs touch no expert weight (which experts depends on the router)
     pdl_prologue_reads=("norm_w",),
-    in_default_step=True,
+    serves_op="moe_experts",
+    opt_in="",
 )

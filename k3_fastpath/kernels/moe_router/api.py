@@ -194,3 +194,9 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, t
         gemm_cfg = dataclasses.replace(SkinnyGemmConfig.select(M, gate_weight.shape[0], H, out_fp32=True), pdl=True)
     lg = skinny_gemm(x, gate_weight, out=logits, out_dtype=torch.float32, config=gemm_cfg)
     return _launch(lg, bias, top_k, renormalize, scale, out_ids, out_weights, config, pdl)
+
+
+def step_op(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+            *, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fast step's ``moe_router`` op (``runtime.fast_ops``): (ids [Bk, k] int32, weights [Bk, k] fp32)."""
+    return moe_router(x, gate_w, bias, top_k, renormalize, scale, pdl=pdl)

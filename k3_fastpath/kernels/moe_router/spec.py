@@ -15,5 +15,6 @@ SPEC = KernelSpec(
     pdl=True,
     # before griddepcontrol.wait: the selection kernel loads the correction bias; the logits after it
     pdl_prologue_reads=("bias",),
-    in_default_step=True,
+    serves_op="moe_router",
+    opt_in="",
 )

@@ -130,3 +130,8 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
        to_cute(residual_out) if has_res else None, float(eps), current_stream(x.device))
     counters.count_launch(NAME)
     return out, (residual_out if has_res else None)
+
+
+def step_op(x: torch.Tensor, w: torch.Tensor, eps: float, *, pdl: bool = False) -> torch.Tensor:
+    """The fast step's ``rmsnorm`` op (``runtime.fast_ops``): RMSNorm(x) * w, no residual."""
+    return rmsnorm_residual(x, None, w, eps, pdl=pdl)[0]

@@ -15,5 +15,6 @@ SPEC = KernelSpec(
     pdl=True,
     # before griddepcontrol.wait: the norm weight; x and residual after it
     pdl_prologue_reads=("weight",),
-    in_default_step=True,
+    serves_op="rmsnorm",
+    opt_in="",
 )

@@ -112,3 +112,9 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float, 
     fn(to_cute(g), to_cute(u), to_cute(out), current_stream(g.device))
     counters.count_launch(NAME)
     return out
+
+
+def step_op(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float, *, pdl: bool = False) -> torch.Tensor:
+    """The fast step's opt-in ``situ_glu`` op (``runtime.fast_ops``; ``DecodeOptions(situ_glu_kernel=True)``):
+    the shared experts' and the dense MLP's activation in one launch instead of the PyTorch glue."""
+    return situ_glu(g, u, beta, linear_beta, pdl=pdl)

@@ -15,6 +15,7 @@ SPEC = KernelSpec(
     pdl=True,
     # before griddepcontrol.wait: nothing (g and u are activations; it reads no weight)
     pdl_prologue_reads=(),
-    # opt-in: DecodeOptions(situ_glu_kernel=True) (fast_ops.OPT_IN_OPS); the default step keeps the PyTorch glue
-    in_default_step=False,
+    serves_op="situ_glu",
+    # DecodeOptions(situ_glu_kernel=True) puts it in the table; the default step keeps the PyTorch glue
+    opt_in="situ_glu_kernel",
 )

@@ -4,16 +4,18 @@
     y = skinny_gemm(x, w, residual=h, out_dtype=torch.float32)
 
 The config (variant, M bucket, split-K) comes from ``SkinnyGemmConfig.select(M, N, K)``: the TMA + wgmma
-variant (kernel_wgmma.py) for M in its range (default 4..64; ``K3_SKINNY_GEMM_WGMMA=0`` turns it off, an
-integer moves the threshold), the heuristic (fma / mma.sync, kernel.py) below it. The compiled kernel serves every M of its bucket.
-``precompile(preset)`` compiles every ``rank_shapes(...).gemm_shapes()`` shape for every bucket (under the
-same environment). Outside the envelope the call is served by ``reference.py`` and counted as a fallback
+variant (kernel_wgmma.py) for M in ``wgmma_min_m``..64 (default WGMMA_MIN_M = 4; 0 turns it off; the decode
+step's ``DecodeOptions.gemm_wgmma_min_m``), the heuristic (fma / mma.sync, kernel.py) below it. The compiled
+kernel serves every M of its bucket. ``precompile(preset)`` compiles every ``rank_shapes(...).gemm_shapes()``
+shape for every bucket at the default threshold (``compile_variants(preset, wgmma_min_m=)`` lists another's;
+the executor's eager warm-up compiles whatever its step launches before any capture). ``step_op`` is the fast step's ``linear`` op. Outside the envelope the call is served by ``reference.py`` and counted as a fallback
 with the reason. Launches count under one kernel name, ``skinny_gemm``; ``VARIANT_LAUNCHES`` splits them
 by variant (the trace counters have no sub-keys).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Any
 
@@ -21,7 +23,7 @@ import torch
 
 from ..._lib import compile_cache, counters
 from ..._lib.dispatch import OK, Support, check_tensors, no
-from .config import MAX_M, SkinnyGemmConfig, m_buckets
+from .config import MAX_M, WGMMA_MIN_M, SkinnyGemmConfig, m_buckets
 from .reference import skinny_gemm_ref
 
 NAME = "skinny_gemm"
@@ -73,15 +75,16 @@ EXTRA_EPILOGUES: dict[str, tuple[tuple[bool, bool], ...]] = {  # name -> ((out_f
 }
 
 
-def compile_variants(preset_name: str) -> list[dict[str, Any]]:
-    """Every (N, K, config) a decode step of ``preset_name`` can launch: each M bucket, bf16 output, plus
-    the EXTRA_EPILOGUES of the projections that use them."""
+def compile_variants(preset_name: str, *, wgmma_min_m: int = WGMMA_MIN_M) -> list[dict[str, Any]]:
+    """Every (N, K, config) a decode step of ``preset_name`` can launch at the wgmma threshold ``wgmma_min_m``:
+    each M bucket, bf16 output, plus the EXTRA_EPILOGUES of the projections that use them."""
     out, seen = [], set()
     for name, (N, K) in preset_shapes(preset_name).items():
         for out_fp32, residual in ((False, False),) + EXTRA_EPILOGUES.get(name, ()):
-            for M in m_buckets():
+            for M in m_buckets(wgmma_min_m):
                 try:
-                    cfg = SkinnyGemmConfig.select(M, N, K, out_fp32=out_fp32, residual=residual)
+                    cfg = SkinnyGemmConfig.select(M, N, K, out_fp32=out_fp32, residual=residual,
+                                                  wgmma_min_m=wgmma_min_m)
                 except ValueError:
                     continue
                 if (N, K, cfg) in seen:
@@ -100,7 +103,7 @@ def precompile(preset_name: str) -> int:
 
 def is_supported(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 config: SkinnyGemmConfig | None = None) -> Support:
+                 config: SkinnyGemmConfig | None = None, wgmma_min_m: int = WGMMA_MIN_M) -> Support:
     """Whether the kernel serves this call: with ``config``, that config must fit (M within its bucket, the
     variant's K / N rules); without it, ``select`` must find one."""
     if x.dim() != 2 or w.dim() != 2:
@@ -122,7 +125,7 @@ def is_supported(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None
             return no(f"{config.variant} needs K % {config.k_granule} == 0, got K={K}")
     else:
         try:
-            SkinnyGemmConfig.select(M, N, K)
+            SkinnyGemmConfig.select(M, N, K, wgmma_min_m=wgmma_min_m)
         except ValueError as e:
             return no(str(e))
     for name, t, dt in (("residual", residual, torch.bfloat16), ("out", out, out_dtype)):
@@ -150,11 +153,14 @@ def _workspace(device: torch.device, N: int, cfg: SkinnyGemmConfig) -> tuple[tor
 
 def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None, *,
                 out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                config: SkinnyGemmConfig | None = None) -> torch.Tensor:
-    """y = x @ w^T (+ residual) with FP32 accumulation; ``config`` overrides the heuristic (benches)."""
+                config: SkinnyGemmConfig | None = None, pdl: bool = False,
+                wgmma_min_m: int = WGMMA_MIN_M) -> torch.Tensor:
+    """y = x @ w^T (+ residual) with FP32 accumulation. ``config`` overrides ``select`` (benches); ``pdl``
+    launches the selected config's PDL build (its weights stream toward L2 while the previous kernel
+    finishes, activations read after the wait); ``wgmma_min_m``: ``select``'s wgmma threshold."""
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else torch.bfloat16
-    support = is_supported(x, w, residual, out, out_dtype, config)
+    support = is_supported(x, w, residual, out, out_dtype, config, wgmma_min_m)
     if not support:
         counters.count_fallback(NAME, support.reason)
         y = skinny_gemm_ref(x, w, residual, out_dtype=out_dtype)
@@ -168,7 +174,9 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     M, K = x.shape
     N = w.shape[0]
     cfg = config or SkinnyGemmConfig.select(M, N, K, out_fp32=out_dtype == torch.float32,
-                                            residual=residual is not None)
+                                            residual=residual is not None, wgmma_min_m=wgmma_min_m)
+    if pdl and not cfg.pdl:
+        cfg = dataclasses.replace(cfg, pdl=True)
     if cfg.m_max < M or cfg.out_fp32 != (out_dtype == torch.float32) or cfg.residual != (residual is not None):
         raise ValueError(f"config {cfg} does not fit M={M}, out {out_dtype}, residual={residual is not None}")
     fn = compile_skinny_gemm("bf16", N, K, cfg)
@@ -183,3 +191,10 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     counters.count_launch(NAME)
     VARIANT_LAUNCHES[cfg.variant] += 1
     return out
+
+
+def step_op(x: torch.Tensor, w: torch.Tensor, *, residual: torch.Tensor | None = None,
+            out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None, pdl: bool = False,
+            gemm_wgmma_min_m: int = WGMMA_MIN_M) -> torch.Tensor:
+    """The fast step's ``linear`` op (``runtime.fast_ops``): ``skinny_gemm`` with the step's launch options."""
+    return skinny_gemm(x, w, residual, out=out, out_dtype=out_dtype, pdl=pdl, wgmma_min_m=gemm_wgmma_min_m)

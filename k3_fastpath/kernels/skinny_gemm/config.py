@@ -9,7 +9,6 @@ heuristic returns it; the rules below serve every other shape.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 VEC = 8  # bf16 per 16-byte load
@@ -27,12 +26,11 @@ NUM_SMS_H200 = 132
 PDL_PREFETCH_BYTES = 16 << 20  # per GEMM, before griddepcontrol.wait (L2 is 60 MB). TO BE MEASURED
 
 # wgmma variant (kernel_wgmma.py): TMA + wgmma, swap-AB. select() sends M >= WGMMA_MIN_M to it by default
-# (WGMMA_ENV moves the threshold or turns it off); from_heuristic (the fma / mma table) never picks it.
+# (its wgmma_min_m moves the threshold or turns it off); from_heuristic (the fma / mma table) never picks it.
 WGMMA_BUCKETS = (16, 32, 64)  # m_max = the wgmma N extent
 WGMMA_BLOCK_K = 64  # bf16 per 128-byte swizzle row: one pipeline stage holds k_unroll of these along K
 WGMMA_SMEM_LIMIT = 227 * 1024  # dynamic shared memory per CTA on sm_90
 SMEM_PER_SM_H200 = 228 * 1024  # of which 1 KB per resident CTA is reserved by the driver
-WGMMA_ENV = "K3_SKINNY_GEMM_WGMMA"  # unset/"1"/"on": M >= WGMMA_MIN_M; "0"/"off": never; "all"; 2..64: M >= it
 # Default range 4..64 (the 16-, 32- and 64-row buckets; M 4..16 share the 16-row bucket and cost what M = 16
 # does). Measured on the H200: at M = 16 / 32 / 64 wgmma beats the mma variant at all 22 rank / k3-mini GEMM
 # shapes (bundles/runs/2026-12-01-h200-session5/wgmma_bench.txt, `python -m k3_fastpath.kernels.skinny_gemm.bench
@@ -40,7 +38,7 @@ WGMMA_ENV = "K3_SKINNY_GEMM_WGMMA"  # unset/"1"/"on": M >= WGMMA_MIN_M; "0"/"off
 # 533 / 536 / 552 us vs 595 / 911 / 1304 us, cuBLAS 533 / 538 / 566 us). Below M = 9, whole k3-mini decode
 # steps (bundles/runs/2026-12-01-h200-session6, scripts/gpu/decode-sweep-s6.yaml, step time of the variant
 # vs the fma / mma default then, 1K / 128K context): wgmma for M 5..8 is 8.5 / 5.8% faster at batch 8; for
-# M = 4 (K3_SKINNY_GEMM_WGMMA=all at batch 4) 6.7 / 5.3% faster; at batch 2 a tie (+1.4 / +0.5%, within
+# M = 4 (wgmma from M = 1 at batch 4) 6.7 / 5.3% faster; at batch 2 a tie (+1.4 / +0.5%, within
 # run-to-run spread); at batch 1 2.6 / 2.1% slower. So fma keeps M 1..3 (M = 3 unmeasured) and wgmma takes 4..64.
 WGMMA_MIN_M = 4
 
@@ -58,7 +56,7 @@ class SkinnyGemmConfig:
       warpgroups each own ``rows_per_warp`` 64-row wgmma tiles (rows_per_cta = 16 * warps_n *
       rows_per_warp); W and x tiles arrive by TMA through a ``stages``-deep mbarrier pipeline, each stage
       ``k_unroll`` x 64 wide in K. ``split_k`` works as for mma. Never picked by ``from_heuristic``:
-      ``wgmma_for`` builds one, ``select`` returns it for M >= WGMMA_MIN_M unless WGMMA_ENV says otherwise.
+      ``wgmma_for`` builds one, ``select`` returns it for M >= its ``wgmma_min_m`` (default WGMMA_MIN_M).
     A CTA has ``warps_n`` x ``warps_k`` warps: warps_n split the CTA's rows, warps_k split K (reduced
     through shared memory). ``split_k`` CTAs split K further (mma only); each writes FP32 partials to a
     workspace and the last CTA to arrive sums them in split order (deterministic) and runs the epilogue.
@@ -210,10 +208,10 @@ class SkinnyGemmConfig:
 
     @classmethod
     def select(cls, M: int, N: int, K: int, *, out_fp32: bool = False, residual: bool = False,
-               num_sms: int = NUM_SMS_H200) -> SkinnyGemmConfig:
-        """The config ``api.skinny_gemm`` launches: the wgmma variant for M in its range (default 4..64;
-        ``K3_SKINNY_GEMM_WGMMA`` moves or disables it), ``from_heuristic`` below it."""
-        lo = wgmma_min_m()
+               num_sms: int = NUM_SMS_H200, wgmma_min_m: int = WGMMA_MIN_M) -> SkinnyGemmConfig:
+        """The config ``api.skinny_gemm`` launches: the wgmma variant for M in ``wgmma_min_m``..64 (0: never;
+        ``DecodeOptions.gemm_wgmma_min_m`` in a decode step), ``from_heuristic`` below it."""
+        lo = wgmma_threshold(wgmma_min_m)
         if lo is not None and lo <= M <= MAX_M and K % VEC == 0:
             return cls.wgmma_for(M, N, K, out_fp32=out_fp32, residual=residual, num_sms=num_sms)
         return cls.from_heuristic(M, N, K, out_fp32=out_fp32, residual=residual, num_sms=num_sms)
@@ -263,26 +261,19 @@ class SkinnyGemmConfig:
                    k_unroll=4 if m_max <= 32 else 2, out_fp32=out_fp32, residual=residual)
 
 
-def wgmma_min_m() -> int | None:
-    """The smallest M ``select`` sends to the wgmma variant (default WGMMA_MIN_M), or None where the
-    environment turns it off (``K3_SKINNY_GEMM_WGMMA=0``)."""
-    raw = os.environ.get(WGMMA_ENV, "").strip().lower()
-    if raw in ("0", "off", "false", "no"):
-        return None
-    if raw in ("", "1", "on", "true", "yes"):
-        return WGMMA_MIN_M
-    if raw == "all":  # every M, 1..64 (M <= 16 in the 16-row bucket: the rows past M are TMA zero-fill)
-        return 1
-    if raw.isdigit() and 2 <= int(raw) <= MAX_M:
-        return int(raw)
-    raise ValueError(f"{WGMMA_ENV}={raw!r}: expected 0/1/on/off/all or an M threshold in 2..{MAX_M}")
+def wgmma_threshold(min_m: int) -> int | None:
+    """The smallest M ``select`` sends to the wgmma variant for the option value ``min_m`` (0: never, None;
+    1: every M, the rows of M <= 16 past M being TMA zero-fill; 2..64: M >= it); anything else raises."""
+    if isinstance(min_m, bool) or not isinstance(min_m, int) or not 0 <= min_m <= MAX_M:
+        raise ValueError(f"wgmma_min_m={min_m!r}: expected 0 (never) or an M threshold in 1..{MAX_M}")
+    return min_m or None
 
 
-def m_buckets() -> tuple[int, ...]:
-    """Representative M per compiled variant: every config ``select`` can return for M in 1..64 (the wgmma
-    buckets replace the mma buckets they cover)."""
+def m_buckets(wgmma_min_m: int = WGMMA_MIN_M) -> tuple[int, ...]:
+    """Representative M per compiled variant: every config ``select(..., wgmma_min_m=)`` can return for M in
+    1..64 (the wgmma buckets replace the mma buckets they cover)."""
     base = tuple(range(1, FMA_MAX_M + 1)) + MMA_BUCKETS
-    lo = wgmma_min_m()
+    lo = wgmma_threshold(wgmma_min_m)
     if lo is None:
         return base
     keep = {m for m in base if m < lo} | {lo} | {b for b in WGMMA_BUCKETS if b >= lo}

@@ -16,5 +16,6 @@ SPEC = KernelSpec(
     # before griddepcontrol.wait: its CTA's share of W (up to PDL_PREFETCH_BYTES) prefetched into L2 (wgmma:
     # the first W tiles); x and the residual after it
     pdl_prologue_reads=("w",),
-    in_default_step=True,
+    serves_op="linear",
+    opt_in="",
 )
