@@ -10,7 +10,7 @@
 A preset spec is a preset name with overrides, ``NAME[:key=value[,...]]``: ``experts`` (the expert pool,
 ``num_experts``), ``layers`` (``num_hidden_layers``, K3's KDA/MLA cadence re-derived) and ``tp`` (the
 tensor-parallel size the preset stands for), e.g. ``k3-tp8-rank:experts=128``: the rank emulation of
-``runtime/rank_emulation.py`` (a full TP8 rank does not fit one H200). The config's ``name`` is the
+``measure/rank_emulation.py`` (a full TP8 rank does not fit one H200). The config's ``name`` is the
 canonical spec, so a bundle says what ran. A bad name or spec raises a one-line ``ConfigError``.
 """
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from k3_fastpath.runtime.kernel_profile import summarize_kernels
+from k3_fastpath.measure.kernel_profile import summarize_kernels
 from verify.bundle.kernel_profiles import kernel_profiles
 from verify.bundle.readers import read_bundle
 from verify.bundle.render import render_bundle

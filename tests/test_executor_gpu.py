@@ -258,11 +258,11 @@ def test_outside_the_envelope_falls_back_with_reason(seed):
 
 @pytest.mark.parametrize("backend", ["latency_specialized", "standard_graph"])
 def test_section_graphs_are_the_step(backend, seed):
-    """The per-layer-type timer's section graphs (runtime/section_timing.py) replayed in order are one step:
+    """The per-layer-type timer's section graphs (measure/section_timing.py) replayed in order are one step:
     the same logits and cache updates as the bucket's own graph from the same state (bit for bit on our
     kernels; to FP32-atomic order on the standard path); its times
     cover every layer type of the model and add up to about the step's."""
-    from k3_fastpath.runtime.section_timing import SectionGraphs, time_sections
+    from k3_fastpath.measure.section_timing import SectionGraphs, time_sections
 
     model = _model("k3-tiny")
     ex = DecodeExecutor(model, backend=backend, max_len=48, max_batch=4, buckets=(4,))
@@ -345,11 +345,11 @@ def test_single_expert_copy_changes_no_bit_and_frees_the_checkpoint_layout(seed)
 
 
 def test_kernel_profile_sees_every_counted_kernel(seed):
-    """The CUPTI trace of a replayed fast step (runtime/kernel_profile.py) finds each fast kernel the trace's
+    """The CUPTI trace of a replayed fast step (measure/kernel_profile.py) finds each fast kernel the trace's
     counters report, at least as often per step as counted (a counted launch may be more than one device
     kernel: split-K reductions, MLA's combine), with busy time inside the traced span."""
+    from k3_fastpath.measure.kernel_profile import profile_replays
     from k3_fastpath.runtime.graphs import bucket_for
-    from k3_fastpath.runtime.kernel_profile import profile_replays
 
     model = _model("k3-tiny")
     ex = DecodeExecutor(model, max_len=48, max_batch=4, buckets=(4,))

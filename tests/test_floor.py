@@ -1,4 +1,4 @@
-"""The HBM floor model (k3_fastpath/runtime/floor.py) against K3.md's numbers, and routing counts.
+"""The HBM floor model (k3_fastpath/measure/floor.py) against K3.md's numbers, and routing counts.
 
 K3.md ("Bytes a decode step must read") gives per-GPU, per-layer bytes at TP8 to the digits shown; those
 are matched exactly at that rounding. Its whole-step floors are "about" values; they are matched within
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from k3_fastpath.manifest import tensor_specs
+from k3_fastpath.measure import floor as F
+from k3_fastpath.measure import routing as R
 from k3_fastpath.presets import preset
-from k3_fastpath.runtime import floor as F
-from k3_fastpath.runtime import routing as R
 from k3_fastpath.weights import rank_shape
 
 K3 = preset("k3").config

@@ -1,4 +1,4 @@
-"""runtime/kernel_profile.py without a GPU: kernel names to ops, per-step totals, busy / idle time from
+"""measure/kernel_profile.py without a GPU: kernel names to ops, per-step totals, busy / idle time from
 overlapping intervals. (The CUPTI trace itself runs in perf.decode_sweep with ``kernel_profile: true`` on the
 GPU host.)"""
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from k3_fastpath.runtime.kernel_profile import op_of, summarize_kernels
+from k3_fastpath.measure.kernel_profile import op_of, summarize_kernels
 
 WGMMA = ("kernel_cutlass_kernel_k3_fastpathkernelsskinny_gemmkernel_wgmmaSkinnyGemmWgmmaKernel_object_at__CopyAtom_"
          "ThrID10_TVLayoutSrc1409601_0")
@@ -86,7 +86,7 @@ def test_exclusive_time_counts_a_pdl_chain_once(seed):
     """A PDL chain (each kernel starts inside its predecessor and waits) and a kernel hidden on a side stream:
     each kernel's exclusive time is what it adds past every earlier-started one; they sum to the busy time,
     while the plain durations double-count the overlaps."""
-    from k3_fastpath.runtime.kernel_profile import exclusive_us
+    from k3_fastpath.measure.kernel_profile import exclusive_us
 
     assert exclusive_us([("a", 0, 10), ("b", 4, 15), ("side", 5, 9), ("c", 20, 22)]) == [10, 5, 0, 2]
     rng = random.Random(seed)

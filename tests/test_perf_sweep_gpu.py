@@ -51,8 +51,8 @@ def test_fused_epilogue_on_gpu_matches_the_reference(seed):
 
 
 def test_one_sweep_point_on_k3_tiny(seed):
+    from k3_fastpath.measure.device_synthetic import device_model
     from k3_fastpath.presets import preset
-    from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.executor import DecodeExecutor
     from verify.checks import perf_sweep as S
 
@@ -78,8 +78,8 @@ def test_one_sweep_point_on_k3_tiny(seed):
 
 def _tp_standard_worker(rank: int, world: int, seed: int) -> dict:
     """The TP standard path (library ops, NCCL all-reduces) captured in a CUDA graph vs the same eagerly."""
+    from k3_fastpath.measure.device_synthetic import device_model
     from k3_fastpath.presets import preset
-    from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.tp_comm import TorchComm
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
 

@@ -14,10 +14,8 @@ import pytest
 import torch
 
 from k3_fastpath.config import ConfigError, load_config
-from k3_fastpath.presets import PRESET_NAMES, _k3_layers, get_config, preset, preset_spec
-from k3_fastpath.rank_shapes import rank_shapes
-from k3_fastpath.runtime import floor, rank_emulation
-from k3_fastpath.runtime.rank_emulation import (
+from k3_fastpath.measure import floor, rank_emulation
+from k3_fastpath.measure.rank_emulation import (
     RankEmulationError,
     cache_pool_bytes,
     check_fits,
@@ -26,6 +24,8 @@ from k3_fastpath.runtime.rank_emulation import (
     emulation_record,
     max_expert_pool,
 )
+from k3_fastpath.presets import PRESET_NAMES, _k3_layers, get_config, preset, preset_spec
+from k3_fastpath.rank_shapes import rank_shapes
 from k3_fastpath.runtime.tp import rank_config
 
 H200_FREE = 141_000_000_000
@@ -195,7 +195,7 @@ def test_emulated_rank_holds_exactly_the_estimate_in_distinct_allocations(seed):
 
 
 def test_too_big_is_refused_before_anything_is_allocated(monkeypatch):
-    from k3_fastpath.runtime import device_synthetic
+    from k3_fastpath.measure import device_synthetic
 
     monkeypatch.setattr(rank_emulation, "device_free_bytes", lambda device: 10**6)
     monkeypatch.setattr(device_synthetic, "device_model", lambda *a, **k: pytest.fail("allocated anyway"))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from k3_fastpath.kernels.moe_experts.layout import ExpertWeights
+from k3_fastpath.measure.rank_emulation import cache_pool_bytes, check_fits, emulation_bytes
 from k3_fastpath.presets import preset, preset_spec
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.reference.moe import MXFP4Weight, cache_dense_experts
@@ -17,7 +18,6 @@ from k3_fastpath.runtime.envelope import Envelope
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.runtime.fast_step import ModelPlan
 from k3_fastpath.runtime.options import DecodeOptions
-from k3_fastpath.runtime.rank_emulation import cache_pool_bytes, check_fits, emulation_bytes
 from k3_fastpath.synthetic import synthetic_state_dict
 
 CFG = preset("k3-tiny").config

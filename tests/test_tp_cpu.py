@@ -169,7 +169,7 @@ def test_fused_epilogue_kernel_matches_the_reference_under_the_triton_interprete
 
 def test_device_synthetic_shards_equal_the_sharded_full_draw(seed, monkeypatch):
     """A rank's device-drawn share is exactly the manifest cut of the full device draw (same generators)."""
-    from k3_fastpath.runtime import device_synthetic as D
+    from k3_fastpath.measure import device_synthetic as D
 
     monkeypatch.setattr(D, "BIG", 1 << 12)  # k3-tiny's big tensors take the device-draw path too
     cfg = preset(PRESET).config
@@ -189,7 +189,7 @@ def test_device_synthetic_rank_draws_only_its_expert_share(monkeypatch):
     """A TP rank draws (and quantizes) only its share of each routed expert matrix, not the whole of it:
     what makes the 82k-expert k3-tp16-rank emulation quick to build."""
     from k3_fastpath.manifest import tensor_specs
-    from k3_fastpath.runtime import device_synthetic as D
+    from k3_fastpath.measure import device_synthetic as D
 
     cfg = preset(PRESET).config
     spec = next(s for s in tensor_specs(cfg) if s.kind == "packed" and s.name.endswith(".w2.weight_packed"))
@@ -258,8 +258,8 @@ def test_assign_state_dict_is_load_state_dict_assign():
     """device_synthetic.assign_state_dict (linear in the tensors) leaves a model exactly as
     ``load_state_dict(strict=True, assign=True)`` does, and refuses missing / unexpected names and wrong
     shapes with the name."""
+    from k3_fastpath.measure import device_synthetic as D
     from k3_fastpath.reference.model import K3ForCausalLM
-    from k3_fastpath.runtime import device_synthetic as D
 
     cfg = preset(PRESET).config
     sd = D.device_state_dict(cfg, 1, "cpu")
@@ -309,7 +309,7 @@ def test_expert_share_is_a_cut_of_the_full_draw_when_blocks_do_not_align(tp, row
     (``rows`` x 64) is cut along its rows; a w2-like one (64 x ``cols``, EXPERT_ROW) along its columns, in
     whole MXFP4 groups."""
     from k3_fastpath.manifest import EXPERT_COL, EXPERT_ROW, TensorSpec
-    from k3_fastpath.runtime import device_synthetic as D
+    from k3_fastpath.measure import device_synthetic as D
 
     cfg = preset(PRESET).config
     for rule, shape, dim in ((EXPERT_COL, (rows, 32), 0), (EXPERT_ROW, (64, cols // 2), 1)):

@@ -196,8 +196,8 @@ def build_reference_model(cfg: Any, state_dict: dict[str, Any], device: Any, *, 
     caller); made on the meta device, so nothing else is allocated."""
     import torch
 
+    from k3_fastpath.measure.device_synthetic import assign_state_dict
     from k3_fastpath.reference.model import K3ForCausalLM
-    from k3_fastpath.runtime.device_synthetic import assign_state_dict
 
     device = torch.device(device)
     with torch.device("meta"):

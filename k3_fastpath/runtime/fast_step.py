@@ -57,7 +57,7 @@ class ExpertBank:
     (``MXFP4Weight.use_source``: the checkpoint bytes of that expert rebuilt per read, exact). What it
     costs: a reference / prefill / standard-path read of an expert unpacks it first; ``state_dict()`` of the
     model no longer lists the routed experts. What it buys: a full K3 TP16 rank (90 GB of experts) fits an
-    H200 with the fast path built (``runtime/rank_emulation.py``). Irreversible for the model (every
+    H200 with the fast path built (``measure/rank_emulation.py``). Irreversible for the model (every
     executor over it shares the bank)."""
 
     _weights_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -5,7 +5,7 @@
 
 Parts (each runs on its own, a failing part is reported and the others still run):
 
-1. ``numerics``: k3-mini, BF16, seeded weights drawn on the GPUs (runtime/device_synthetic.py). Two NCCL
+1. ``numerics``: k3-mini, BF16, seeded weights drawn on the GPUs (measure/device_synthetic.py). Two NCCL
    ranks run the TP model (runtime/tp.py) with the unfused (NCCL + PyTorch ops) and the fused (symmetric
    memory one-shot + Triton epilogue) communicator, and the TP fast step (runtime/tp_fast.py, CUDA graphs):
    a prefill of 4 x 16 tokens then 8 teacher-forced decode steps. GPU 0 then runs TP1 (the reference model on the same weights) in BF16 and FP32 on the same tokens.
@@ -74,8 +74,8 @@ def _run_fast(prefill_model, fast, ids: torch.Tensor, fed: torch.Tensor) -> torc
 
 
 def numerics_worker(rank: int, world: int, preset: str, seed: int) -> dict:
+    from k3_fastpath.measure.device_synthetic import device_model
     from k3_fastpath.presets import get_config
-    from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.tp import TPModel
     from k3_fastpath.runtime.tp_allreduce import make_comm
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
@@ -91,8 +91,8 @@ def numerics_worker(rank: int, world: int, preset: str, seed: int) -> dict:
 
 
 def numerics(preset: str, seed: int) -> dict:
+    from k3_fastpath.measure.device_synthetic import device_model
     from k3_fastpath.presets import get_config
-    from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.tp_launch import launch
 
     r0, r1 = launch(numerics_worker, 2, (preset, seed), backend="nccl", timeout_s=540)
@@ -139,8 +139,8 @@ def allreduce_worker(rank: int, world: int, preset: str, seed: int) -> dict:
 
 
 def step_worker(rank: int, world: int, preset: str, seed: int, bw: float) -> dict:
+    from k3_fastpath.measure.device_synthetic import device_model
     from k3_fastpath.presets import get_config
-    from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.tp import TPModel
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm
     from k3_fastpath.runtime.tp_comm import TorchComm

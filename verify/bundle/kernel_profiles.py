@@ -1,6 +1,6 @@
 """The per-kernel profiles a ``perf.decode_sweep`` run records (``kernel_profile: true``), read back from a
 bundle and rendered as the summary's table: per point and backend, the step's span, the GPU's idle share,
-and the ops with the most device time (``k3_fastpath/runtime/kernel_profile.py`` says how they are taken)."""
+and the ops with the most device time (``k3_fastpath/measure/kernel_profile.py`` says how they are taken)."""
 
 from __future__ import annotations
 

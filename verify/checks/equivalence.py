@@ -150,7 +150,7 @@ def build_synthetic_model(cfg: Any, seed: int, conditioning: str, device: str | 
 
     device = torch.device(device)
     if device.type == "cuda":
-        from k3_fastpath.runtime.device_synthetic import device_state_dict
+        from k3_fastpath.measure.device_synthetic import device_state_dict
         from k3_fastpath.runtime.tp import rank_config
 
         sd = device_state_dict(cfg, seed, device, tp=tp, conditioning=conditioning)

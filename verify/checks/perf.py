@@ -185,14 +185,14 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
     points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache); ``kernel_profile``: TP1
     fast / standard / variant graph rows also record device time per kernel and op (own and exclusive) and
-    the GPU's idle time in the step (``k3_fastpath/runtime/kernel_profile.py``). On a checkpoint run the
+    the GPU's idle time in the step (``k3_fastpath/measure/kernel_profile.py``). On a checkpoint run the
     model is the checkpoint (TP1: the tensors the run read; TP > 1: each rank reads its slices from the same
     directory) and ``preset`` is not used."""
     import torch
 
     from k3_fastpath._lib.timing import read_bandwidth_gbs
+    from k3_fastpath.measure.device_synthetic import device_model
     from k3_fastpath.presets import get_config
-    from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.options import DecodeOptions, defaults
     from verify.checks import perf_sweep as S
@@ -208,13 +208,13 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(kv_cache)
     if kv_dtype is None:
         return ctx.failed(f"kv_cache must be bf16 or fp8, got {kv_cache!r}")
-    from k3_fastpath.presets import is_preset_spec, preset_spec
-    from k3_fastpath.runtime.rank_emulation import (
+    from k3_fastpath.measure.rank_emulation import (
         RankEmulationError,
         cache_pool_bytes,
         emulation_model,
         emulation_record,
     )
+    from k3_fastpath.presets import is_preset_spec, preset_spec
 
     if ctx.on_checkpoint:  # the run's checkpoint, whatever the tier's preset says (TP1: its tensors as read)
         if preset != SWEEP_PRESET:

@@ -19,7 +19,7 @@ Per TP1 point (batch x context x routing), in ONE process, on ONE cache:
    (CUDA events around each; decode only, no prefill). Reference: ``standard_iters`` eager steps (it has
    host synchronisation and cannot be captured), plus one step with CUDA events at every attention / MLP
    module (its per-layer-type time). Fast and standard per-layer-type times come from the same step captured
-   as one graph per section (``runtime/section_timing.py``, ``layer_times``), next to each type's floor;
+   as one graph per section (``measure/section_timing.py``, ``layer_times``), next to each type's floor;
 5. cold L2 without weight copies: a step streams its whole weight set (GBs for k3-mini) through the 60 MB
    L2 once per replay, so every weight is evicted before its next read; a point whose weight bytes are under
    3x the L2 says so in ``cold_l2``.
@@ -143,7 +143,7 @@ def per_layer_type_us(model: Any, step: Callable[[], Any]) -> dict[str, float]:
 
 # ------------------------------------------------------------------------------------------ one point
 def tokens_for(cfg: Any, routing: str, batch: int, seed: int) -> tuple[torch.Tensor, str]:
-    from k3_fastpath.runtime.routing import prompt_token_ids
+    from k3_fastpath.measure.routing import prompt_token_ids
 
     if routing == "uniform":
         g = torch.Generator().manual_seed(seed)
@@ -156,7 +156,7 @@ def tokens_for(cfg: Any, routing: str, batch: int, seed: int) -> tuple[torch.Ten
 
 def floor_for(cfg: Any, tp: int, batch: int, context: int, kv_bytes: int, routing: str,
               touched_measured: list[int] | None, bw: float) -> dict[str, Any]:
-    from k3_fastpath.runtime import floor as F
+    from k3_fastpath.measure import floor as F
 
     touched = None if routing == "uniform" or touched_measured is None else touched_measured
     sb = F.step_bytes(cfg, tp=tp, batch=batch, context=context, kv_bytes=kv_bytes, touched=touched)
@@ -205,7 +205,7 @@ def _graph_row(ex: Any, tokens: torch.Tensor, cache: Any, out: torch.Tensor, ite
 
 
 def _kernel_profile(ex: Any, bucket: int) -> dict[str, Any]:
-    from k3_fastpath.runtime.kernel_profile import profile_replays
+    from k3_fastpath.measure.kernel_profile import profile_replays
 
     try:
         return profile_replays(lambda: ex.graphs.replay(bucket))
@@ -230,10 +230,10 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
     (``variants``: row name -> (executor over ``fast``'s pool, its options, its environment overrides),
     row ``vs_fast`` = fast's median / the variant's) and the eager reference (``std``); one record each.
     ``kernel_profile``: the fast, standard and variant graph rows also get ``kernel_profile`` (device time per
-    kernel and op, GPU idle time: ``runtime/kernel_profile.py``; a ``pdl: false`` variant's kernel times are
+    kernel and op, GPU idle time: ``measure/kernel_profile.py``; a ``pdl: false`` variant's kernel times are
     free of the PDL wait that a PDL kernel's duration includes). ``rank_tp > 1``: ``model`` is one emulated rank of TP ``rank_tp`` of
     ``floor_cfg`` (the floor is that rank's share; rows say ``tp: rank_tp, emulated_rank: true``)."""
-    from k3_fastpath.runtime.routing import touched_in_step
+    from k3_fastpath.measure.routing import touched_in_step
 
     cfg = model.cfg
     dev = model.device
@@ -264,7 +264,7 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
                          "expert_format_note": "torch has no MXFP4 grouped GEMM on sm_90: the standard path's "
                                                "experts are dequantised to BF16 once (4x the fast path's expert "
                                                "bytes); floor_us is the model's (MXFP4) floor for both"})
-        if layer_times:  # per-layer-type times of both graph paths (section graphs, runtime/section_timing.py)
+        if layer_times:  # per-layer-type times of both graph paths (section graphs, measure/section_timing.py)
             for row, ex in zip(rows, (fast, strong), strict=False):
                 row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
         if kernel_profile:
@@ -318,7 +318,7 @@ def graph_layer_times(ex: Any, tokens: torch.Tensor, cache: Any, floor_by_type: 
                       rounds: int) -> dict[str, Any]:
     """``per_layer_type_us`` and ``pct_of_floor_by_layer_type`` of a graph-captured backend's step (one graph per
     section, ``section_timing.time_sections``), or the reason they are missing."""
-    from k3_fastpath.runtime.section_timing import pct_of_floor_by_type, time_sections
+    from k3_fastpath.measure.section_timing import pct_of_floor_by_type, time_sections
 
     try:
         t = time_sections(ex, tokens, cache, rounds=rounds)
@@ -396,8 +396,8 @@ def allreduce_rows(comms: dict[str, Any], batches: Sequence[int], hidden: int, s
 
 def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
     """One rank of the TP sweep (spawned by ``tp_launch.launch`` with NCCL): see the module docstring."""
+    from k3_fastpath.measure.device_synthetic import device_model
     from k3_fastpath.presets import get_config
-    from k3_fastpath.runtime.device_synthetic import device_model
     from k3_fastpath.runtime.options import defaults
     from k3_fastpath.runtime.tp import TPModel
     from k3_fastpath.runtime.tp_allreduce import SymmMemComm

@@ -36,6 +36,7 @@ from typing import Any
 
 from ..config import ConfigError, K3Config
 from ..presets import Preset, _k3_layers, preset_spec, spec_name
+from ..runtime.tp import rank_config
 from .floor import (
     expected_distinct_experts,
     kda_conv_state_bytes_per_seq,
@@ -44,7 +45,6 @@ from .floor import (
     mla_cache_bytes_per_token,
     moe_layer_ids,
 )
-from .tp import rank_config
 
 GB = 1e9  # decimal, as K3.md's byte counts
 RESERVE_BYTES = 2 * 10**9  # cuBLAS workspaces, CUDA-graph pools, activations, allocator slack
@@ -111,7 +111,7 @@ def cache_pool_bytes(cfg: K3Config, tp: int, *, slots: int, max_len: int, kv_byt
     """Bytes of a ``CachePool`` of ``slots`` slots (an executor's ``max_batch + 1``) for a rank of ``tp``:
     per KDA layer the FP32 recurrent state and the BF16 conv windows, per MLA layer the latent pool of
     ``max_len`` rounded up to 64 positions in ``kv_bytes`` per element (2 BF16, 1 FP8) and its FP32 scale."""
-    from .cache_pool import CachePool
+    from ..runtime.cache_pool import CachePool
 
     lp = CachePool.latent_length(max_len)
     kda = slots * (kda_state_bytes_per_seq(cfg, tp) + kda_conv_state_bytes_per_seq(cfg, tp, 2))

@@ -91,8 +91,8 @@ def device_state_dict(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, ran
                       conditioning: str = "default") -> dict[str, torch.Tensor]:
     """``{manifest name: tensor}`` on ``device`` (rank ``rank``'s share when ``tp > 1``, shaped for
     ``tp.rank_config``)."""
+    from ..runtime.tp import rank_config
     from ..weights import slice_tensor
-    from .tp import rank_config
 
     device = torch.device(device)
     out: dict[str, torch.Tensor] = {}
@@ -187,7 +187,7 @@ def device_model(cfg: K3Config, seed: int, device: Any, *, tp: int = 1, rank: in
                  dtype: torch.dtype = torch.bfloat16):
     """A reference ``K3ForCausalLM`` (of ``tp.rank_config(cfg, tp)``) on ``device`` with these weights."""
     from ..reference.model import K3ForCausalLM
-    from .tp import rank_config
+    from ..runtime.tp import rank_config
 
     rcfg = rank_config(cfg, tp)
     sd = device_state_dict(cfg, seed, device, tp=tp, rank=rank, conditioning=conditioning)

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from .fast_step import OpCalls, step_sections
-from .graphs import bucket_for
+from ..runtime.fast_step import OpCalls, step_sections
+from ..runtime.graphs import bucket_for
 
 
 class SectionGraphs:
