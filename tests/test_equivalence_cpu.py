@@ -193,7 +193,7 @@ def test_reference_dense_experts_survive_the_executor(monkeypatch, seed):
     from k3_fastpath.presets import preset
     from k3_fastpath.runtime.envelope import Envelope
     from k3_fastpath.runtime.executor import DecodeExecutor
-    from k3_fastpath.runtime.fast_step import ModelPlan
+    from k3_fastpath.runtime.step_plan import ModelPlan
     from verify.checks.equivalence import _keep_reference_experts_dense, build_synthetic_model
 
     cfg = preset("k3-tiny").config

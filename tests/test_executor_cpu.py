@@ -330,7 +330,7 @@ def test_moe_experts_adapter_matches_reference(norm, seed):
     from k3_fastpath._lib import counters
     from k3_fastpath.reference.common import rms_norm
     from k3_fastpath.reference.moe import route
-    from k3_fastpath.runtime.fast_step import ExpertBank
+    from k3_fastpath.runtime.step_plan import ExpertBank
 
     m = load_reference(CFG, synthetic_state_dict(CFG, 0), dtype=torch.bfloat16)
     moe = m.model.layers[1].block_sparse_moe

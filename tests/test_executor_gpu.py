@@ -229,9 +229,9 @@ def test_no_bf16_expert_copies_and_shared_stream(seed):
     assert on.side.stream is not None and off.side.stream is None
     for layer in on._plan.layers:
         if layer.moe:
-            w = layer.mlp["bank"].weights
+            w = layer.mlp.bank.weights
             assert w.fmt == "mxfp4" and w.frag is not None
-            assert w.w1[0].data_ptr() == layer.mlp["bank"].module.experts[0].w1.weight_packed.data_ptr()
+            assert w.w1[0].data_ptr() == layer.mlp.bank.module.experts[0].w1.weight_packed.data_ptr()
     on.warmup_and_capture()
     off.warmup_and_capture()
     ref, c_on, first = _filled(model, on, 4, 8, seed, 48)
@@ -308,7 +308,7 @@ def test_single_expert_copy_changes_no_bit_and_frees_the_checkpoint_layout(seed)
     """``single_expert_copy=True``: the routed experts live once (fragment layout); graph-replayed fast steps
     and the reference model (which now rebuilds expert bytes from the fragments) give bit for bit the
     logits of a model whose experts live twice, and building the plan adds no second copy of the experts."""
-    from k3_fastpath.runtime.fast_step import ModelPlan
+    from k3_fastpath.runtime.step_plan import ModelPlan
 
     two = build_synthetic_model(_cfg("k3-tiny"), 0, "stable", "cuda")
     one = build_synthetic_model(_cfg("k3-tiny"), 0, "stable", "cuda")
@@ -319,7 +319,7 @@ def test_single_expert_copy_changes_no_bit_and_frees_the_checkpoint_layout(seed)
         plan = ModelPlan.build(model, single_expert_copy=single)
         torch.cuda.synchronize()
         deltas.append(torch.cuda.memory_allocated() - m0)
-    banks = [lp.mlp["bank"].weights for lp in plan.layers if lp.moe]
+    banks = [lp.mlp.bank.weights for lp in plan.layers if lp.moe]
     assert banks and all(b.compacted for b in banks)
     expert_bytes = sum(t.numel() for b in banks for q, s in b.frag.values() for t in (q, s))
     # net deltas: building a plan also frees a few small model-side temporaries (2 KiB on k3-tiny), so the

@@ -16,8 +16,8 @@ from k3_fastpath.reference.model import load_reference
 from k3_fastpath.reference.moe import MXFP4Weight, cache_dense_experts
 from k3_fastpath.runtime.envelope import Envelope
 from k3_fastpath.runtime.executor import DecodeExecutor
-from k3_fastpath.runtime.fast_step import ModelPlan
 from k3_fastpath.runtime.options import DecodeOptions
+from k3_fastpath.runtime.step_plan import ModelPlan
 from k3_fastpath.synthetic import synthetic_state_dict
 
 CFG = preset("k3-tiny").config
@@ -96,7 +96,7 @@ def test_emulated_executor_matches_the_two_copy_one(sd, seed):
             steps.append(last.clone())
         outs.append(torch.stack(steps))
         assert ex.trace.meta["single_expert_copy"] is single
-        banks = [lp.mlp["bank"].weights for lp in ex._plan_or_build().layers if lp.moe]
+        banks = [lp.mlp.bank.weights for lp in ex._plan_or_build().layers if lp.moe]
         assert banks and all(b.compacted is single for b in banks)
     assert torch.equal(outs[0], outs[1]), f"seed {seed}: single_expert_copy changed the fast step"
 

@@ -58,7 +58,7 @@ def _same(a, b):
 def test_cpu_table_falls_back_to_the_eager_functions_bit_for_bit(m16, no_compile, seed):
     """Each op of the compiled-glue table on CPU tensors == the eager function on the same inputs (outputs and
     in-place pool updates equal bitwise), no compile attempted, the reasons say eager on cpu."""
-    from k3_fastpath.runtime.fast_step import ExpertBank
+    from k3_fastpath.runtime.step_plan import ExpertBank
 
     table = S.standard_op_table(compiled_glue=True)  # device unknown until the first glue call
     assert all(G.GLUE_COMPILED in table[n].standard_reason for n in GLUE_OPS)

@@ -74,7 +74,7 @@ def test_grouped_experts_match_the_expert_modules(norm, seed):
     each chosen expert module applied row by row; repeated expert ids across rows included."""
     from k3_fastpath.reference.common import rms_norm
     from k3_fastpath.reference.moe import route
-    from k3_fastpath.runtime.fast_step import ExpertBank
+    from k3_fastpath.runtime.step_plan import ExpertBank
 
     m = load_reference(CFG, synthetic_state_dict(CFG, 0), dtype=torch.bfloat16)
     moe = m.model.layers[1].block_sparse_moe

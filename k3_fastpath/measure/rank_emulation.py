@@ -16,7 +16,7 @@ permutation of the same bytes; ``kernels/moe_experts/layout.py``). The two canno
 fragment order is not a strided view of ``[rows, K/2]``) and the reference modules need the checkpoint
 layout, so both copies are counted, unless the executors keep the experts once (``single_expert_copy``:
 the reference modules then rebuild an expert's checkpoint bytes from its fragments when they read it;
-``fast_step.ExpertBank``), which brings a full TP16 rank to its 108 GB of weights; ``backend="standard_graph"`` adds a BF16 copy of every expert
+``step_plan.ExpertBank``), which brings a full TP16 rank to its 108 GB of weights; ``backend="standard_graph"`` adds a BF16 copy of every expert
 (``standard_ops.StandardExperts``, 3.8x the MXFP4 bytes). Hence even a full TP16 rank (108 GB of weights,
 90 GB of them experts) does not fit an H200 once the fast path is built (199 GB); ``check_fits`` names the
 largest expert pool (``SPEC:experts=N``) or layer count that does. The expert pool is the knob that keeps
@@ -89,7 +89,7 @@ def rank_weight_bytes(cfg: K3Config, tp: int) -> tuple[dict[str, int], int]:
 
 
 def _plan_copies(cfg: K3Config, tp: int) -> int:
-    """What ``fast_step.ModelPlan.build`` copies out of the model: W_UK (FP32) / W_UV (BF16) per MLA layer,
+    """What ``step_plan.ModelPlan.build`` copies out of the model: W_UK (FP32) / W_UV (BF16) per MLA layer,
     the KDA beta projection padded to 8 rows when the rank's head count is not a multiple of 8."""
     rcfg = rank_config(cfg, tp)
     heads, r = rcfg.num_attention_heads, rcfg.kv_lora_rank

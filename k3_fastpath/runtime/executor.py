@@ -46,12 +46,13 @@ from .._lib import counters
 from .cache_pool import CachePool, PooledCache, copy_cache
 from .envelope import PREFILL_REASON, Envelope
 from .fast_ops import GLUE_OPS, OpImpl, op_table
-from .fast_step import ModelPlan, OpCalls, SideStream, StepIO, run_step
+from .fast_step import OpCalls, SideStream, StepIO, run_step
 from .graphs import BucketGraphs, bucket_for, counter_delta
 from .options import DecodeOptions
 from .options import resolve as resolve_options
 from .prefetch import L2Prefetcher
 from .standard_ops import standard_op_table
+from .step_plan import ModelPlan
 from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
 
 BACKENDS = ("latency_specialized", "standard", "standard_graph")

@@ -1,10 +1,8 @@
 """One fast decode step of the whole model, written once for eager runs and CUDA-graph capture.
 
-``ModelPlan.build(model)`` gathers, per layer, the reference model's own weight tensors (no copies, so
-every weight stays a distinct allocation) into the form the kernels take: flattened AttnRes projections,
-W_UK (FP32) / W_UV (bf16) split out of ``kv_b_proj``, the routed experts of each MoE layer as an
-``ExpertBank`` (``kernels/moe_experts``' ``ExpertWeights``, built once).
-``run_step(plan, ops, io, pool)`` then runs the step for a batch bucket ``Bk``:
+``step_plan.ModelPlan.build(model)`` gathers, per layer, the reference model's own weight tensors in the form
+the kernels take (typed per layer kind); ``run_step(plan, ops, io, pool)`` then runs the step for a batch
+bucket ``Bk``:
 
 1. residual stream in one buffer ``src [S_max, Bk, H]``: block snapshots at 0..nb-1, the running prefix at
    nb, so ``src[:nb + 1]`` is exactly the ``[S, Bk, H]`` source stack ``attn_res`` takes, and closing a
@@ -29,194 +27,15 @@ the reference rounds the projection and then the sum, and the logits come from a
 
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..kernels.mla_decode.api import split_kv_b
 from ..reference.common import situ_glu
 from .fast_ops import OpImpl, mla_step_index
-
-
-# ------------------------------------------------------------------------------------------ experts
-class ExpertBank:
-    """The routed experts of one LatentMoE layer as ``kernels/moe_experts`` reads them: one
-    ``ExpertWeights`` (stacked over experts, in the checkpoint's format, MXFP4 for K3; on a GPU also its
-    fragment layout), built once per module and shared by every executor over the same model.
-
-    No BF16 copy of any expert exists: the kernel dequantises MXFP4 in registers and streams only the
-    touched experts. Stacking would duplicate the checkpoint's expert tensors, so the module's own
-    per-expert tensors are re-pointed at views of the stacked ones (same values; the reference model reads
-    them unchanged): the experts live once in the checkpoint layout, plus once in the fragment layout.
-
-    ``single_copy=True`` (MXFP4) keeps them once: the stacks are compacted into the fragment layout
-    (``ExpertWeights.compact``) and each module serves its ``weight_packed`` / ``weight_scale`` from it
-    (``MXFP4Weight.use_source``: the checkpoint bytes of that expert rebuilt per read, exact). What it
-    costs: a reference / prefill / standard-path read of an expert unpacks it first; ``state_dict()`` of the
-    model no longer lists the routed experts. What it buys: a full K3 TP16 rank (90 GB of experts) fits an
-    H200 with the fast path built (``measure/rank_emulation.py``). Irreversible for the model (every
-    executor over it shares the bank)."""
-
-    _weights_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def __init__(self, moe: Any, cfg: Any, single_copy: bool = False) -> None:
-        self.module = moe
-        self.num_experts = cfg.num_experts
-        self.beta = cfg.activation_situ_beta
-        self.linear_beta = cfg.activation_situ_linear_beta
-        self.fmt = cfg.expert_format
-        self.weights = self._build(moe, self.fmt)
-        if single_copy and self.fmt == "mxfp4" and not self.weights.compacted:
-            self.compact()
-
-    def compact(self) -> None:
-        """Keep this layer's experts once, in the fragment layout (see the class docstring)."""
-        for e, ex in enumerate(self.module.experts):  # drop the module views of the stacks first
-            for n in ("w1", "w3", "w2"):
-                getattr(ex, n).use_source(self.weights, n, e)
-        self.weights.compact()
-
-    @classmethod
-    def _build(cls, moe: Any, fmt: str) -> Any:
-        from ..kernels.moe_experts.layout import ExpertWeights
-
-        hit = cls._weights_cache.get(moe)
-        if hit is not None:
-            return hit
-        w = ExpertWeights.from_modules(moe.experts, fmt)
-        for e, ex in enumerate(moe.experts):  # the module's tensors become views of the stacked ones
-            for n in ("w1", "w3", "w2"):
-                mod, stacked = getattr(ex, n), getattr(w, n)
-                if fmt == "mxfp4":
-                    mod.weight_packed, mod.weight_scale = stacked[0][e], stacked[1][e]
-                else:
-                    mod.weight = torch.nn.Parameter(stacked[e], requires_grad=mod.weight.requires_grad)
-        if fmt == "mxfp4" and w.device.type == "cuda":
-            w.fragments()  # the kernel's layout, now rather than inside the first step
-        cls._weights_cache[moe] = w
-        return w
-
-    def dense(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert e's (w1, w3, w2) dequantised (tests, debugging; never on the step's path)."""
-        return tuple(self.weights.dense(n, e, dtype) for n in ("w1", "w3", "w2"))
-
-    @staticmethod
-    def stacked_bytes(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> int:
-        """Bytes every MoE layer's experts would take dequantised to ``dtype`` (what the fast path no longer
-        allocates; kept for callers that still size that choice)."""
-        per = 3 * cfg.num_experts * cfg.moe_intermediate_size * cfg.routed_expert_hidden_size
-        layers = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
-        return per * layers * torch.finfo(dtype).bits // 8
-
-
-# ------------------------------------------------------------------------------------------ plan
-@dataclass
-class LayerPlan:
-    idx: int
-    kind: str  # "kda" | "mla"
-    closes_block: bool
-    attn_res_norm: torch.Tensor
-    attn_res_proj: torch.Tensor  # [H] (the checkpoint's [1, H], flattened)
-    input_norm: torch.Tensor
-    mlp_res_norm: torch.Tensor
-    mlp_res_proj: torch.Tensor
-    post_norm: torch.Tensor
-    attn: dict[str, Any]
-    mlp: dict[str, Any]
-    moe: bool
-
-    def weights(self) -> list[torch.Tensor]:
-        """The big weights of this layer in the order the step reads them (what an L2 prefetch targets)."""
-        names = ("q", "k", "v", "g", "f_a", "b", "f_b", "o") if self.kind == "kda" else \
-            ("q_a", "kv_a", "q_b", "g", "o")
-        out = [self.attn[n] for n in names if self.attn.get(n) is not None]
-        names = ("router", "latent_down", "shared_gate", "shared_up", "latent_up", "shared_down") if self.moe \
-            else ("gate", "up", "down")
-        return out + [self.mlp[n] for n in names]
-
-
-def _flat(w: torch.Tensor) -> torch.Tensor:
-    return w.detach().reshape(-1)
-
-
-def _rows_to_8(w: torch.Tensor) -> torch.Tensor:
-    """The weight itself when its row count is a multiple of 8 (the skinny GEMM's N granule), else a copy
-    zero-padded to one: the beta projection has one row per KDA head (6 per GPU at TP16, 4 in k3-tiny)."""
-    w = w.detach()
-    n = w.shape[0]
-    if n % 8 == 0:
-        return w
-    out = torch.zeros(-(-n // 8) * 8, w.shape[1], dtype=w.dtype, device=w.device)
-    out[:n].copy_(w)
-    return out
-
-
-@dataclass
-class ModelPlan:
-    cfg: Any
-    eps: float
-    embed: torch.Tensor
-    layers: list[LayerPlan]
-    out_res_norm: torch.Tensor
-    out_res_proj: torch.Tensor
-    final_norm: torch.Tensor
-    lm_head: torch.Tensor
-    num_sources: int  # AttnRes blocks + the running prefix
-
-    @classmethod
-    def build(cls, model: Any, stacked_experts: bool = False, single_expert_copy: bool = False) -> ModelPlan:
-        """The plan of ``model``'s own weights. ``stacked_experts`` is ignored (the BF16 expert stacks are
-        gone: ``moe_experts`` reads MXFP4); it stays in the signature for older callers.
-        ``single_expert_copy``: the routed experts kept once, in the kernel's layout (``ExpertBank``)."""
-        del stacked_experts
-        cfg = model.cfg
-        m = model.model
-        layers = []
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            if layer.is_kda:
-                attn = {"q": a.q_proj.weight, "k": a.k_proj.weight, "v": a.v_proj.weight, "g": a.g_proj.weight,
-                        "f_a": a.f_a_proj.weight, "f_b": a.f_b_proj.weight, "b": _rows_to_8(a.b_proj.weight),
-                        "heads": a.num_heads,
-                        "conv_q": a.q_conv1d.weight, "conv_k": a.k_conv1d.weight, "conv_v": a.v_conv1d.weight,
-                        "A_log": a.A_log, "dt_bias": a.dt_bias, "o_norm": a.o_norm.weight, "o": a.o_proj.weight,
-                        "lower_bound": a.lower_bound}
-            else:
-                w_uk, w_uv = split_kv_b(a.kv_b_proj.weight.detach(), a.num_heads, a.nope, a.v_dim)
-                attn = {"q_a": a.q_a_proj.weight, "q_a_norm": a.q_a_layernorm.weight, "q_b": a.q_b_proj.weight,
-                        "kv_a": a.kv_a_proj_with_mqa.weight, "kv_norm": a.kv_a_layernorm.weight,
-                        "w_uk": w_uk.float(), "w_uv": w_uv,
-                        "g": a.g_proj.weight if a.g_proj is not None else None, "o": a.o_proj.weight,
-                        "heads": a.num_heads, "q_head_dim": a.nope + a.rope, "softmax_scale": a.softmax_scale}
-            if hasattr(layer, "block_sparse_moe"):
-                moe = layer.block_sparse_moe
-                mlp = {"router": moe.gate.weight, "bias": moe.gate.e_score_correction_bias, "top_k": moe.gate.top_k,
-                       "renormalize": moe.gate.renormalize, "scale": moe.gate.scale,
-                       "latent_down": moe.routed_expert_down_proj.weight,
-                       "latent_norm": moe.routed_expert_norm.weight if moe.routed_expert_norm is not None else None,
-                       "latent_up": moe.routed_expert_up_proj.weight,
-                       "shared_gate": moe.shared_experts.gate_proj.weight,
-                       "shared_up": moe.shared_experts.up_proj.weight,
-                       "shared_down": moe.shared_experts.down_proj.weight,
-                       "bank": ExpertBank(moe, cfg, single_copy=single_expert_copy)}
-            else:
-                mlp = {"gate": layer.mlp.gate_proj.weight, "up": layer.mlp.up_proj.weight,
-                       "down": layer.mlp.down_proj.weight}
-            layers.append(LayerPlan(
-                idx=i, kind="kda" if layer.is_kda else "mla", closes_block=layer.closes_block,
-                attn_res_norm=layer.self_attention_res_norm.weight, attn_res_proj=_flat(layer.self_attention_res_proj.weight),
-                input_norm=layer.input_layernorm.weight, mlp_res_norm=layer.mlp_res_norm.weight,
-                mlp_res_proj=_flat(layer.mlp_res_proj.weight), post_norm=layer.post_attention_layernorm.weight,
-                attn={k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in attn.items()},
-                mlp={k: (v.detach() if isinstance(v, torch.Tensor) else v) for k, v in mlp.items()},
-                moe=hasattr(layer, "block_sparse_moe")))
-        return cls(cfg=cfg, eps=cfg.rms_norm_eps, embed=m.embed_tokens.weight.detach(), layers=layers,
-                   out_res_norm=m.output_attn_res_norm.weight.detach(),
-                   out_res_proj=_flat(m.output_attn_res_proj.weight), final_norm=m.norm.weight.detach(),
-                   lm_head=model.lm_head.weight.detach(), num_sources=cfg.num_attn_res_blocks + 1)
+from .step_plan import DenseMLPWeights, KDAWeights, LayerPlan, MLAWeights, ModelPlan, MoEWeights
 
 
 # ------------------------------------------------------------------------------------------ step
@@ -275,29 +94,29 @@ class OpCalls:
                 for n, c in sorted(self.calls.items()) if self.table[n].standard_reason]
 
 
-def _kda(ops: OpCalls, a: dict[str, Any], x: torch.Tensor, io: StepIO, cache: Any, eps: float,
+def _kda(ops: OpCalls, a: KDAWeights, x: torch.Tensor, io: StepIO, cache: Any, eps: float,
          residual: torch.Tensor | None, out: torch.Tensor) -> None:
-    q, k, v, g = (ops("linear", x, a[n]) for n in ("q", "k", "v", "g"))
-    decay = ops("linear", ops("linear", x, a["f_a"]), a["f_b"])
-    beta = ops("linear", x, a["b"])
-    if beta.shape[1] != a["heads"]:  # zero-padded rows of the beta projection (glue: a [Bk, heads] copy)
-        beta = beta[:, : a["heads"]].contiguous()
-    y = ops("kda_step", q, k, v, g, decay, beta, a["conv_q"], a["conv_k"], a["conv_v"], a["A_log"], a["dt_bias"],
-            a["o_norm"], io.slot, cache.conv_q, cache.conv_k, cache.conv_v, cache.state, eps=eps,
-            lower_bound=a["lower_bound"])
-    ops("linear", y, a["o"], residual=residual, out=out)
+    q, k, v, g = (ops("linear", x, w) for w in (a.q, a.k, a.v, a.g))
+    decay = ops("linear", ops("linear", x, a.f_a), a.f_b)
+    beta = ops("linear", x, a.b)
+    if beta.shape[1] != a.heads:  # zero-padded rows of the beta projection (glue: a [Bk, heads] copy)
+        beta = beta[:, : a.heads].contiguous()
+    y = ops("kda_step", q, k, v, g, decay, beta, a.conv_q, a.conv_k, a.conv_v, a.A_log, a.dt_bias,
+            a.o_norm, io.slot, cache.conv_q, cache.conv_k, cache.conv_v, cache.state, eps=eps,
+            lower_bound=a.lower_bound)
+    ops("linear", y, a.o, residual=residual, out=out)
 
 
-def _mla(ops: OpCalls, a: dict[str, Any], x: torch.Tensor, io: StepIO, cache: Any, eps: float,
+def _mla(ops: OpCalls, a: MLAWeights, x: torch.Tensor, io: StepIO, cache: Any, eps: float,
          residual: torch.Tensor | None, out: torch.Tensor) -> None:
     bk = x.shape[0]
-    q = ops("linear", ops("rmsnorm", ops("linear", x, a["q_a"]), a["q_a_norm"], eps), a["q_b"])
-    kv = ops("linear", x, a["kv_a"])
-    gate = ops("linear", x, a["g"]) if a["g"] is not None else None  # the output gate: fused into mla_decode
+    q = ops("linear", ops("rmsnorm", ops("linear", x, a.q_a), a.q_a_norm, eps), a.q_b)
+    kv = ops("linear", x, a.kv_a)
+    gate = ops("linear", x, a.g) if a.g is not None else None  # the output gate: fused into mla_decode
     table, ctx_len = io.mla_index or mla_step_index(io.slot, io.pos, cache.latent.shape[1])
-    o = ops("mla_attention", q.view(bk, a["heads"], a["q_head_dim"]), kv, a["kv_norm"], eps, cache.latent,
-            cache.scale, io.slot, io.pos, table, ctx_len, a["w_uk"], a["w_uv"], a["softmax_scale"], gate)
-    ops("linear", o, a["o"], residual=residual, out=out)
+    o = ops("mla_attention", q.view(bk, a.heads, a.q_head_dim), kv, a.kv_norm, eps, cache.latent,
+            cache.scale, io.slot, io.pos, table, ctx_len, a.w_uk, a.w_uv, a.softmax_scale, gate)
+    ops("linear", o, a.o, residual=residual, out=out)
 
 
 class SideStream:
@@ -339,28 +158,28 @@ def mlp_activation(ops: OpCalls, g: torch.Tensor, u: torch.Tensor, cfg: Any) -> 
     return situ_glu(g, u, beta, lb).to(g.dtype)
 
 
-def _shared_experts(ops: OpCalls, m: dict[str, Any], x: torch.Tensor, cfg: Any) -> torch.Tensor:
-    return mlp_activation(ops, ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), cfg)
+def _shared_experts(ops: OpCalls, m: MoEWeights, x: torch.Tensor, cfg: Any) -> torch.Tensor:
+    return mlp_activation(ops, ops("linear", x, m.shared_gate), ops("linear", x, m.shared_up), cfg)
 
 
-def _mlp(ops: OpCalls, m: dict[str, Any], x: torch.Tensor, eps: float, prefix: torch.Tensor, cfg: Any,
+def _mlp(ops: OpCalls, m: MoEWeights | DenseMLPWeights, x: torch.Tensor, eps: float, prefix: torch.Tensor, cfg: Any,
          side: SideStream | None = None) -> None:
-    if "bank" not in m:  # the dense MLP of the first layers
-        h = mlp_activation(ops, ops("linear", x, m["gate"]), ops("linear", x, m["up"]), cfg)
-        ops("linear", h, m["down"], residual=prefix, out=prefix)
+    if isinstance(m, DenseMLPWeights):  # the dense MLP of the first layers
+        h = mlp_activation(ops, ops("linear", x, m.gate), ops("linear", x, m.up), cfg)
+        ops("linear", h, m.down, residual=prefix, out=prefix)
         return
     side = side or SideStream(x.device, enabled=False)
     with side.fork():  # the shared experts' GLU on the side stream, overlapping router + routed experts
         h = _shared_experts(ops, m, x, cfg)
-    ids, weights = ops("moe_router", x, m["router"], m["bias"], m["top_k"], m["renormalize"], m["scale"])
-    z = ops("linear", x, m["latent_down"])
-    if m["latent_norm"] is not None:  # the routed latent RMSNorm fused into the experts' combine
-        zr = ops("moe_experts", z, ids, weights, m["bank"], m["latent_norm"], eps)
+    ids, weights = ops("moe_router", x, m.router, m.bias, m.top_k, m.renormalize, m.scale)
+    z = ops("linear", x, m.latent_down)
+    if m.latent_norm is not None:  # the routed latent RMSNorm fused into the experts' combine
+        zr = ops("moe_experts", z, ids, weights, m.bank, m.latent_norm, eps)
     else:
-        zr = ops("moe_experts", z, ids, weights, m["bank"]).to(x.dtype)
-    routed = ops("linear", zr, m["latent_up"])
+        zr = ops("moe_experts", z, ids, weights, m.bank).to(x.dtype)
+    routed = ops("linear", zr, m.latent_up)
     side.join(h)
-    f = ops("linear", h, m["shared_down"], residual=routed)  # shared + routed, rounded once
+    f = ops("linear", h, m.shared_down, residual=routed)  # shared + routed, rounded once
     prefix.add_(f)
 
 

@@ -42,21 +42,23 @@ def _attention_fns() -> tuple[Any, Any]:
     return fast_step._kda, fast_step._mla
 
 
-def _tp_mlp(ops: Any, m: dict[str, Any], x: torch.Tensor, eps: float, cfg: Any, comm: Communicator
+def _tp_mlp(ops: Any, m: Any, x: torch.Tensor, eps: float, cfg: Any, comm: Communicator
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(partial, addend) of one MLP on this rank: partial = the row-parallel down projection's output,
     addend = the (replicated) routed output of a LatentMoE."""
     from .fast_step import mlp_activation
-    if "bank" not in m:
-        h = mlp_activation(ops, ops("linear", x, m["gate"]), ops("linear", x, m["up"]), cfg)
-        return ops("linear", h, m["down"]), None
-    ids, weights = ops("moe_router", x, m["router"], m["bias"], m["top_k"], m["renormalize"], m["scale"])
-    z = ops("linear", x, m["latent_down"])
-    acc = comm.all_reduce(ops("moe_experts", z, ids, weights, m["bank"]))  # the ranks' expert slices summed
-    zr = (rms_norm(acc, m["latent_norm"], eps) if m["latent_norm"] is not None else acc).to(x.dtype)
-    routed = ops("linear", zr, m["latent_up"])
-    h = mlp_activation(ops, ops("linear", x, m["shared_gate"]), ops("linear", x, m["shared_up"]), cfg)
-    return ops("linear", h, m["shared_down"]), routed
+    from .step_plan import DenseMLPWeights
+
+    if isinstance(m, DenseMLPWeights):
+        h = mlp_activation(ops, ops("linear", x, m.gate), ops("linear", x, m.up), cfg)
+        return ops("linear", h, m.down), None
+    ids, weights = ops("moe_router", x, m.router, m.bias, m.top_k, m.renormalize, m.scale)
+    z = ops("linear", x, m.latent_down)
+    acc = comm.all_reduce(ops("moe_experts", z, ids, weights, m.bank))  # the ranks' expert slices summed
+    zr = (rms_norm(acc, m.latent_norm, eps) if m.latent_norm is not None else acc).to(x.dtype)
+    routed = ops("linear", zr, m.latent_up)
+    h = mlp_activation(ops, ops("linear", x, m.shared_gate), ops("linear", x, m.shared_up), cfg)
+    return ops("linear", h, m.shared_down), routed
 
 
 def run_tp_step(plan: Any, ops: Any, io: Any, pool: Any, comm: Communicator, vocab_per_rank: int) -> None:
@@ -111,15 +113,15 @@ class TPFastDecoder:
 
     def __init__(self, cfg: Any, model: Any, comm: Communicator, *, max_batch: int = 64, max_len: int,
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
-                 kv_dtype: torch.dtype | None = None, stacked_experts: bool | str = "auto",
+                 kv_dtype: torch.dtype | None = None,
                  backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None,
                  options: DecodeOptions | None = None) -> None:
         from .cache_pool import CachePool
         from .executor import STEP_BACKENDS, _buckets
         from .fast_ops import op_table
-        from .fast_step import ExpertBank, ModelPlan
         from .graphs import BucketGraphs
         from .standard_ops import standard_op_table
+        from .step_plan import ModelPlan
 
         if backend not in STEP_BACKENDS:
             raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
@@ -130,10 +132,7 @@ class TPFastDecoder:
         self.device = model.device
         self.max_len = max_len
         self.buckets = _buckets(buckets, max_batch)
-        if stacked_experts == "auto":
-            free = torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda" else 1 << 30
-            stacked_experts = ExpertBank.stacked_bytes(model.cfg, model.dtype) < free // 2
-        self.plan = ModelPlan.build(model, stacked_experts=bool(stacked_experts))
+        self.plan = ModelPlan.build(model)
         self.backend = backend
         self.options = opts = resolve_options(options, f"tp:{backend}")
         self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device)

@@ -263,7 +263,7 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
         return ctx.failed(f"executor_options: {e}")
     kv_dtype = _kv_dtype(kv_cache)
     model, preset, conditioning, weights = check_model(ctx, preset, conditioning)
-    from k3_fastpath.runtime.fast_step import ModelPlan
+    from k3_fastpath.runtime.step_plan import ModelPlan
 
     ModelPlan.build(model)  # re-points the experts at their stacked tensors once, before their dense copies
     dense_kept = _keep_reference_experts_dense(model, reference_dense_experts)

@@ -169,7 +169,7 @@ def fp64(ctx: CheckContext, batches: list[int] = [8], contexts: list[Any] = ["sh
             return ctx.failed(f"control {c}: expected {{op: NAME, scale: S}} with S != 1")
     kvs = {k: (_kv_dtype(k), fp8_scale if k == "fp8" else None) for k in kv_caches}
     model, preset, conditioning, weights = check_model(ctx, preset, conditioning)
-    from k3_fastpath.runtime.fast_step import ModelPlan
+    from k3_fastpath.runtime.step_plan import ModelPlan
 
     ModelPlan.build(model)
     oracle = fp64_oracle(model)

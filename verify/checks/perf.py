@@ -182,7 +182,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     ``fast_variants``: more fast executors timed beside ``fast`` on the same cache, e.g. ``{fast_pdl: {pdl:
     true}, fast_mma: {gemm_wgmma_min_m: 0}}`` (TP1 points; ``perf_sweep.check_fast_variants``);
     ``single_expert_copy``: the executors keep the routed experts once, in the kernel's layout
-    (``fast_step.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
+    (``step_plan.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
     points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache); ``kernel_profile``: TP1
     fast / standard / variant graph rows also record device time per kernel and op (own and exclusive) and
     the GPU's idle time in the step (``k3_fastpath/measure/kernel_profile.py``). On a checkpoint run the

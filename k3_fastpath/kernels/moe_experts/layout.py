@@ -122,7 +122,7 @@ class ExpertWeights:
     def compact(self) -> int:
         """Keep the experts once, in the fragment layout (MXFP4): builds the fragments if needed, then drops
         the checkpoint-layout stacks. Returns the bytes the stacks held (freed once nothing else holds them:
-        ``fast_step.ExpertBank`` re-points the reference modules at ``checkpoint`` first)."""
+        ``step_plan.ExpertBank`` re-points the reference modules at ``checkpoint`` first)."""
         if self.fmt != "mxfp4":
             raise ValueError("compact() is for MXFP4 experts (BF16 experts have no second layout)")
         if self.compacted:
