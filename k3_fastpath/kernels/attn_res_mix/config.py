@@ -11,7 +11,7 @@ MAX_SOURCES = 9  # at most 8 block snapshots + the running prefix (K3.md, AttnRe
 
 # Bench that measures the knob below (H200, CUDA-graph medians, S = 1..9, M = 1..64):
 #   python -m k3_fastpath.kernels.attn_res_mix.bench --preset k3-tp8-rank
-MAX_VEC_PER_THREAD = 2  # TO BE MEASURED: each thread holds S x this many vectors in registers
+MAX_VEC_PER_THREAD = 2  # unmeasured: each thread holds S x this many vectors in registers
 # Register budget, from compile-time SASS (tests/test_kernels_compile.py prints it): S x 2 vectors at 448
 # threads spilled at S = 9 (128 registers, 46 LDL/STL); S x 1 vector at 896 threads (72-register cap)
 # spilled from S = 7 (6 / 28 / 58 LDL+STL at S = 7 / 8 / 9). So: S <= 4 keeps 2 vectors per thread in

@@ -10,7 +10,7 @@ HEAD_DIMS = (32, 64, 128)  # D % 32 == 0 (L2-norm warp reads) and D / VEC <= 32 
 
 # Bench that measures the knob below (H200, CUDA-graph medians, cold state pools):
 #   python -m k3_fastpath.kernels.kda_decode.bench --heads 12,6 --batch 1,2,8,64
-ROWS_PER_THREAD_D128 = 16  # TO BE MEASURED: 8 (512 threads) / 16 (256) / 32 (128) at D = 128
+ROWS_PER_THREAD_D128 = 16  # unmeasured: 8 (512 threads) / 16 (256) / 32 (128) at D = 128
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Launch knobs of the absorbed MLA decode kernels (split-KV attention + LSE combine) and the split
 heuristic.
 
-The constants marked TO BE MEASURED are measured by
+Constants marked unmeasured are choices nobody has timed yet; this times them:
 
     python -m k3_fastpath.kernels.mla_decode.bench --ctx 1024,32768,131072 --batch 1,8,64 --sweep
 """
@@ -18,7 +18,7 @@ NUM_SMS_H200 = 132
 SMEM_LIMIT = 227 * 1024  # sm_90 opt-in dynamic shared memory per CTA
 COMBINE_ROWS = 8  # batch rows per combine CTA: W_UV[h] is read once per 8 rows (from L2 after the first)
 # The attention split count minimises waves * tiles-per-split + SPLIT_COST * splits (the combine reads one
-# 2 KB partial per split and head). TO BE MEASURED (bench --sweep prints the best split count per row).
+# 2 KB partial per split and head). Unmeasured (bench --sweep prints the best split count per row).
 SPLIT_COST_TILES = 0.25
 
 

@@ -1,6 +1,6 @@
 """Launch knobs of the routed-expert kernels (plan, grouped expert GEMMs, weighted combine).
 
-The constants marked TO BE MEASURED are measured by
+Constants marked unmeasured are choices nobody has timed yet; this times them:
 
     python -m k3_fastpath.kernels.moe_experts.bench --batch 1,8,64 --routing router,uniform --sweep
 """
@@ -14,7 +14,7 @@ MX_GROUP = 32
 MAX_TOKENS = 64  # decode batch the kernels serve
 MAX_PAIRS = 1024  # tokens x top-k (64 x 16)
 NUM_SMS_H200 = 132
-CTAS_PER_SM = 4  # persistent grid: SMs x this many CTAs loop over (expert, row block) work items. TO BE MEASURED
+CTAS_PER_SM = 4  # persistent grid: SMs x this many CTAs loop over (expert, row block) work items. Unmeasured
 COMBINE_THREADS = 256
 
 
@@ -55,7 +55,7 @@ class ExpertGemmConfig:
     def from_heuristic(cls, fmt: str, glu: bool, rows: int, K: int, pdl: bool = False) -> ExpertGemmConfig:
         """gate/up (K = latent 3584, rows = intermediate 384 at TP8): one row tile per item, K over 4 warps
         (batch 1 touches 16 experts x 24 row tiles = 384 items: every SM busy). down (K = 384, rows =
-        3584): four row tiles per item, K in one warp. TO BE MEASURED."""
+        3584): four row tiles per item, K in one warp. Unmeasured."""
         gps = K // GP
         if glu:
             wk = 4 if gps >= 16 else (2 if gps >= 4 else 1)

@@ -10,7 +10,7 @@ MAX_VEC_PER_LANE = 16  # 32 lanes x 16 vectors x 4 = 2048 experts in registers (
 
 # Bench that measures the knob below (H200, CUDA-graph medians, batch 1..64):
 #   python -m k3_fastpath.kernels.moe_router.bench --batch 1,8,64
-ROWS_PER_CTA = 1  # TO BE MEASURED: 1 (grid = M CTAs of one warp) vs 4 (M/4 CTAs of four warps)
+ROWS_PER_CTA = 1  # unmeasured: 1 (grid = M CTAs of one warp) vs 4 (M/4 CTAs of four warps)
 
 
 @dataclass(frozen=True)

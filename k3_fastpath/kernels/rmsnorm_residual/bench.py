@@ -2,7 +2,7 @@
 
     python -m k3_fastpath.kernels.rmsnorm_residual.bench --preset k3-tp8-rank
 
-Compares threads x vectors-per-thread configs (config.MAX_VEC_PER_THREAD is TO BE MEASURED with this)
+Compares threads x vectors-per-thread configs (config.MAX_VEC_PER_THREAD is unmeasured; measure it with this)
 against the eager PyTorch reference, for every normalised width of the preset and M = 1..64.
 """
 

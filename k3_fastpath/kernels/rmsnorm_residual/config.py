@@ -10,7 +10,7 @@ VEC = 8  # bf16 elements per 16-byte vector access
 
 # Bench that measures the knobs below (H200, CUDA-graph medians over M = 1..64):
 #   python -m k3_fastpath.kernels.rmsnorm_residual.bench --preset k3-tp8-rank
-MAX_VEC_PER_THREAD = 4  # TO BE MEASURED: 2 / 4 / 8 vectors per thread at H = 7168
+MAX_VEC_PER_THREAD = 4  # unmeasured: 2 / 4 / 8 vectors per thread at H = 7168
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ For each rank GEMM shape and M it reports, as CUDA-graph medians with cold L2 (d
 the heuristic config, cuBLAS (torch bf16 x @ W^T), the bandwidth floor (weight bytes / read bandwidth
 measured in the same run) and, with --sweep, the best of a candidate grid and its config. --wgmma
 also times the TMA + wgmma variant (``SkinnyGemmConfig.wgmma_for``) and, with --sweep, its knobs one at a
-time (``wgmma_candidates``). --json writes every row. Use the results to replace the "TO BE MEASURED"
+time (``wgmma_candidates``). --json writes every row. Use the results to replace the "unmeasured"
 constants in config.py, citing them.
 """
 

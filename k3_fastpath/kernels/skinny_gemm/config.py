@@ -23,7 +23,7 @@ SMEM_LIMIT = 48 * 1024  # static shared memory per CTA without opt-in
 # 49.3 us), at M=8 on 5 of 21 (median 0.81). So FMA up to M=4, mma above.
 FMA_MAX_M = 4
 NUM_SMS_H200 = 132
-PDL_PREFETCH_BYTES = 16 << 20  # per GEMM, before griddepcontrol.wait (L2 is 60 MB). TO BE MEASURED
+PDL_PREFETCH_BYTES = 16 << 20  # per GEMM, before griddepcontrol.wait (L2 is 60 MB). Unmeasured
 
 # wgmma variant (kernel_wgmma.py): TMA + wgmma, swap-AB. select() sends M >= WGMMA_MIN_M to it by default
 # (its wgmma_min_m moves the threshold or turns it off); from_heuristic (the fma / mma table) never picks it.
