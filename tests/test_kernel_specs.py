@@ -40,6 +40,35 @@ def test_every_kernel_folder_has_a_spec_and_every_spec_a_kernel():
     assert [s.name for s in registry.all_specs()] == with_spec
 
 
+# the files a kernel folder holds beyond these must be named here with what they are for
+KERNEL_FILES = {"__init__.py", "spec.py", "config.py", "kernel.py", "api.py", "reference.py", "bench.py"}
+EXTRA_FILES = {"skinny_gemm": {"kernel_wgmma.py", "tuned.py", "tuned_h200.json"},  # 2nd variant, sweep table
+               "moe_experts": {"layout.py"}}  # the MXFP4 fragment layout built once per expert bank
+
+
+def test_every_kernel_folder_has_the_same_files():
+    for name in registry.names():
+        files = {p.name for p in (KERNEL_DIR / name).iterdir() if p.is_file()}
+        want = KERNEL_FILES - ({"bench.py"} if name == "situ_glu" else set())  # situ_glu: timed in the step
+        assert want <= files, f"{name} lacks {sorted(want - files)}"
+        extra = files - KERNEL_FILES - EXTRA_FILES.get(name, set())
+        assert not extra, f"{name} has {sorted(extra)}: shared device code belongs in kernels/common"
+
+
+def test_device_helpers_live_in_common():
+    """The sigmoid and the PDL prologue's L2 prefetch are written once (kernels/common/primitives.py): no
+    kernel issues a raw ``cp.async.bulk.prefetch`` or defines its own sigmoid, and no kernel imports another
+    kernel's folder."""
+    import re
+
+    for path in KERNEL_DIR.glob("*/kernel*.py"):
+        text = path.read_text()
+        assert 'inline_ptx("cp.async.bulk.prefetch' not in text, f"{path}: use common.primitives.prefetch_weights_l2"
+        assert not re.search(r"^def _?sigmoid\(", text, re.M), f"{path}: use common.primitives.sigmoid"
+        others = {m for m in re.findall(r"from \.\.(\w+)", text) if m != "common"}
+        assert not others, f"{path} imports kernel folder(s) {sorted(others)}"
+
+
 def test_reading_specs_imports_neither_torch_nor_cutlass():
     code = ("import sys; import k3_fastpath.kernels as k; k.all_specs(); k.launch_names(); k.gpu_test_files(); "
             "bad = [m for m in ('torch', 'cutlass') if m in sys.modules]; assert not bad, bad")

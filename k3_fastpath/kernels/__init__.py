@@ -8,7 +8,8 @@ targets, the GPU test files that launch it, whether it has a PDL build and what 
 folders with a spec, sorted by name; every other list of kernels is derived from the specs: the GPU tests
 ``kernels.numerics`` runs (``gpu_test_files()``), the launches the sanitizer driver must see
 (``launch_names()``), the PDL compile tests, the executor GPU test's default-step kernels.
-``tests/test_kernel_specs.py`` checks the specs (``validate_specs``) on a CPU.
+``tests/test_kernel_specs.py`` checks the specs (``validate_specs``) on a CPU. ``common/`` (no spec) holds
+the device helpers several kernels share: the sigmoid, the PDL prologue's weight prefetch, inline PTX.
 
 Every kernel package exports (``REQUIRED_EXPORTS``):
 

@@ -102,19 +102,26 @@ def time_sections(ex: Any, tokens: torch.Tensor, cache: Any, rounds: int = 10, w
     del sg, graphs
     sec_us = {s.name: statistics.median(t) for s, t in zip(sections, per, strict=True)}
     by_type: dict[str, float] = {}
-    for s in sections:
+    type_rounds: dict[str, list[float]] = {}
+    for s, t in zip(sections, per, strict=True):
         by_type[s.layer_type] = by_type.get(s.layer_type, 0.0) + sec_us[s.name]
+        acc = type_rounds.setdefault(s.layer_type, [0.0] * len(t))
+        for r, v in enumerate(t):
+            acc[r] += v
     total = statistics.median(totals)
     step_us = statistics.median(step)
     return {"backend": ex.backend, "bucket": bucket, "rounds": rounds, "section_us": sec_us,
             "by_layer_type_us": by_type, "sections_total_us": total, "step_graph_us": step_us,
-            "section_overhead": total / step_us - 1.0, "sections": len(sections)}
+            "section_overhead": total / step_us - 1.0, "sections": len(sections),
+            "section_spread": {s.name: spread(t) for s, t in zip(sections, per, strict=True)},
+            "by_layer_type_spread": {k: spread(v) for k, v in type_rounds.items()}}
 
 
-def pct_of_floor_by_type(by_type_us: dict[str, float], floor_by_type_us: dict[str, float]) -> dict[str, float]:
-    """floor / measured per layer type (the types both sides have; floor.py's ``norms`` bytes, the AttnRes
-    and RMSNorm weights, are read inside the attention / MLP sections and counted there)."""
-    return {k: floor_by_type_us[k] / v for k, v in by_type_us.items() if k in floor_by_type_us and v > 0}
-
-
-__all__ = ["SectionGraphs", "pct_of_floor_by_type", "time_sections"]
+def spread(samples: list[float]) -> float:
+    """Run-to-run spread of timing samples, (p10 .. p90) / median with the indices ``perf_sweep.stats`` uses
+    (0 for fewer than two samples or a zero median)."""
+    xs = sorted(samples)
+    med = statistics.median(xs) if xs else 0.0
+    if len(xs) < 2 or med <= 0:
+        return 0.0
+    return (xs[(9 * len(xs)) // 10] - xs[len(xs) // 10]) / med

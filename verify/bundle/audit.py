@@ -10,8 +10,13 @@ each audited check a seeded sample of its records (``--sample N`` indices, the s
 
 * **timings** (fields named like ``*_us``, ``*_ms``, ``*_per_s``, ``pct_of_*``, ``speedup``, ``vs_*``,
   ``spread``, ``interactivity*``, a unit between underscores as in ``floor_us_by_layer_type``: ``TIMING``,
-  and every field inside one, e.g. ``section_us.L3.mlp``) agree within ``timing_tol`` (relative), on the
-  same GPU model;
+  and every field inside one, e.g. ``section_us.L3.mlp``) agree within a tolerance, on the same GPU
+  model: ``timing_tol`` (relative) widened to the larger of the two runs' own spreads, a timed record's
+  ``(p10 .. p90) / median`` of its step samples and, for a nested timing ``<field>.<key>``, the record's
+  ``timing_spread[<field>][<key>]`` (the sweep's per-section and per-layer-type spreads); a nested
+  microsecond timing (``section_us.head.in``) may also differ by ``STEP_FRACTION`` of the record's step
+  median (a difference that small moves no ratio the record reports by more than that). Per-sample lists
+  (``*_samples``) are compared through their median and percentiles, not element by element;
 * **wall-clock stamps and wall times** (``*_at``, ``*_ns`` timestamps, ``hostname``, a point's ``seconds``
   or ``*wall_s``, a ``*_timer`` description that quotes its measured overhead...: ``IGNORED``) are not
   compared;
@@ -43,7 +48,9 @@ from verify.bundle.schema import BundleError
 AUDIT_CHECK = "audit.records"
 TIMING = re.compile(r"(_us|_ms|_per_s|_per_gpu|_gbs|tb_per_s|_s)$|_(us|ms)_|^(pct_of|speedup|vs_|x_floor|spread|"
                     r"interactivity|times|samples|step_us|duration|window|throughput|read_bw|gb_per_s|tokens_per_s)")
-IGNORED = re.compile(r"(_at|_ns|hostname.*|pid|log_path|port|base_url|url|wall_s|_timer)$|^(started|ended|elapsed|seconds$)")
+IGNORED = re.compile(r"(_at|_ns|hostname.*|pid|log_path|port|base_url|url|wall_s|_timer|_samples)$|"
+                     r"^(started|ended|elapsed|seconds$|timing_spread$)")
+STEP_FRACTION = 0.01  # of a timed record's step median: the absolute slack of its nested microsecond timings
 CROSS_DEVICE_REL = 1e-6
 
 
@@ -57,7 +64,23 @@ class AuditReport:
     notes: tuple[str, ...]
 
 
-def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list[dict[str, Any]],
+@dataclass(frozen=True)
+class Tolerance:
+    """How one record's timings are compared: ``rel`` overall, ``nested[field][key]`` for ``field.key``,
+    ``abs_us`` for nested microsecond timings."""
+
+    rel: float
+    nested: dict[str, dict[str, float]]
+    abs_us: float
+
+    def at(self, path: str) -> tuple[float, float]:
+        """(relative, absolute) tolerance of the timing at ``path`` (``.section_us.head.in``)."""
+        field, _, key = path.lstrip(".").partition(".")
+        rel = max(self.rel, self.nested.get(field, {}).get(key, 0.0)) if key else self.rel
+        return rel, (self.abs_us if key and field.endswith("_us") else 0.0)
+
+
+def _walk(a: Any, b: Any, path: str, key: str, tol: Tolerance, rel: float, out: list[dict[str, Any]],
           in_timing: bool = False) -> None:
     if IGNORED.search(key):
         return
@@ -81,8 +104,9 @@ def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list
         return
     num = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
     if num and timing:
-        ok = math.isclose(a, b, rel_tol=tol, abs_tol=1e-9)
-        why = f"timing beyond {tol:.0%}"
+        t_rel, t_abs = tol.at(path)
+        ok = math.isclose(a, b, rel_tol=t_rel, abs_tol=max(t_abs, 1e-9))
+        why = f"timing beyond {t_rel:.0%}" + (f" and {t_abs:.3g} us" if t_abs else "")
     elif num and rel:
         ok = math.isclose(a, b, rel_tol=rel, abs_tol=0.0)
         why = f"differs beyond rel {rel:g}"
@@ -94,12 +118,28 @@ def _walk(a: Any, b: Any, path: str, key: str, tol: float, rel: float, out: list
 
 
 def recorded_spread(record: dict[str, Any]) -> float:
-    """A timed record's own run-to-run spread, ``(p90 - p10) / median`` of its step samples (0 without them):
-    its timings are compared within ``max(timing_tol, spread)``."""
+    """A timed record's own run-to-run spread, ``(p90 - p10) / median`` of its step samples (0 without them,
+    or for anything but a record)."""
+    if not isinstance(record, dict):
+        return 0.0
     p10, p90, med = (record.get(f"step_us_{k}") for k in ("p10", "p90", "median"))
     if all(isinstance(v, (int, float)) for v in (p10, p90, med)) and med > 0:
         return max(0.0, (p90 - p10) / med)
     return 0.0
+
+
+def record_tolerance(a: dict[str, Any], b: dict[str, Any], tol: float) -> Tolerance:
+    """The ``Tolerance`` of a record pair: the larger of both runs' spreads everywhere (see the module doc)."""
+    nested: dict[str, dict[str, float]] = {}
+    for rec in (a, b):
+        spreads = rec.get("timing_spread") if isinstance(rec, dict) else None
+        for field, per in (spreads or {}).items():
+            for k, v in (per or {}).items():
+                if isinstance(v, (int, float)):
+                    nested.setdefault(field, {})[k] = max(nested.get(field, {}).get(k, 0.0), float(v))
+    med = a.get("step_us_median") if isinstance(a, dict) else None
+    abs_us = STEP_FRACTION * med if isinstance(med, (int, float)) and med > 0 else 0.0
+    return Tolerance(max(tol, recorded_spread(a), recorded_spread(b)), nested, abs_us)
 
 
 def compare_records(bundle: list[dict[str, Any]], rerun: list[dict[str, Any]], indices: list[int], tol: float,
@@ -112,7 +152,7 @@ def compare_records(bundle: list[dict[str, Any]], rerun: list[dict[str, Any]], i
                         "why": f"the re-run wrote {len(rerun)} records"})
             continue
         found: list[dict[str, Any]] = []
-        _walk(bundle[i], rerun[i], "", "", max(tol, recorded_spread(bundle[i])), rel, found)
+        _walk(bundle[i], rerun[i], "", "", record_tolerance(bundle[i], rerun[i], tol), rel, found)
         out += [{"index": i, **d} for d in found]
     return out
 

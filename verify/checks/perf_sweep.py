@@ -46,6 +46,7 @@ import torch
 
 FILL_SEED = 11
 CONTEXT_SLACK = 64  # positions past the context for warm-up / timed standard steps
+REFERENCE_LAYER_ROUNDS = 3  # instrumented eager reference steps per point (their per-layer median and spread)
 
 
 def check_fast_variants(variants: dict[str, dict[str, Any]] | None) -> str | None:
@@ -125,20 +126,40 @@ def layer_type_events(model: Any):
             h.remove()
 
 
-def per_layer_type_us(model: Any, step: Callable[[], Any]) -> dict[str, float]:
-    """One instrumented step: microseconds per layer type, ``other`` = the rest (embedding, AttnRes, norms,
-    lm_head, launch gaps)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with layer_type_events(model) as spans:
-        start.record()
-        step()
-        end.record()
-        end.synchronize()
-    out: dict[str, float] = {}
-    for kind, s, e in spans:
-        out[kind] = out.get(kind, 0.0) + s.elapsed_time(e) * 1e3
-    out["other"] = max(0.0, start.elapsed_time(end) * 1e3 - sum(out.values()))
+def per_layer_type_us(model: Any, step: Callable[[], Any], rounds: int = 1) -> dict[str, float]:
+    """Microseconds per layer type of instrumented steps (the median over ``rounds`` steps), ``other`` = the
+    rest (embedding, AttnRes, norms, lm_head, launch gaps); with ``rounds`` > 1 also ``"_spread"``: each
+    type's (p10 .. p90) / median over the rounds."""
+    per: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with layer_type_events(model) as spans:
+            start.record()
+            step()
+            end.record()
+            end.synchronize()
+        one: dict[str, float] = {}
+        for kind, s, e in spans:
+            one[kind] = one.get(kind, 0.0) + s.elapsed_time(e) * 1e3
+        one["other"] = max(0.0, start.elapsed_time(end) * 1e3 - sum(one.values()))
+        for k, v in one.items():
+            per.setdefault(k, []).append(v)
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in per.items()}
+    if rounds > 1:
+        from k3_fastpath.measure.section_timing import spread
+
+        out["_spread"] = {k: spread(v) for k, v in per.items()}
     return out
+
+
+def timing_spread(section: dict[str, float] | None, by_type: dict[str, float]) -> dict[str, dict[str, float]]:
+    """A row's ``timing_spread``: the run-to-run spread of each nested timing it records, by field and key
+    (``bundle audit`` compares ``<field>.<key>`` within it). ``pct_of_floor_by_layer_type`` is a floor
+    divided by ``per_layer_type_us``: the same spread."""
+    out = {"per_layer_type_us": dict(by_type), "pct_of_floor_by_layer_type": dict(by_type)}
+    if section is not None:
+        out["section_us"] = dict(section)
+    return {f: {k: round(v, 4) for k, v in d.items()} for f, d in out.items()}
 
 
 # ------------------------------------------------------------------------------------------ one point
@@ -281,14 +302,16 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
         if not reference:
             return rows
         s_samples = event_times_us(lambda: std.decode(tokens, cache), standard_iters, 1)
-        layer_us = per_layer_type_us(model, lambda: std.decode(tokens, cache))
+        layer_us = per_layer_type_us(model, lambda: std.decode(tokens, cache), rounds=REFERENCE_LAYER_ROUNDS)
+        layer_spread = layer_us.pop("_spread")
         ss = stats(s_samples)
         floor_t = fl["floor_us_by_layer_type"]
         rows.append({**common, "backend": "reference", **ss, "timer": "eager", **throughput(ss["step_us_median"],
                      batch, 1), "pct_of_floor": fl["floor_us"] / ss["step_us_median"],
                      "x_floor": ss["step_us_median"] / fl["floor_us"], "per_layer_type_us": layer_us,
                      "pct_of_floor_by_layer_type": {k: floor_t[k] / v for k, v in layer_us.items()
-                                                    if k in floor_t and v > 0}})
+                                                    if k in floor_t and v > 0},
+                     "timing_spread": timing_spread(None, layer_spread)})
         return rows
     finally:
         if hasattr(cache, "release"):
@@ -327,6 +350,7 @@ def graph_layer_times(ex: Any, tokens: torch.Tensor, cache: Any, floor_by_type: 
     return {"per_layer_type_us": t["by_layer_type_us"],
             "pct_of_floor_by_layer_type": pct_of_floor_by_type(t["by_layer_type_us"], floor_by_type),
             "section_us": {k: round(v, 2) for k, v in t["section_us"].items()},
+            "timing_spread": timing_spread(t["section_spread"], t["by_layer_type_spread"]),
             "sections_total_us": t["sections_total_us"], "sections_step_graph_us": t["step_graph_us"],
             "per_layer_type_timer": "one CUDA graph per section replayed in step order, events between "
                                     f"(sections add {t['section_overhead']:+.1%} over the step graph)"}

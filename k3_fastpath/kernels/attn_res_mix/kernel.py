@@ -33,6 +33,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
+from ..common.primitives import prefetch_weights_l2
 from .config import VEC, AttnResConfig
 
 
@@ -99,8 +100,7 @@ class AttnResMixKernel:
             # weights only before the wait: out_w toward L2 (every CTA reads it in step 5), then wait
             if cutlass.const_expr(self.cfg.has_norm):
                 if row == 0 and tidx == 0:
-                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                                         read_only_args=[mWo.iterator.toint(), Int32(self.H * 2)])
+                    prefetch_weights_l2(mWo.iterator.toint(), Int32(self.H * 2))
             cute.arch.griddepcontrol_wait()
 
         srcs = []

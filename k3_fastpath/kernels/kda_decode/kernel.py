@@ -50,13 +50,11 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int64
 from cutlass.memory import SmemAllocator
 
+from ..common.primitives import sigmoid
 from .config import CONV_W, VEC, KDADecodeConfig
 
 L2_EPS = 1e-6
 
-
-def _sigmoid(x):
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
 
 class KDADecodeKernel:
@@ -100,7 +98,7 @@ class KDADecodeKernel:
         mConv[slot, 0, c] = s1
         mConv[slot, 1, c] = s2
         mConv[slot, 2, c] = x
-        return acc * _sigmoid(acc)
+        return acc * sigmoid(acc)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mA: cute.Tensor,
@@ -185,9 +183,9 @@ class KDADecodeKernel:
                         c = hD + j
                         s_v[j] = self.conv_channel(mV, rwa[it], mCv, b, slot64, c)
                         rate = cute.math.exp(a_log)
-                        glog = lower_bound * _sigmoid(rate * (mA[b, c].to(Float32) + rdt[it]))
+                        glog = lower_bound * sigmoid(rate * (mA[b, c].to(Float32) + rdt[it]))
                         s_al[j] = cute.math.exp(glog)
-            beta = _sigmoid(mBeta[b, h].to(Float32))
+            beta = sigmoid(mBeta[b, h].to(Float32))
             if cutlass.const_expr(self.cfg.pdl):
                 cute.arch.griddepcontrol_launch_dependents()  # every input load is issued
             cute.arch.sync_threads()
@@ -259,6 +257,6 @@ class KDADecodeKernel:
             rstd = cute.math.rsqrt(ss / Float32(D) + eps)
             if rg == 0:
                 for j in cutlass.range_constexpr(VEC):
-                    y = o[j] * rstd * rW[j] * _sigmoid(rG[j].to(Float32))
+                    y = o[j] * rstd * rW[j] * sigmoid(rG[j].to(Float32))
                     rY[j] = y.to(BFloat16)
                 cute.copy(vec16, rY, gO)

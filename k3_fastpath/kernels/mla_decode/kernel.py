@@ -60,8 +60,8 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
-from .config import THREADS, TILE, MLADecodeConfig, ksplit
-from .ptx import (
+from ..common.primitives import prefetch_weights_l2, sigmoid
+from ..common.ptx import (
     cp_async_16,
     e4m3x4_to_bf16,
     ldmatrix_x2,
@@ -71,14 +71,12 @@ from .ptx import (
     mma_bf16,
     sts_128,
 )
+from .config import THREADS, TILE, MLADecodeConfig, ksplit
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 _NEG_INF = float("-inf")
 
-
-def _sigmoid(x):
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
 
 class MLAAttentionKernel:
@@ -464,8 +462,7 @@ class MLACombineKernel:
             if cutlass.const_expr(self.final):  # W_UV[h] (a parameter) toward L2, once per head
                 if bj == 0 and tidx < self.pf_lanes:
                     addr = mW.iterator.toint() + Int64(h) * self.w_bytes + Int64(tidx) * self.pf_chunk
-                    cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                                         read_only_args=[addr, Int32(self.pf_chunk)])
+                    prefetch_weights_l2(addr, Int32(self.pf_chunk))
             cute.arch.griddepcontrol_wait()  # the partials are the attention kernel's output
 
         # 1. split weights, one warp per row
@@ -564,7 +561,7 @@ class MLACombineKernel:
                 if b < B:
                     o = (acc[row] + sRed[row, d]).to(BFloat16)
                     if cutlass.const_expr(self.gate):
-                        y = (o.to(Float32) * _sigmoid(mG[b, h * V + d].to(Float32))).to(BFloat16)
+                        y = (o.to(Float32) * sigmoid(mG[b, h * V + d].to(Float32))).to(BFloat16)
                         mOut[b, h * V + d] = y
                     else:
                         mOut[b, h * V + d] = o

@@ -42,14 +42,12 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
-from ..mla_decode.ptx import mma_bf16
+from ..common.primitives import sigmoid
+from ..common.ptx import mma_bf16
 from .config import GP
 
 _INT_MAX = 2**31 - 1
 
-
-def _sigmoid(x):
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
 
 def _exp2_scale(s):
@@ -331,7 +329,7 @@ class ExpertGemmKernel:
                             gv = acc[e, j, 0].to(BFloat16).to(Float32)
                             uv = acc[e, j, 1].to(BFloat16).to(Float32)
                             b, lb = Float32(self.beta), Float32(self.lbeta)
-                            h = b * cute.math.tanh(gv / b) * _sigmoid(gv) * (lb * cute.math.tanh(uv / lb))
+                            h = b * cute.math.tanh(gv / b) * sigmoid(gv) * (lb * cute.math.tanh(uv / lb))
                             mOut[pair, row] = h.to(BFloat16)
                         else:
                             mOut[pair, row] = acc[e, j, 0].to(BFloat16)

@@ -31,13 +31,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from ..common.primitives import sigmoid
 from .config import VEC, MoERouterConfig
 
 _NEG_INF = float("-inf")
 
-
-def _sigmoid(x):
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
 
 def _better(v, i, bv, bi):
@@ -93,11 +91,11 @@ class MoERouterKernel:
                 if v < self.cfg.num_vec:
                     cute.copy(vec, cute.local_tile(mL[rrow, None], (VEC,), (v,)), rl)
                     for j in cutlass.range_constexpr(VEC):
-                        sel[j, i] = _sigmoid(rl[j]) + rb[j, i]
+                        sel[j, i] = sigmoid(rl[j]) + rb[j, i]
             else:
                 cute.copy(vec, cute.local_tile(mL[rrow, None], (VEC,), (v,)), rl)
                 for j in cutlass.range_constexpr(VEC):
-                    sel[j, i] = _sigmoid(rl[j]) + rb[j, i]
+                    sel[j, i] = sigmoid(rl[j]) + rb[j, i]
 
         # 2. k rounds of warp arg-max under the tie rule
         my_id = Int32(0)
@@ -126,7 +124,7 @@ class MoERouterKernel:
         # 3. scores of the picks, renormalised over the k lanes that hold one
         s = Float32(0.0)
         if lane < self.K:
-            s = _sigmoid(mL[rrow, my_id])
+            s = sigmoid(mL[rrow, my_id])
         if cutlass.const_expr(self.cfg.pdl):
             cute.arch.griddepcontrol_launch_dependents()  # the last read of the logits is issued
         if cutlass.const_expr(self.cfg.renormalize):

@@ -25,11 +25,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
+from ..common.primitives import sigmoid
 from .config import VEC, SituGluConfig
-
-
-def _sigmoid(x):
-    return Float32(1.0) / (Float32(1.0) + cute.math.exp(-x))
 
 
 class SituGluKernel:
@@ -79,7 +76,7 @@ class SituGluKernel:
             for e in cutlass.range_constexpr(VEC):
                 gv = rG[e, v].to(Float32)
                 uv = rU[e, v].to(Float32)
-                h = b * cute.math.tanh(gv / b) * _sigmoid(gv) * (lb * cute.math.tanh(uv / lb))
+                h = b * cute.math.tanh(gv / b) * sigmoid(gv) * (lb * cute.math.tanh(uv / lb))
                 rG[e, v] = h.to(BFloat16)  # rG now holds the output
 
         for v in cutlass.range_constexpr(self.vpt):

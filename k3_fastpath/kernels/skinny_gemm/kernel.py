@@ -47,6 +47,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
+from ..common.primitives import prefetch_weights_l2
 from .config import MMA_K, PDL_PREFETCH_BYTES, VEC, SkinnyGemmConfig
 
 _MMA = ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {{$w0}, {$w1}, {$w2}, {$w3}}, "
@@ -112,8 +113,7 @@ class SkinnyGemmKernel:
         if cutlass.const_expr(self.pf_chunk > 0):
             if tidx < 32:
                 addr = mW.iterator.toint() + Int64(cta) * self.pf_region + Int64(tidx) * self.pf_chunk
-                cute.arch.inline_ptx("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};",
-                                     read_only_args=[addr, Int32(self.pf_chunk)])
+                prefetch_weights_l2(addr, Int32(self.pf_chunk))
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 

@@ -1,4 +1,4 @@
-"""Inline-PTX building blocks of the tensor-core kernels (MLA decode, MoE experts): cp.async with zero
+"""Inline-PTX building blocks of the tensor-core kernels (mla_decode, moe_experts): cp.async with zero
 fill, ldmatrix (plain and transposed), mma.sync m16n8k16 BF16 -> FP32, raw shared-memory vector access
 and the e4m3 -> scaled BF16 conversion. Shared-memory operands are 32-bit shared-window addresses
 (``ptr.toint()`` of a shared pointer), global ones 64-bit generic addresses, so every offset is computed
