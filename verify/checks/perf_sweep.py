@@ -126,10 +126,11 @@ def layer_type_events(model: Any):
             h.remove()
 
 
-def per_layer_type_us(model: Any, step: Callable[[], Any], rounds: int = 1) -> dict[str, float]:
-    """Microseconds per layer type of instrumented steps (the median over ``rounds`` steps), ``other`` = the
-    rest (embedding, AttnRes, norms, lm_head, launch gaps); with ``rounds`` > 1 also ``"_spread"``: each
-    type's (p10 .. p90) / median over the rounds."""
+def per_layer_type_us(model: Any, step: Callable[[], Any], rounds: int = 1
+                      ) -> tuple[dict[str, float], dict[str, float]]:
+    """(microseconds per layer type, their spreads) of ``rounds`` instrumented steps: each type's median and
+    (p10 .. p90) / median over the rounds; ``other`` = the rest (embedding, AttnRes, norms, lm_head, launch
+    gaps)."""
     per: dict[str, list[float]] = {}
     for _ in range(rounds):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -144,12 +145,9 @@ def per_layer_type_us(model: Any, step: Callable[[], Any], rounds: int = 1) -> d
         one["other"] = max(0.0, start.elapsed_time(end) * 1e3 - sum(one.values()))
         for k, v in one.items():
             per.setdefault(k, []).append(v)
-    out: dict[str, Any] = {k: statistics.median(v) for k, v in per.items()}
-    if rounds > 1:
-        from k3_fastpath.measure.section_timing import spread
+    from k3_fastpath.measure.section_timing import spread
 
-        out["_spread"] = {k: spread(v) for k, v in per.items()}
-    return out
+    return {k: statistics.median(v) for k, v in per.items()}, {k: spread(v) for k, v in per.items()}
 
 
 def timing_spread(section: dict[str, float] | None, by_type: dict[str, float]) -> dict[str, dict[str, float]]:
@@ -302,8 +300,8 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
         if not reference:
             return rows
         s_samples = event_times_us(lambda: std.decode(tokens, cache), standard_iters, 1)
-        layer_us = per_layer_type_us(model, lambda: std.decode(tokens, cache), rounds=REFERENCE_LAYER_ROUNDS)
-        layer_spread = layer_us.pop("_spread")
+        layer_us, layer_spread = per_layer_type_us(model, lambda: std.decode(tokens, cache),
+                                                   rounds=REFERENCE_LAYER_ROUNDS)
         ss = stats(s_samples)
         floor_t = fl["floor_us_by_layer_type"]
         rows.append({**common, "backend": "reference", **ss, "timer": "eager", **throughput(ss["step_us_median"],
