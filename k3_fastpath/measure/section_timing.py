@@ -117,6 +117,12 @@ def time_sections(ex: Any, tokens: torch.Tensor, cache: Any, rounds: int = 10, w
             "by_layer_type_spread": {k: spread(v) for k, v in type_rounds.items()}}
 
 
+def pct_of_floor_by_type(by_type_us: dict[str, float], floor_by_type_us: dict[str, float]) -> dict[str, float]:
+    """floor / measured per layer type (the types both sides have; floor.py's ``norms`` bytes, the AttnRes
+    and RMSNorm weights, are read inside the attention / MLP sections and counted there)."""
+    return {k: floor_by_type_us[k] / v for k, v in by_type_us.items() if k in floor_by_type_us and v > 0}
+
+
 def spread(samples: list[float]) -> float:
     """Run-to-run spread of timing samples, (p10 .. p90) / median with the indices ``perf_sweep.stats`` uses
     (0 for fewer than two samples or a zero median)."""

@@ -20,7 +20,8 @@
 #   rankemu   k3-verify run --tier scripts/gpu/rank-emulation.yaml (k3-tp16-rank / k3-tp8-rank:experts=N points)
 #   sanitizer k3-verify run --tier scripts/gpu/sanitizer.yaml (4 tools: kernels + an executor step's two streams)
 #   tp2       python scripts/gpu/tp2_check.py                   (TP2 vs TP1, fused vs unfused all-reduce + norm)
-#   audit:C1,C2  k3-verify bundle audit of the part bundle /tmp/bundles/h200-standard, checks C1,C2 re-executed
+#   audit:C1,C2  k3-verify bundle audit of the part bundle $K3_AUDIT_BUNDLE (default /tmp/bundles/h200-standard),
+#             checks C1,C2 re-executed
 #   auditplant:C1  scripts/gpu/plant_record.py forges a re-sealed copy of it (verify passes), then audits C1 of
 #             the copy: the audit must exit 1 (the fabricated record found)
 #   tier:NAME k3-verify run --tier scripts/gpu/NAME.yaml (any tier file there, e.g. tier:decode-sweep-s5,
@@ -83,7 +84,7 @@ for what in "$@"; do
         r=; [ -f "$dir/manifest.json" ] && r=--resume
         timeout -s TERM "$T" python3 -m verify.cli run --tier "$name" --output "$dir" $r --time-limit $((T - 30)) 2>&1 | tee -a "$OUT/part-$base.log" || rc=1 ;;
       audit:*) checks=${s#audit:}  # re-execute checks of the standard part bundle (bundle audit, exit 0 = reproduced)
-        timeout -s TERM "$T" python3 -m verify.cli bundle audit /tmp/bundles/h200-standard -o "/tmp/bundles/$stamp-audit-standard" \
+        timeout -s TERM "$T" python3 -m verify.cli bundle audit "${K3_AUDIT_BUNDLE:-/tmp/bundles/h200-standard}" -o "/tmp/bundles/$stamp-audit-standard" \
           --checks "$checks" --sample 50 2>&1 | tee -a "$OUT/audit.log" || rc=1 ;;
       auditplant:*) checks=${s#auditplant:}  # a fabricated record in a re-sealed copy: verify passes, the audit must find it
         rm -rf /tmp/forged-standard
