@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from test_status_rescore import forge
 
-from verify.bundle.audit import AUDIT_CHECK, compare_records, recorded_spread
+from verify.bundle.audit import AUDIT_CHECK, compare_records, counted, recorded_spread
 from verify.bundle.verify import verify_bundle
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,6 +159,34 @@ def test_nested_timings_use_their_recorded_spread_and_the_steps_scale():
     assert found[1]["why"] == "timing beyond 25% and 50 us"
 
 
+def test_timings_of_information_only_records_are_listed_not_counted():
+    """A record both sides mark ``information_only`` (the sweep's eager reference rows): a timing beyond every
+    tolerance is an ``informational`` disagreement, which neither the exit code nor the audit's status rule
+    counts; its other fields still compare bitwise, and a flag set on one side only counts (with the
+    timings it would have excused)."""
+    from verify.checks.status_rules import audit_problems
+
+    base = {"backend": "reference", "information_only": True, "batch": 8, "step_us_median": 5e5,
+            "per_layer_type_us": {"kda": 12955.0}}
+    rerun = copy.deepcopy(base)
+    rerun["per_layer_type_us"]["kda"] = 20846.0  # +61%, what the session-12 H200 audit saw
+    found = compare_records([base], [rerun], [0], 0.25, 0.0)
+    assert [(d["field"], d.get("informational")) for d in found] == [("per_layer_type_us.kda", True)]
+    assert counted(found) == []
+    rows = [{"kind": "audited", "check": "perf.decode_sweep", "disagreements": 1},
+            {"kind": "disagreement", "check": "perf.decode_sweep", **found[0]}]
+    assert audit_problems(rows) == []
+    rerun["batch"] = 9  # not a timing: counted even in an information-only record
+    assert [d["field"] for d in counted(compare_records([base], [rerun], [0], 0.25, 0.0))] == ["batch"]
+    rerun["batch"] = 8
+    forged = {**base, "backend": "fast", "per_layer_type_us": {"kda": 20846.0}}
+    honest = {**forged, "information_only": False}
+    got = counted(compare_records([forged], [honest], [0], 0.25, 0.0))
+    assert {d["field"] for d in got} == {"information_only"}
+    got = counted(compare_records([forged], [{**honest, "per_layer_type_us": {"kda": 12955.0}}], [0], 0.25, 0.0))
+    assert {d["field"] for d in got} == {"information_only", "per_layer_type_us.kda"}
+
+
 def test_an_audit_compared_with_an_earlier_re_run_executes_nothing(cpu_bundle, tmp_path):
     """``--rerun B``: the comparison redone against a re-run made before (here the honest audit's attached
     re-run), on B's device, nothing executed; the forged copy against the same re-run is found."""
@@ -224,3 +252,34 @@ def test_the_committed_h200_audits_say_what_they_found(tmp_path):
     now = [(r["index"], r["field"]) for r in rows(tmp_path / "a") if r["kind"] == "disagreement"]
     assert now and set(now) <= {(r["index"], r["field"]) for r in recompared if r["kind"] == "disagreement"}
     assert all(sweep[i]["backend"] == "reference" for i, _ in now), now
+
+
+SESSION12 = REPO / "bundles" / "runs" / "2026-12-02-h200-session12"
+
+
+@pytest.mark.skipif(not (SESSION12 / "audit-forged").exists(), reason="the committed session-12 H200 audits")
+def test_the_session12_h200_audits_say_what_they_found():
+    """On the H200 at 23a0583: the planted equivalence.decode error (a step's largest logit error halved,
+    within its point's maximum, re-sealed) was found by re-executing the check (one counted disagreement,
+    the other plant is in a check not audited); the re-executed decode sweep's 10 disagreements are all on
+    eager reference rows, which the sweep now marks information_only (that bundle predates the flag), and no
+    sweep gate reads them: scaling their timings leaves the perf rules' problems unchanged."""
+    from verify.checks.perf import _sweep_targets
+
+    def rows(d, check=AUDIT_CHECK):
+        return [json.loads(x) for x in (d / "records" / f"{check}.jsonl").read_text().splitlines()]
+
+    forged = [r for r in rows(SESSION12 / "audit-forged") if r["kind"] == "disagreement"]
+    assert [(r["check"], r["field"]) for r in forged] == [("equivalence.decode", "max_abs_err")]
+    sweep = rows(SESSION12 / "standard-perf", "perf.decode_sweep")
+    found = [r for r in rows(SESSION12 / "audit-standard-perf") if r["kind"] == "disagreement"]
+    assert len(found) == 10 and all(sweep[r["index"]]["backend"] == "reference" for r in found), found
+    points = [r for r in sweep if all(k in r for k in ("batch", "context", "backend"))]
+    _, problems = _sweep_targets(points, [])
+    assert problems and problems[0].startswith("fast step 3.12x its floor at batch 64 context 32768")
+    scaled = copy.deepcopy(points)
+    for r in scaled:
+        if r["backend"] == "reference":
+            r["step_us_median"] *= 3.0
+            r["per_layer_type_us"] = {k: 3 * v for k, v in r["per_layer_type_us"].items()}
+    assert _sweep_targets(scaled, [])[1] == problems

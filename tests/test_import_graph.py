@@ -132,3 +132,48 @@ def test_the_detector_finds_a_cycle_and_an_upward_import():
     assert any({"k3_fastpath.runtime.tp", "k3_fastpath.runtime.tp_comm"} <= set(c) for c in _cycles(g))
     g["k3_fastpath._lib.counters"].add("k3_fastpath.runtime.executor")
     assert _upward(g) == ["k3_fastpath._lib.counters imports k3_fastpath.runtime.executor"]
+
+
+def _unresolved_names(mods: dict[str, Path]) -> list[str]:
+    """Every ``from <k3_fastpath | verify module> import NAME`` (inside functions too) whose module has no
+    NAME, neither an attribute nor a submodule: a lazy import that fails only when its branch runs."""
+    import importlib
+
+    bad = []
+    for mod, path in sorted(mods.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                parent = ".".join(base + ([node.module] if node.module else []))
+            else:
+                parent = node.module or ""
+            if parent not in mods:
+                continue
+            m = importlib.import_module(parent)
+            bad += [f"{path.relative_to(REPO)}:{node.lineno}: {parent} has no {a.name}" for a in node.names
+                    if a.name != "*" and not hasattr(m, a.name) and f"{parent}.{a.name}" not in mods]
+    return bad
+
+
+def test_every_imported_name_exists():
+    """The H200 standard run at 3dc5bcb lost its perf sweep to a function-local import of a helper that had
+    been deleted (a GPU-only branch no CPU test executes); this finds such an import without running it."""
+    assert _unresolved_names(_modules()) == []
+
+
+def test_the_name_check_finds_a_missing_name(tmp_path, monkeypatch):
+    import sys
+
+    pkg = tmp_path / "k3_fastpath_probe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    return 1\n")
+    (pkg / "b.py").write_text("def g():\n    from k3_fastpath_probe.a import f, gone\n    return f, gone\n")
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    monkeypatch.setitem(globals(), "REPO", tmp_path)
+    mods = {"k3_fastpath_probe": pkg / "__init__.py", "k3_fastpath_probe.a": pkg / "a.py",
+            "k3_fastpath_probe.b": pkg / "b.py"}
+    assert _unresolved_names(mods) == ["k3_fastpath_probe/b.py:2: k3_fastpath_probe.a has no gone"]

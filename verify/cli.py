@@ -275,11 +275,16 @@ def bundle_audit(path: Path = typer.Argument(..., help="bundle directory or .tar
                       "disagreements": list(rep.disagreements), "cannot_run": list(rep.cannot_run),
                       "notes": list(rep.notes)})
     head = {0: "AGREES", 1: "DISAGREES", 2: "INCOMPLETE"}[rep.exit_code]
+    from verify.bundle.audit import counted
+
+    real = counted(rep.disagreements)
+    info = len(rep.disagreements) - len(real)
     out.line(f"{head}  {path}: {len(rep.audited)} check(s) {'compared' if rerun else 're-executed'}, "
-             f"{len(rep.disagreements)} disagreement(s); "
-             f"audit bundle {rep.audit_root}")
-    for d in rep.disagreements[:20]:
-        out.line(f"  - {d['check']} record {d.get('index')}: {d.get('field')} {d.get('why')} "
+             f"{len(real)} disagreement(s)" + (f" (+{info} informational: timings of information-only records)"
+                                              if info else "") + f"; audit bundle {rep.audit_root}")
+    for d in (real + [d for d in rep.disagreements if d.get("informational")])[:20]:
+        out.line(f"  - {'(informational) ' if d.get('informational') else ''}{d['check']} record {d.get('index')}: "
+                 f"{d.get('field')} {d.get('why')} "
                  f"(bundle {str(d.get('bundle'))[:60]!s}, re-run {str(d.get('rerun'))[:60]!s})")
     for c in rep.cannot_run:
         out.line(f"  - {c['check']}: {c['why']}")

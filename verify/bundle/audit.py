@@ -24,12 +24,17 @@ each audited check a seeded sample of its records (``--sample N`` indices, the s
   different device model (another GPU, or a CPU where the bundle ran on a GPU) numbers get ``rel 1e-6``
   and the audit says so;
 * the re-run's status must equal the bundle's, and its number of records the bundle's (a record dropped
-  or added anywhere is found, sampled or not).
+  or added anywhere is found, sampled or not);
+* a record that says ``"information_only": true`` on both sides (one no status rule gates, e.g. the
+  sweep's eager PyTorch reference rows, whose times are bound by the host's dispatch and whose per-layer
+  split moves with it) has its timing disagreements recorded as ``informational``: listed, not counted.
+  Every other field of it, the flag included, is compared as above, so a flag set on one side only is a
+  disagreement.
 
 Output: an audit bundle (check ``audit.records``: one ``audited`` record per check, one ``disagreement``
 record per differing field, ``cannot_run`` where a check cannot run here; the re-run bundle attached as
 ``artifacts/audit.records/rerun.tar.gz``) whose status ``bundle verify`` re-derives. Exit 1 when a record
-disagrees, 2 when a check cannot run here (nothing disagreeing), else 0.
+disagrees (informational disagreements aside), 2 when a check cannot run here (nothing disagreeing), else 0.
 """
 
 from __future__ import annotations
@@ -107,6 +112,9 @@ def _walk(a: Any, b: Any, path: str, key: str, tol: Tolerance, rel: float, out: 
         t_rel, t_abs = tol.at(path)
         ok = math.isclose(a, b, rel_tol=t_rel, abs_tol=max(t_abs, 1e-9))
         why = f"timing beyond {t_rel:.0%}" + (f" and {t_abs:.3g} us" if t_abs else "")
+        if not ok:
+            out.append({"field": path.lstrip("."), "bundle": a, "rerun": b, "why": why, "timing": True})
+        return
     elif num and rel:
         ok = math.isclose(a, b, rel_tol=rel, abs_tol=0.0)
         why = f"differs beyond rel {rel:g}"
@@ -153,8 +161,17 @@ def compare_records(bundle: list[dict[str, Any]], rerun: list[dict[str, Any]], i
             continue
         found: list[dict[str, Any]] = []
         _walk(bundle[i], rerun[i], "", "", record_tolerance(bundle[i], rerun[i], tol), rel, found)
-        out += [{"index": i, **d} for d in found]
+        info = all(isinstance(r, dict) and r.get("information_only") is True for r in (bundle[i], rerun[i]))
+        for d in found:
+            if d.pop("timing", False) and info:
+                d["informational"] = True
+            out.append({"index": i, **d})
     return out
+
+
+def counted(disagreements: Any) -> list[dict[str, Any]]:
+    """The disagreements an audit's verdict rests on: all but the ``informational`` ones."""
+    return [d for d in disagreements if not d.get("informational")]
 
 
 def _device_model(manifest: dict[str, Any]) -> str:
@@ -274,7 +291,8 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
                                  "why": "the re-run's status differs"})
             audited_rows.append({"kind": "audited", "check": cid, "records": len(orig),
                                  "rerun_records": len(rerun_recs.get(cid, [])), "sampled": idx,
-                                 "status": status, "rerun_status": rerun_status.get(cid), "disagreements": len(found)})
+                                 "status": status, "rerun_status": rerun_status.get(cid), "disagreements": len(found),
+                                 "informational": len(found) - len(counted(found))})
             disagreements += [{"kind": "disagreement", "check": cid, **d} for d in found]
         argv = ["k3-verify", "bundle", "audit", str(path), *(["--rerun", str(rerun)] if rerun is not None else [])]
         w = BundleWriter(out_dir, tool_version=TOOL_VERSION, argv=argv,
@@ -307,13 +325,14 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
         from verify.checks.status_rules import audit_problems, verdict_reason
 
         problems = audit_problems(audited_rows + disagreements + [{"kind": "cannot_run", **c} for c in cannot])
-        status = "error" if cannot and not disagreements else ("failed" if problems else "passed")
+        status = "error" if cannot and not counted(disagreements) else ("failed" if problems else "passed")
         reason = verdict_reason(problems) if problems else ""
-        w.add_result(CheckResult(AUDIT_CHECK, status, reason, metrics={"audited": ids, "disagreements": len(disagreements),
+        w.add_result(CheckResult(AUDIT_CHECK, status, reason, metrics={"audited": ids, "disagreements": len(counted(disagreements)),
+                                                                        "informational": len(disagreements) - len(counted(disagreements)),
                                                                         "cannot_run": len(cannot)},
                                  artifacts=artifacts))
         w.finalize()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    code = 1 if disagreements else 2 if cannot else 0
+    code = 1 if counted(disagreements) else 2 if cannot else 0
     return AuditReport(code, out_dir, tuple(ids), tuple(disagreements), tuple(cannot), tuple(notes))

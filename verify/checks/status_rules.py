@@ -302,10 +302,11 @@ def _short(v: Any) -> str:
 
 
 def audit_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
-    """``audit.records`` (verify/bundle/audit.py): every disagreement and every check that could not run."""
+    """``audit.records`` (verify/bundle/audit.py): every disagreement (``informational`` ones aside: timings of a
+    record no status rule gates) and every check that could not run."""
     problems = []
     for r in records:
-        if r.get("kind") == "disagreement":
+        if r.get("kind") == "disagreement" and not r.get("informational"):
             problems.append(f"{r.get('check')} record {r.get('index')}: {r.get('field') or '(record)'} {r.get('why')} "
                             f"(bundle {_short(r.get('bundle'))}, re-run {_short(r.get('rerun'))})")
         elif r.get("kind") == "cannot_run":
