@@ -163,7 +163,8 @@ def test_support_gate_reasons():
     bt, ctx = torch.zeros(B, 2, dtype=torch.int32), torch.ones(B, dtype=torch.int32)
     w = torch.zeros(H, 32, R, dtype=bf)
     assert "page_size" in k.is_supported(ql, qp, torch.zeros(4, 32, R + P, dtype=bf), bt, ctx, w).reason
-    assert "cache width" in k.is_supported(ql, qp, torch.zeros(4, 64, R, dtype=bf), bt, ctx, w).reason
+    assert k.is_supported(ql, qp, torch.zeros(4, 64, R, dtype=bf), bt, ctx, w).reason == (
+        "cache shape [4, 64, 32] (needs [pages, page_size, R+P] = [4, 64, 48])")
     assert "cache_scale" in k.is_supported(ql, qp, cache.to(FP8), bt, ctx, w).reason
     assert "cache dtype" in k.is_supported(ql, qp, cache.float(), bt, ctx, w).reason
     assert not k.is_supported(ql, qp, cache, bt, ctx, w)  # CPU tensors never reach the kernel

@@ -1,9 +1,9 @@
 """Process-wide execution trace: kernel launches and fallbacks.
 
 The fast path's contract (ARCHITECTURE.md) is that it exposes, per kernel, how often it launched and,
-per fallback, how often and why. Every torch-facing kernel op calls ``count_launch(name)`` when it
-launches its compiled kernel and ``count_fallback(op, reason)`` when it serves the call from its
-reference instead. Tests and the CLI read ``snapshot()`` (a plain-dict copy) and call ``reset()``.
+per fallback, how often and why. Every torch-facing kernel op (its ``_lib.kernel_op.KernelOp``) calls
+``count_launch(name)`` when it launches its compiled kernel and ``count_fallback(op, reason)`` when it
+serves the call from its reference instead. Tests and the CLI read ``snapshot()`` (a plain-dict copy) and call ``reset()``.
 
 Counting is host-side: a CUDA-graph replay does not re-run Python, so launches inside a captured graph
 are counted once, at capture. Callers that replay graphs account for replays themselves.

@@ -1,7 +1,7 @@
 """What every torch-facing kernel op shares: the ``Support`` verdict and the common tensor checks.
 
-An op asks its kernel's ``is_supported(...)``; a ``Support(False, reason)`` sends the call to the
-kernel's ``reference.py`` and records ``counters.count_fallback(op, reason)``. Reasons are short,
+A kernel's ``is_supported(...)`` (its ``_lib.kernel_op.KernelOp``) returns a ``Support``; ``Support(False,
+reason)`` sends the call to the kernel's ``reference.py`` and records ``counters.count_fallback(op, reason)``. Reasons are short,
 stable strings (they are counted and shown by the CLI): "no cuda device", "dtype float32 (needs
 bfloat16)", "M=65 > 64", ...
 """

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ..._lib import compile_cache, counters
-from ..._lib.dispatch import OK, Support, check_tensors, no
+from ..._lib import compile_cache
+from ..._lib.dispatch import Support
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from .config import MAX_SOURCES, VEC, AttnResConfig
 from .reference import attn_res_mix_ref
 
@@ -67,29 +68,21 @@ def precompile(preset_name: str) -> int:
     return len(variants)
 
 
+SUPPORT = TensorSpec(
+    Arg("sources", ("S", "M", "H")), Arg("norm_w", ("H",)), Arg("proj_w", ("H",)),
+    Arg("out_w", ("H",), optional=True), Arg("mix_out", ("M", "H"), optional=True),
+    Arg("normed_out", ("M", "H"), optional=True),
+    rules=(Rule("1 <= S <= MAX_SOURCES", "S={S} outside 1..{MAX_SOURCES}"), Rule("M > 0", "M=0"),
+           Rule("H % VEC == 0", "H={H} not a multiple of {VEC}")),
+    constants={"VEC": VEC, "MAX_SOURCES": MAX_SOURCES}, dtype=torch.bfloat16, requires=(("normed_out", "out_w"),))
+OP = KernelOp(NAME, SUPPORT)
+
+
 def is_supported(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor,
                  out_w: torch.Tensor | None = None, mix_out: torch.Tensor | None = None,
                  normed_out: torch.Tensor | None = None) -> Support:
-    if sources.dim() != 3:
-        return no(f"sources is {sources.dim()}-d (needs [S, M, H])")
-    S, M, H = sources.shape
-    if not 1 <= S <= MAX_SOURCES:
-        return no(f"S={S} outside 1..{MAX_SOURCES}")
-    if M == 0:
-        return no("M=0")
-    if H % VEC:
-        return no(f"H={H} not a multiple of {VEC}")
-    for name, t in (("norm_w", norm_w), ("proj_w", proj_w), ("out_w", out_w)):
-        if t is not None and t.shape != (H,):
-            return no(f"{name} shape")
-    for name, t in (("mix_out", mix_out), ("normed_out", normed_out)):
-        if t is not None and t.shape != (M, H):
-            return no(f"{name} shape")
-    if normed_out is not None and out_w is None:
-        return no("normed_out without out_w")
-    s = check_tensors({"sources": sources, "norm_w": norm_w, "proj_w": proj_w, "out_w": out_w,
-                       "mix_out": mix_out, "normed_out": normed_out}, torch.bfloat16)
-    return s if not s else OK
+    return OP.support({"sources": sources, "norm_w": norm_w, "proj_w": proj_w, "out_w": out_w, "mix_out": mix_out,
+                       "normed_out": normed_out})
 
 
 def attn_res_mix(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float, *,
@@ -99,16 +92,14 @@ def attn_res_mix(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tens
     """(mix, normed): softmax-weighted mix of the S sources, and RMSNorm(mix) * out_w when out_w is given.
     ``config`` overrides the heuristic (benches); its has_norm must match. ``pdl``: launch the
     programmatic-dependent-launch build (same bits)."""
-    support = is_supported(sources, norm_w, proj_w, out_w, mix_out, normed_out)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        mix, normed = attn_res_mix_ref(sources, norm_w, proj_w, eps, out_w, out_eps)
-        if mix_out is not None:
-            mix = mix_out.copy_(mix)
-        if normed is not None and normed_out is not None:
-            normed = normed_out.copy_(normed)
-        return mix, normed
+    return OP({"sources": sources, "norm_w": norm_w, "proj_w": proj_w, "out_w": out_w, "mix_out": mix_out,
+               "normed_out": normed_out},
+              launch=lambda: _launch(sources, norm_w, proj_w, eps, out_w, out_eps, mix_out, normed_out, config, pdl),
+              reference=lambda: attn_res_mix_ref(sources, norm_w, proj_w, eps, out_w, out_eps),
+              outputs=(mix_out, normed_out))
 
+
+def _launch(sources, norm_w, proj_w, eps, out_w, out_eps, mix_out, normed_out, config, pdl):
     from ..._lib.tensor import current_stream, to_cute
 
     S, M, H = sources.shape
@@ -127,7 +118,6 @@ def attn_res_mix(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tens
        to_cute(mix_out), to_cute(out_w, dynamic_dims=()) if has_norm else None,
        to_cute(normed_out) if has_norm else None, float(eps), float(eps if out_eps is None else out_eps),
        current_stream(sources.device))
-    counters.count_launch(NAME)
     return mix_out, (normed_out if has_norm else None)
 
 

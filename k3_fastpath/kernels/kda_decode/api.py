@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from ..._lib import compile_cache, counters
-from ..._lib.dispatch import OK, Support, check_tensors, no
+from ..._lib import compile_cache
+from ..._lib.dispatch import Support
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from .config import CONV_W, HEAD_DIMS, KDADecodeConfig
 from .reference import kda_decode_ref
 
@@ -86,56 +87,34 @@ def _conv_w(w: torch.Tensor) -> torch.Tensor:
     return w.reshape(w.shape[0], w.shape[-1]) if w.dim() == 3 and w.shape[1] == 1 else w
 
 
+_bf, _f32 = torch.bfloat16, torch.float32
+SUPPORT = TensorSpec(
+    Arg("state", ("N", "H", "D", "D"), _f32),
+    *(Arg(n, ("B", "H*D")) for n in ("q", "k", "v", "g", "a")), Arg("beta_logits", ("B", "H")),
+    *(Arg(n, ("H*D", "CONV_W"), _f32) for n in ("conv_q_w", "conv_k_w", "conv_v_w")),
+    Arg("A_log", ("NA",), _f32, align=4), Arg("dt_bias", ("H*D",), _f32), Arg("o_norm_w", ("D",), _f32),
+    Arg("slot", ("B",), torch.int32, align=4),
+    *(Arg(n, ("N", "CONV_W-1", "H*D")) for n in ("conv_q", "conv_k", "conv_v")),
+    Arg("out", ("B", "H*D"), optional=True),
+    rules=(Rule("D in HEAD_DIMS", "head dim {D} not in {HEAD_DIMS}"), Rule("B > 0", "B=0"),
+           Rule("B <= 65535", "B={B} > 65535 (grid y limit)"), Rule("NA >= H", "A_log needs >= H entries")),
+    constants={"CONV_W": CONV_W, "HEAD_DIMS": tuple(HEAD_DIMS)}, dtype=_bf)
+OP = KernelOp(NAME, SUPPORT)
+
+
+def _operands(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+              conv_q, conv_k, conv_v, state, out) -> dict[str, Any]:
+    """The operands as the spec names them (conv weights as [C, W], dt_bias flat: how the kernel reads them)."""
+    return {"state": state, "q": q, "k": k, "v": v, "g": g, "a": a, "beta_logits": beta_logits,
+            "conv_q_w": _conv_w(conv_q_w), "conv_k_w": _conv_w(conv_k_w), "conv_v_w": _conv_w(conv_v_w),
+            "A_log": A_log, "dt_bias": dt_bias.reshape(-1), "o_norm_w": o_norm_w, "slot": slot,
+            "conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "out": out}
+
+
 def is_supported(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
                  conv_q, conv_k, conv_v, state, out=None) -> Support:
-    if state.dim() != 4 or state.shape[2] != state.shape[3]:
-        return no("state must be [N, H, D, D]")
-    N, H, D, _ = state.shape
-    C = H * D
-    if D not in HEAD_DIMS:
-        return no(f"head dim {D} not in {HEAD_DIMS}")
-    if q.dim() != 2:
-        return no("q must be [B, C]")
-    B = q.shape[0]
-    if B == 0:
-        return no("B=0")
-    if B > 65535:
-        return no(f"B={B} > 65535 (grid y limit)")
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("a", a)):
-        if t.shape != (B, C):
-            return no(f"{name} shape {list(t.shape)} (needs [{B}, {C}])")
-    if out is not None and out.shape != (B, C):
-        return no("out shape")
-    if beta_logits.shape != (B, H):
-        return no("beta_logits shape")
-    for name, w in (("conv_q_w", conv_q_w), ("conv_k_w", conv_k_w), ("conv_v_w", conv_v_w)):
-        if _conv_w(w).shape != (C, CONV_W):
-            return no(f"{name} shape {list(w.shape)} (needs [{C}, {CONV_W}])")
-    for name, p in (("conv_q", conv_q), ("conv_k", conv_k), ("conv_v", conv_v)):
-        if p.shape != (N, CONV_W - 1, C):
-            return no(f"{name} shape {list(p.shape)} (needs [{N}, {CONV_W - 1}, {C}])")
-    if A_log.dim() != 1 or A_log.shape[0] < H:
-        return no("A_log needs >= H entries")
-    if dt_bias.numel() != C or o_norm_w.shape != (D,):
-        return no("dt_bias / o_norm_w shape")
-    if slot.shape != (B,):
-        return no("slot shape")
-    bf, f32 = torch.bfloat16, torch.float32
-    dtypes = {"q": bf, "k": bf, "v": bf, "g": bf, "a": bf, "beta_logits": bf, "conv_q_w": f32, "conv_k_w": f32,
-              "conv_v_w": f32, "A_log": f32, "dt_bias": f32, "o_norm_w": f32, "conv_q": bf, "conv_k": bf,
-              "conv_v": bf, "state": f32, "out": bf}
-    s = check_tensors({"q": q, "k": k, "v": v, "g": g, "a": a, "beta_logits": beta_logits,
-                       "conv_q_w": conv_q_w, "conv_k_w": conv_k_w, "conv_v_w": conv_v_w, "dt_bias": dt_bias,
-                       "o_norm_w": o_norm_w, "conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v,
-                       "state": state, "out": out}, dtypes)
-    if not s:
-        return s
-    s = check_tensors({"A_log": A_log}, f32, align=4)
-    if s:
-        s = check_tensors({"slot": slot}, {"slot": torch.int32}, align=4)
-    if s and slot.device != q.device:
-        return no("slot on another device")
-    return s if not s else OK
+    return OP.support(_operands(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
+                                slot, conv_q, conv_k, conv_v, state, out))
 
 
 def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
@@ -144,17 +123,14 @@ def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, 
                pdl: bool = False) -> torch.Tensor:
     """One decode step of a KDA layer for B sequences; updates the pools in place; returns y [B, C] bf16.
     ``config`` overrides the heuristic (benches); ``pdl``: the programmatic-dependent-launch build."""
-    support = is_supported(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
-                           slot, conv_q, conv_k, conv_v, state, out)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        y = kda_decode_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
-                           slot, conv_q, conv_k, conv_v, state, eps=eps, lower_bound=lower_bound)
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y
+    args = (q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+            conv_q, conv_k, conv_v, state)
+    return OP(_operands(*args, out), launch=lambda: _launch(*args, eps, lower_bound, out, config, pdl),
+              reference=lambda: kda_decode_ref(*args, eps=eps, lower_bound=lower_bound), outputs=(out,))
 
+
+def _launch(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+            conv_q, conv_k, conv_v, state, eps, lower_bound, out, config, pdl):
     from ..._lib.tensor import current_stream, to_cute
 
     _, H, D, _ = state.shape
@@ -171,7 +147,6 @@ def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, 
        to_cute(dt_bias.reshape(-1), dynamic_dims=static), to_cute(o_norm_w, dynamic_dims=static),
        to_cute(slot, align=4), to_cute(conv_q), to_cute(conv_k), to_cute(conv_v), to_cute(state), to_cute(out),
        float(eps), float(lower_bound), current_stream(q.device))
-    counters.count_launch(NAME)
     return out
 
 

@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from ..._lib import compile_cache, counters
-from ..._lib.dispatch import OK, Support, check_tensors, no
+from ..._lib import compile_cache
+from ..._lib.dispatch import OK, Support, no
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from ...reference.common import rms_norm
 from ...reference.mla import FP8_MAX
 from .config import MAX_SPLITS, TILE, MLADecodeConfig, choose_splits
@@ -170,72 +171,56 @@ def _splits(B: int, groups: int, max_ctx: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------------------------------ support
-def _combine_r_ok(R: int) -> bool:
-    """The combine's thread layout: R/4 FP32 vectors per row divide 128 (R in 16, 32, ..., 512)."""
-    return R % 16 == 0 and 128 % (R // 4) == 0
+_COMBINE_R = "R % 16 == 0 and R >= 16 and 128 % (R // 4) == 0"  # R/4 FP32 vectors per combine row divide 128
+_ATTENTION_ARGS = (
+    Arg("q_lat", ("B", "H", "R")), Arg("q_pe", ("B", "H", "P")),
+    Arg("cache", ("pages", "page_size", "R+P"), (torch.bfloat16, FP8)),
+    Arg("block_table", ("B", "max_pages"), torch.int32, align=4), Arg("ctx_len", ("B",), torch.int32, align=4),
+    Arg("cache_scale", None, torch.float32, optional=True, align=4))
+_ATTENTION_RULES = (
+    Rule("0 < B <= 65535", "B={B} outside 1..65535"),
+    Rule("MAX_SPLITS * B * H * R < 2147483648", "B={B} x H={H}: the split workspace would pass 2^31 elements"),
+    Rule("page_size % TILE == 0", "page_size {page_size} not a multiple of {TILE}"),
+    Rule(f"(R + P) % 16 == 0 and {_COMBINE_R}", "R={R}, P={P}: needs (R + P) % 16 == 0 and R/4 dividing 128"))
+_UP_ARGS = (Arg("w_uv", ("H", "V", "R")), Arg("gate", ("B", "H*V"), optional=True),
+            Arg("out", ("B", "H*V"), optional=True))
+_UP_RULES = (Rule("1 <= V <= 128", "V={V} outside 1..128"),)
+_CONSTANTS = {"MAX_SPLITS": MAX_SPLITS, "TILE": TILE}
 
 
-def _check_attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale) -> Support:
-    if q_lat.dim() != 3 or q_pe.dim() != 3 or cache.dim() != 3:
-        return no("q_lat/q_pe must be [B, H, .], cache [pages, page_size, D]")
-    B, H, R = q_lat.shape
-    P = q_pe.shape[2]
-    if q_pe.shape[:2] != (B, H):
-        return no("q_pe shape")
-    if B == 0 or B > 65535:
-        return no(f"B={B} outside 1..65535")
-    if MAX_SPLITS * B * H * R >= 2**31:  # the split partials are indexed in 32 bits
-        return no(f"B={B} x H={H}: the split workspace would pass 2^31 elements")
-    if cache.shape[2] != R + P:
-        return no(f"cache width {cache.shape[2]} != R + P = {R + P}")
-    if cache.shape[1] % TILE:
-        return no(f"page_size {cache.shape[1]} not a multiple of {TILE}")
-    if (R + P) % 16 or not _combine_r_ok(R):
-        return no(f"R={R}, P={P}: needs (R + P) % 16 == 0 and R/4 dividing 128")
-    if block_table.dim() != 2 or block_table.shape[0] != B or ctx_len.shape != (B,):
-        return no("block_table [B, max_pages] / ctx_len [B]")
-    if cache.dtype not in (torch.bfloat16, FP8):
-        return no(f"cache dtype {str(cache.dtype).replace('torch.', '')} (needs bfloat16 or float8_e4m3fn)")
-    if cache.dtype == FP8 and (cache_scale is None or cache_scale.numel() != 1):
+def _attention_fits(tensors: dict[str, Any], scalars: dict[str, Any], dims: dict[str, int]) -> Support:
+    """What no expression states: an FP8 cache's one scale, and a config for the head count and width."""
+    fp8 = tensors["cache"].dtype == FP8
+    scale = tensors.get("cache_scale")
+    if fp8 and (scale is None or scale.numel() != 1):
         return no("fp8 cache needs cache_scale (one fp32 value)")
     try:
-        MLADecodeConfig.from_heuristic(H, R + P, cache.dtype == FP8)
+        MLADecodeConfig.from_heuristic(dims["H"], dims["R"] + dims["P"], fp8)
     except ValueError as e:
         return no(str(e))
-    s = check_tensors({"q_lat": q_lat, "q_pe": q_pe}, torch.bfloat16)
-    if s:
-        s = check_tensors({"cache": cache.view(torch.uint8)}, torch.uint8)
-    if s:
-        s = check_tensors({"block_table": block_table, "ctx_len": ctx_len}, torch.int32, align=4)
-    if s and cache_scale is not None:
-        s = check_tensors({"cache_scale": cache_scale}, torch.float32, align=4)
-    if s and not all(t.device == q_lat.device for t in (cache, block_table, ctx_len)):
-        return no("tensors on different devices")
-    return s if not s else OK
+    return OK
 
 
-def _check_up(B: int, H: int, R: int, w_uv, gate, out) -> Support:
-    if w_uv.dim() != 3 or w_uv.shape[0] != H or w_uv.shape[2] != R:
-        return no(f"w_uv shape {list(w_uv.shape)} (needs [{H}, V, {R}])")
-    V = w_uv.shape[1]
-    if not 1 <= V <= 128:
-        return no(f"V={V} outside 1..128")
-    if gate is not None and gate.shape != (B, H * V):
-        return no("gate shape")
-    if out is not None and out.shape != (B, H * V):
-        return no("out shape")
-    s = check_tensors({"w_uv": w_uv, "gate": gate}, torch.bfloat16)
-    if s and out is not None:
-        s = check_tensors({"out": out}, torch.bfloat16)
-    return s if not s else OK
+DECODE_OP = KernelOp(NAME, TensorSpec(*_ATTENTION_ARGS, *_UP_ARGS, rules=(*_ATTENTION_RULES, *_UP_RULES),
+                                      constants=_CONSTANTS, dtype=torch.bfloat16), extra=_attention_fits)
+PARTIAL_OP = KernelOp(NAME, TensorSpec(*_ATTENTION_ARGS, rules=_ATTENTION_RULES, constants=_CONSTANTS,
+                                       dtype=torch.bfloat16), extra=_attention_fits)
+MERGE_OP = KernelOp(f"{NAME}_merge", TensorSpec(
+    Arg("o_parts", ("G", "B", "H", "R"), torch.float32), Arg("lse_parts", ("G", "B", "H"), torch.float32, align=4),
+    *_UP_ARGS, rules=(Rule("1 <= G <= MAX_SPLITS", "G={G} outside 1..{MAX_SPLITS}"),
+                      Rule("1 <= B <= 65535", "B={B} outside 1..65535"),
+                      Rule(_COMBINE_R, "R={R}: R/4 must divide 128"), *_UP_RULES),
+    constants=_CONSTANTS, dtype=torch.bfloat16))
+
+
+def _attention_operands(q_lat, q_pe, cache, block_table, ctx_len, cache_scale) -> dict[str, Any]:
+    return {"q_lat": q_lat, "q_pe": q_pe, "cache": cache, "block_table": block_table, "ctx_len": ctx_len,
+            "cache_scale": cache_scale}
 
 
 def is_supported(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate=None, cache_scale=None, out=None) -> Support:
-    s = _check_attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale)
-    if s:
-        B, H, R = q_lat.shape
-        s = _check_up(B, H, R, w_uv, gate, out)
-    return s if not s else OK
+    return DECODE_OP.support({**_attention_operands(q_lat, q_pe, cache, block_table, ctx_len, cache_scale),
+                              "w_uv": w_uv, "gate": gate, "out": out})
 
 
 # ------------------------------------------------------------------------------------------ launches
@@ -306,16 +291,15 @@ def mla_decode(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, blo
     """One decode step of the absorbed attention for B sequences -> y [B, H*V] bf16 (see module doc).
     ``config`` / ``num_splits`` override the heuristics (benches, tests); ``pdl``: both launches for
     programmatic dependent launch."""
-    support = is_supported(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate, cache_scale, out)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        return mla_decode_ref(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate, softmax_scale=softmax_scale,
-                              cache_scale=cache_scale, out=out)
-    o_part, lse, cfg = _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx,
-                                  config, num_splits, pdl)
-    y = _combine_final(o_part, lse, w_uv, gate, out, cfg)
-    counters.count_launch(NAME)
-    return y
+    def launch() -> torch.Tensor:
+        o_part, lse, cfg = _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx,
+                                      config, num_splits, pdl)
+        return _combine_final(o_part, lse, w_uv, gate, out, cfg)
+
+    return DECODE_OP({**_attention_operands(q_lat, q_pe, cache, block_table, ctx_len, cache_scale),
+                      "w_uv": w_uv, "gate": gate, "out": out}, launch=launch,
+                     reference=lambda: mla_decode_ref(q_lat, q_pe, cache, block_table, ctx_len, w_uv, gate,
+                                                      softmax_scale=softmax_scale, cache_scale=cache_scale, out=out))
 
 
 def mla_decode_partial(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -324,50 +308,28 @@ def mla_decode_partial(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Ten
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's share of context-parallel decode: (o_lat [B, H, R] fp32 normalised, lse [B, H] fp32);
     a sequence with no position here gets o_lat = 0, lse = -inf. Merge the ranks with ``mla_merge``."""
-    support = _check_attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale)
-    if support and not _combine_r_ok(q_lat.shape[2]):
-        support = no("R")
-    if not support:
-        counters.count_fallback(NAME, support.reason)
+    def launch() -> tuple[torch.Tensor, torch.Tensor]:
+        o_part, lse, cfg = _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx,
+                                      config, pdl=pdl)
+        return _combine_partial(o_part, lse, cfg)
+
+    def reference() -> tuple[torch.Tensor, torch.Tensor]:
         o, lse = mla_attention_ref(q_lat, q_pe, cache, block_table, ctx_len, softmax_scale=softmax_scale,
                                    cache_scale=cache_scale)
         return o.float(), lse.float()
-    o_part, lse, cfg = _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_scale, max_ctx,
-                                  config, pdl=pdl)
-    res = _combine_partial(o_part, lse, cfg)
-    counters.count_launch(NAME)
-    return res
+
+    return PARTIAL_OP(_attention_operands(q_lat, q_pe, cache, block_table, ctx_len, cache_scale), launch=launch,
+                      reference=reference)
 
 
 def mla_merge(o_parts: torch.Tensor, lse_parts: torch.Tensor, w_uv: torch.Tensor, gate: torch.Tensor | None = None,
               *, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Merge G context-parallel partials (``o_parts [G, B, H, R]`` fp32, ``lse_parts [G, B, H]`` fp32) by
     their LSE, then W_UV and the gate -> y [B, H*V] bf16. Counted as a launch of ``mla_decode_merge``."""
-    op = f"{NAME}_merge"
-    s = Support(True)
-    if o_parts.dim() != 4 or lse_parts.shape != o_parts.shape[:3]:
-        s = no("o_parts [G, B, H, R] / lse_parts [G, B, H]")
-    elif not 1 <= o_parts.shape[0] <= MAX_SPLITS or not 1 <= o_parts.shape[1] <= 65535:
-        s = no(f"G={o_parts.shape[0]} outside 1..{MAX_SPLITS} or B outside 1..65535")
-    elif not _combine_r_ok(o_parts.shape[3]):
-        s = no(f"R={o_parts.shape[3]}: R/4 must divide 128")
-    else:
-        s = check_tensors({"o_parts": o_parts}, torch.float32)
-        if s:
-            s = check_tensors({"lse_parts": lse_parts}, torch.float32, align=4)
-        if s:
-            s = _check_up(o_parts.shape[1], o_parts.shape[2], o_parts.shape[3], w_uv, gate, out)
-    if not s:
-        counters.count_fallback(op, s.reason)
-        y = mla_merge_ref(o_parts, lse_parts, w_uv, gate)
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y
-    cfg = MLADecodeConfig(8, 2, False, gate is not None, pdl=pdl)
-    y = _combine_final(o_parts, lse_parts, w_uv, gate, out, cfg)
-    counters.count_launch(op)
-    return y
+    return MERGE_OP({"o_parts": o_parts, "lse_parts": lse_parts, "w_uv": w_uv, "gate": gate, "out": out},
+                    launch=lambda: _combine_final(o_parts, lse_parts, w_uv, gate, out,
+                                                  MLADecodeConfig(8, 2, False, gate is not None, pdl=pdl)),
+                    reference=lambda: mla_merge_ref(o_parts, lse_parts, w_uv, gate), outputs=(out,))
 
 
 def write_latent(kv: torch.Tensor, kv_norm_w: torch.Tensor, eps: float, latent: torch.Tensor, scale: Any,

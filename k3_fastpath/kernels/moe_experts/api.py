@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from ..._lib import compile_cache, counters
-from ..._lib.dispatch import OK, Support, check_tensors, no
+from ..._lib import compile_cache
+from ..._lib.dispatch import Support
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from .config import (
     COMBINE_THREADS,
     CTAS_PER_SM,
@@ -172,41 +173,38 @@ def precompile(preset_name: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------ support
+EXPERT_TENSORS = 6  # mxfp4: (packed, scale) of w1, w3, w2; bf16: w1, w3, w2
+SUPPORT = TensorSpec(
+    Arg("z", ("N", "L"), torch.bfloat16), Arg("ids", ("N", "k"), torch.int32, align=4),
+    Arg("weights", ("N", "k"), torch.float32, align=4), Arg("norm_weight", ("L",), torch.bfloat16, optional=True),
+    Arg("out", ("N", "L"), "out_dtype", optional=True),
+    *(Arg(f"expert weight {i}", None, "expert_dtype", optional=True, align=4) for i in range(EXPERT_TENSORS)),
+    rules=(Rule("1 <= N <= MAX_TOKENS", "N={N} outside 1..{MAX_TOKENS}"),
+           Rule("1 <= k <= 16 and N * k <= MAX_PAIRS", "top-k {k} (needs 1..16)"),
+           Rule("fmt in ('mxfp4', 'bf16')", "expert format {fmt}"),
+           Rule("latent == L", "experts' latent {latent} != z width {L}"),
+           Rule("I % GP == 0 and L % GP == 0 and E < 2097152", "I={I}, L={L}: both must be multiples of {GP}")),
+    constants={"MAX_TOKENS": MAX_TOKENS, "MAX_PAIRS": MAX_PAIRS, "GP": GP})
+OP = KernelOp(NAME, SUPPORT)
+
+
+def _operands(z, ids, weights, experts: ExpertWeights, norm_weight, out) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(tensors, scalars) as ``SUPPORT`` names them: the expert weights as the kernel reads them (the fragment
+    layout once compacted), their format and sizes."""
+    mats = [t for n in ("w1", "w3", "w2") for t in (
+        (experts.frag[n] if experts.compacted else getattr(experts, n)) if experts.fmt == "mxfp4"
+        else (getattr(experts, n),))]
+    tensors = {"z": z, "ids": ids, "weights": weights, "norm_weight": norm_weight, "out": out,
+               **{f"expert weight {i}": mats[i] if i < len(mats) else None for i in range(EXPERT_TENSORS)}}
+    scalars = {"fmt": experts.fmt, "E": experts.num_experts, "I": experts.inter, "latent": experts.latent,
+               "out_dtype": torch.bfloat16 if norm_weight is not None else torch.float32,
+               "expert_dtype": torch.uint8 if experts.fmt == "mxfp4" else torch.bfloat16}
+    return tensors, scalars
+
+
 def is_supported(z, ids, weights, experts: ExpertWeights, norm_weight=None, out=None) -> Support:
-    if z.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape:
-        return no("z [N, L], ids / weights [N, k]")
-    N, L = z.shape
-    k = ids.shape[1]
-    if not 1 <= N <= MAX_TOKENS:
-        return no(f"N={N} outside 1..{MAX_TOKENS}")
-    if ids.shape[0] != N or not 1 <= k <= 16 or N * k > MAX_PAIRS:
-        return no(f"top-k {k} (needs 1..16)")
-    if experts.fmt not in ("mxfp4", "bf16"):
-        return no(f"expert format {experts.fmt}")
-    E, I = experts.num_experts, experts.inter
-    if experts.latent != L:
-        return no(f"experts' latent {experts.latent} != z width {L}")
-    if I % GP or L % GP or E >= 2**21:
-        return no(f"I={I}, L={L}: both must be multiples of {GP}")
-    if norm_weight is not None and norm_weight.shape != (L,):
-        return no("norm_weight shape")
-    want_out = (torch.bfloat16 if norm_weight is not None else torch.float32)
-    if out is not None and (out.shape != (N, L) or out.dtype != want_out):
-        return no("out shape/dtype")
-    s = check_tensors({"z": z, "norm_weight": norm_weight}, torch.bfloat16)
-    if s:
-        s = check_tensors({"ids": ids, "weights": weights}, {"ids": torch.int32, "weights": torch.float32}, align=4)
-    if s and out is not None:
-        s = check_tensors({"out": out}, want_out)
-    if s:
-        mats = [t for n in ("w1", "w3", "w2") for t in (
-            (experts.frag[n] if experts.compacted else getattr(experts, n)) if experts.fmt == "mxfp4"
-            else (getattr(experts, n),))]
-        want = torch.uint8 if experts.fmt == "mxfp4" else torch.bfloat16
-        s = check_tensors({f"expert weight {i}": t for i, t in enumerate(mats)}, want, align=4)
-        if s and any(t.device != z.device for t in mats):
-            return no("expert weights on another device")
-    return s if not s else OK
+    tensors, scalars = _operands(z, ids, weights, experts, norm_weight, out)
+    return OP.support(tensors, scalars)
 
 
 # ------------------------------------------------------------------------------------------ op
@@ -220,11 +218,14 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
                 config: MoEExpertsConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """Routed experts + weighted combine (+ the latent RMSNorm with ``norm_weight``); see the module doc.
     ``pdl``: every launch for programmatic dependent launch (same bits)."""
-    support = is_supported(z, ids, weights, experts, norm_weight, out)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        return moe_experts_ref(z, ids, weights, experts, beta=beta, linear_beta=linear_beta,
-                               norm_weight=norm_weight, eps=eps, out=out)
+    tensors, scalars = _operands(z, ids, weights, experts, norm_weight, out)
+    return OP(tensors, scalars=scalars,
+              launch=lambda: _launch(z, ids, weights, experts, beta, linear_beta, norm_weight, eps, out, config, pdl),
+              reference=lambda: moe_experts_ref(z, ids, weights, experts, beta=beta, linear_beta=linear_beta,
+                                                norm_weight=norm_weight, eps=eps, out=out))
+
+
+def _launch(z, ids, weights, experts, beta, linear_beta, norm_weight, eps, out, config, pdl):
     from ..._lib.tensor import current_stream, to_cute
 
     N, L = z.shape
@@ -266,7 +267,6 @@ def moe_experts(z: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, exper
         fn(to_cute(x), *ws, *plan_args, to_cute(dst), max(1, min(items, _max_ctas())), stream)
     comb_fn(to_cute(y), to_cute(weights, align=4), to_cute(out), to_cute(norm_weight, dynamic_dims=()) if norm else None,
             float(eps), stream)
-    counters.count_launch(NAME)
     return out
 
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ..._lib import compile_cache, counters
-from ..._lib.dispatch import OK, Support, check_tensors, no
+from ..._lib import compile_cache
+from ..._lib.dispatch import OK, Support, no
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from .config import MoERouterConfig
 from .reference import moe_router_ref, moe_router_select_ref
 
@@ -77,54 +78,53 @@ def _align_of(top_k: int) -> int:
     return 16 if top_k % 4 == 0 else 4
 
 
-def _check_select(M: int, E: int, bias: torch.Tensor, top_k: int, out_ids, out_weights) -> Support:
-    """Shape, dtype and alignment checks of the selection kernel's operands other than the logits."""
-    if M == 0:
-        return no("M=0")
-    if bias.shape != (E,):
-        return no(f"bias shape {list(bias.shape)} (needs [{E}])")
+_OUTS = (Arg("out_ids", ("M", "top_k"), torch.int32, optional=True, align="out_align"),
+         Arg("out_weights", ("M", "top_k"), torch.float32, optional=True, align="out_align"))
+_SELECT_RULES = (Rule("M > 0", "M=0"),)
+SELECT_SUPPORT = TensorSpec(Arg("logits", ("M", "E")), Arg("bias", ("E",)), *_OUTS, rules=_SELECT_RULES,
+                            dtype=torch.float32)
+SUPPORT = TensorSpec(Arg("x", ("M", "H"), torch.bfloat16), Arg("gate_weight", ("E", "H"), torch.bfloat16),
+                     Arg("bias", ("E",), torch.float32), *_OUTS,
+                     rules=(Rule("M <= MAX_M", "M={M} outside 1..{MAX_M}"), *_SELECT_RULES), constants={"MAX_M": MAX_M})
+
+
+def _config_fits(tensors: dict[str, Any], scalars: dict[str, Any], dims: dict[str, int]) -> Support:
     try:
-        MoERouterConfig(E, top_k)
+        MoERouterConfig(dims["E"], scalars["top_k"])
     except ValueError as e:
         return no(str(e))
-    for name, t, dt in (("out_ids", out_ids, torch.int32), ("out_weights", out_weights, torch.float32)):
-        if t is not None and (t.shape != (M, top_k) or t.dtype != dt):
-            return no(f"{name} shape/dtype")
-    if out_ids is not None or out_weights is not None:
-        s = check_tensors({"out_ids": out_ids, "out_weights": out_weights},
-                          {"out_ids": torch.int32, "out_weights": torch.float32}, align=_align_of(top_k))
-        if not s:
-            return s
     return OK
+
+
+def _logits_gemm_fits(tensors: dict[str, Any], scalars: dict[str, Any], dims: dict[str, int]) -> Support:
+    from ..skinny_gemm.api import is_supported as gemm_supported
+
+    s = _config_fits(tensors, scalars, dims)
+    if not s:
+        return s
+    g = gemm_supported(tensors["x"], tensors["gate_weight"], out_dtype=torch.float32)
+    return OK if g else no(f"logits: {g.reason}")
+
+
+SELECT_OP = KernelOp(NAME, SELECT_SUPPORT, extra=_config_fits)
+OP = KernelOp(NAME, SUPPORT, extra=_logits_gemm_fits)
+
+
+def _scalars(top_k: int) -> dict[str, int]:
+    return {"top_k": int(top_k), "out_align": _align_of(int(top_k))}
 
 
 def is_supported_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, out_ids=None,
                         out_weights=None) -> Support:
-    if logits.dim() != 2:
-        return no("logits must be [M, E]")
-    s = _check_select(logits.shape[0], logits.shape[1], bias, top_k, out_ids, out_weights)
-    if s:
-        s = check_tensors({"logits": logits, "bias": bias}, torch.float32)
-    return s if not s else OK
+    return SELECT_OP.support({"logits": logits, "bias": bias, "out_ids": out_ids, "out_weights": out_weights},
+                             _scalars(top_k))
 
 
 def is_supported(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int, out_ids=None,
                  out_weights=None) -> Support:
     """The whole op: the logits GEMM's envelope (bf16, M <= 64) and the selection kernel's."""
-    from ..skinny_gemm.api import is_supported as gemm_supported
-
-    if x.dim() != 2 or gate_weight.dim() != 2:
-        return no("x and gate_weight must be 2-d")
-    if not 1 <= x.shape[0] <= MAX_M:
-        return no(f"M={x.shape[0]} outside 1..{MAX_M}")
-    s = _check_select(x.shape[0], gate_weight.shape[0], bias, top_k, out_ids, out_weights)
-    if not s:
-        return s
-    s = gemm_supported(x, gate_weight, out_dtype=torch.float32)
-    if not s:
-        return no(f"logits: {s.reason}")
-    s = check_tensors({"x": x, "bias": bias}, {"x": torch.bfloat16, "bias": torch.float32})
-    return s if not s else OK
+    return OP.support({"x": x, "gate_weight": gate_weight, "bias": bias, "out_ids": out_ids,
+                       "out_weights": out_weights}, _scalars(top_k))
 
 
 def _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config, pdl=False):
@@ -144,8 +144,11 @@ def _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, confi
     a = _align_of(top_k)
     fn(to_cute(logits), to_cute(bias, dynamic_dims=()), to_cute(out_ids, align=a), to_cute(out_weights, align=a),
        float(scale), current_stream(logits.device))
-    counters.count_launch(NAME)
     return out_ids, out_weights
+
+
+def _f32(ids: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return ids, w.float()
 
 
 def moe_router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool = True,
@@ -154,22 +157,10 @@ def moe_router_select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, reno
                       pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Selection from FP32 ``logits [M, E]``: (ids [M, k] int32, weights [M, k] fp32); ``pdl``: the
     programmatic-dependent-launch build."""
-    support = is_supported_select(logits, bias, top_k, out_ids, out_weights)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        ids, w = moe_router_select_ref(logits, bias, top_k, renormalize, scale)
-        return _into(ids, w, out_ids, out_weights)
-    return _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config, pdl)
-
-
-def _into(ids, w, out_ids, out_weights):
-    if out_ids is not None:
-        out_ids.copy_(ids)
-        ids = out_ids
-    if out_weights is not None:
-        out_weights.copy_(w)
-        w = out_weights
-    return ids, w.float()
+    return SELECT_OP({"logits": logits, "bias": bias, "out_ids": out_ids, "out_weights": out_weights},
+                     scalars=_scalars(top_k), outputs=(out_ids, out_weights),
+                     launch=lambda: _launch(logits, bias, top_k, renormalize, scale, out_ids, out_weights, config, pdl),
+                     reference=lambda: _f32(*moe_router_select_ref(logits, bias, top_k, renormalize, scale)))
 
 
 def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, top_k: int,
@@ -179,21 +170,22 @@ def moe_router(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, t
     """Route ``x [M, H]``: (ids [M, k] int32, weights [M, k] fp32). ``logits`` (an [M, E] fp32 buffer)
     receives the logits when given; ``config`` overrides the selection heuristic (benches); ``pdl`` (or
     ``config.pdl``) launches both kernels for programmatic dependent launch."""
-    support = is_supported(x, gate_weight, bias, top_k, out_ids, out_weights)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        ids, w = moe_router_ref(x, gate_weight, bias, top_k, renormalize, scale)
-        return _into(ids, w, out_ids, out_weights)
-    from ..skinny_gemm.api import skinny_gemm
-    from ..skinny_gemm.config import SkinnyGemmConfig
+    def launch() -> tuple[torch.Tensor, torch.Tensor]:
+        from ..skinny_gemm.api import skinny_gemm
+        from ..skinny_gemm.config import SkinnyGemmConfig
 
-    pdl = pdl or (config is not None and config.pdl)
-    gemm_cfg = None
-    if pdl:  # the same config skinny_gemm would pick, launched for PDL
-        M, H = x.shape
-        gemm_cfg = dataclasses.replace(SkinnyGemmConfig.select(M, gate_weight.shape[0], H, out_fp32=True), pdl=True)
-    lg = skinny_gemm(x, gate_weight, out=logits, out_dtype=torch.float32, config=gemm_cfg)
-    return _launch(lg, bias, top_k, renormalize, scale, out_ids, out_weights, config, pdl)
+        use_pdl = pdl or (config is not None and config.pdl)
+        gemm_cfg = None
+        if use_pdl:  # the same config skinny_gemm would pick, launched for PDL
+            M, H = x.shape
+            gemm_cfg = dataclasses.replace(SkinnyGemmConfig.select(M, gate_weight.shape[0], H, out_fp32=True),
+                                           pdl=True)
+        lg = skinny_gemm(x, gate_weight, out=logits, out_dtype=torch.float32, config=gemm_cfg)
+        return _launch(lg, bias, top_k, renormalize, scale, out_ids, out_weights, config, use_pdl)
+
+    return OP({"x": x, "gate_weight": gate_weight, "bias": bias, "out_ids": out_ids, "out_weights": out_weights},
+              scalars=_scalars(top_k), outputs=(out_ids, out_weights), launch=launch,
+              reference=lambda: _f32(*moe_router_ref(x, gate_weight, bias, top_k, renormalize, scale)))
 
 
 def step_op(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,

@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from ..._lib import compile_cache, counters
-from ..._lib.dispatch import OK, Support, check_tensors, no
+from ..._lib import compile_cache
+from ..._lib.dispatch import Support
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from .config import VEC, RMSNormConfig
 from .reference import rmsnorm_residual_ref
 
@@ -72,25 +73,17 @@ def precompile(preset_name: str) -> int:
     return len(variants)
 
 
+SUPPORT = TensorSpec(
+    Arg("x", ("M", "H")), Arg("residual", ("M", "H"), optional=True), Arg("weight", ("H",)),
+    Arg("out", ("M", "H"), optional=True), Arg("residual_out", ("M", "H"), optional=True),
+    rules=(Rule("H % VEC == 0", "H={H} not a multiple of {VEC}"), Rule("M > 0", "M=0")),
+    constants={"VEC": VEC}, dtype=torch.bfloat16, requires=(("residual_out", "residual"),))
+OP = KernelOp(NAME, SUPPORT)
+
+
 def is_supported(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  out: torch.Tensor | None = None, residual_out: torch.Tensor | None = None) -> Support:
-    if x.dim() != 2:
-        return no(f"x is {x.dim()}-d (needs [M, H])")
-    M, H = x.shape
-    if H % VEC:
-        return no(f"H={H} not a multiple of {VEC}")
-    if M == 0:
-        return no("M=0")
-    if weight.shape != (H,):
-        return no("weight shape")
-    for name, t in (("residual", residual), ("out", out), ("residual_out", residual_out)):
-        if t is not None and t.shape != x.shape:
-            return no(f"{name} shape")
-    if residual_out is not None and residual is None:
-        return no("residual_out without residual")
-    s = check_tensors({"x": x, "residual": residual, "weight": weight, "out": out,
-                       "residual_out": residual_out}, torch.bfloat16)
-    return s if not s else OK
+    return OP.support({"x": x, "residual": residual, "weight": weight, "out": out, "residual_out": residual_out})
 
 
 def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -100,18 +93,12 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
     """(normed, new_residual): new_residual = bf16(x + residual), normed = RMSNorm(new_residual) * weight.
     ``config`` overrides the heuristic (benches); its has_residual must match. ``pdl``: launch the
     programmatic-dependent-launch build (same bits)."""
-    support = is_supported(x, residual, weight, out, residual_out)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        normed, h = rmsnorm_residual_ref(x, residual, weight, eps)
-        if out is not None:
-            out.copy_(normed)
-            normed = out
-        if h is not None and residual_out is not None:
-            residual_out.copy_(h)
-            h = residual_out
-        return normed, h
+    return OP({"x": x, "residual": residual, "weight": weight, "out": out, "residual_out": residual_out},
+              launch=lambda: _launch(x, residual, weight, eps, out, residual_out, config, pdl),
+              reference=lambda: rmsnorm_residual_ref(x, residual, weight, eps), outputs=(out, residual_out))
 
+
+def _launch(x, residual, weight, eps, out, residual_out, config, pdl):
     from ..._lib.tensor import current_stream, to_cute
 
     H = x.shape[1]
@@ -128,7 +115,6 @@ def rmsnorm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
         residual_out = torch.empty_like(x)
     fn(to_cute(x), to_cute(residual) if has_res else None, to_cute(weight, dynamic_dims=()), to_cute(out),
        to_cute(residual_out) if has_res else None, float(eps), current_stream(x.device))
-    counters.count_launch(NAME)
     return out, (residual_out if has_res else None)
 
 

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ..._lib import compile_cache, counters
-from ..._lib.dispatch import OK, Support, check_tensors, no
+from ..._lib import compile_cache
+from ..._lib.dispatch import Support
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from .config import VEC, SituGluConfig
 from .reference import situ_glu_ref
 
@@ -68,19 +69,15 @@ def precompile(preset_name: str) -> int:
     return len(variants)
 
 
+SUPPORT = TensorSpec(
+    Arg("g", ("M", "I")), Arg("u", ("M", "I")), Arg("out", ("M", "I"), optional=True),
+    rules=(Rule("I % VEC == 0", "I={I} not a multiple of {VEC}"), Rule("M > 0", "M=0")),
+    constants={"VEC": VEC}, dtype=torch.bfloat16)
+OP = KernelOp(NAME, SUPPORT)
+
+
 def is_supported(g: torch.Tensor, u: torch.Tensor, out: torch.Tensor | None = None) -> Support:
-    if g.dim() != 2:
-        return no(f"g is {g.dim()}-d (needs [M, I])")
-    M, I = g.shape  # noqa: E741
-    if I % VEC:
-        return no(f"I={I} not a multiple of {VEC}")
-    if M == 0:
-        return no("M=0")
-    for name, t in (("u", u), ("out", out)):
-        if t is not None and t.shape != g.shape:
-            return no(f"{name} shape {tuple(t.shape)} != g's {tuple(g.shape)}")
-    s = check_tensors({"g": g, "u": u, "out": out}, torch.bfloat16)
-    return s if not s else OK
+    return OP.support({"g": g, "u": u, "out": out})
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float, *, out: torch.Tensor | None = None,
@@ -88,15 +85,12 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float, 
     """bf16 ``beta*tanh(g/beta)*sigmoid(g) * linear_beta*tanh(u/linear_beta)`` (FP32 math, one rounding).
     ``config`` overrides the heuristic (its beta / linear_beta must be these); ``pdl``: the programmatic-
     dependent-launch build (same bits)."""
-    support = is_supported(g, u, out)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        h = situ_glu_ref(g, u, beta, linear_beta)
-        if out is not None:
-            out.copy_(h)
-            h = out
-        return h
+    return OP({"g": g, "u": u, "out": out}, launch=lambda: _launch(g, u, beta, linear_beta, out, config, pdl),
+              reference=lambda: situ_glu_ref(g, u, beta, linear_beta), outputs=(out,))
 
+
+def _launch(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float, out: torch.Tensor | None,
+            config: SituGluConfig | None, pdl: bool) -> torch.Tensor:
     from ..._lib.tensor import current_stream, to_cute
 
     I = g.shape[1]  # noqa: E741
@@ -110,7 +104,6 @@ def situ_glu(g: torch.Tensor, u: torch.Tensor, beta: float, linear_beta: float, 
     if out is None:
         out = torch.empty_like(g)
     fn(to_cute(g), to_cute(u), to_cute(out), current_stream(g.device))
-    counters.count_launch(NAME)
     return out
 
 

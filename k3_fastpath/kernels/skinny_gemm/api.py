@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 
-from ..._lib import compile_cache, counters
-from ..._lib.dispatch import OK, Support, check_tensors, no
+from ..._lib import compile_cache
+from ..._lib.dispatch import OK, Support, no
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from .config import MAX_M, WGMMA_MIN_M, SkinnyGemmConfig, m_buckets
 from .reference import skinny_gemm_ref
 
@@ -101,40 +102,41 @@ def precompile(preset_name: str) -> int:
     return len(variants)
 
 
-def is_supported(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
-                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-                 config: SkinnyGemmConfig | None = None, wgmma_min_m: int = WGMMA_MIN_M) -> Support:
-    """Whether the kernel serves this call: with ``config``, that config must fit (M within its bucket, the
-    variant's K / N rules); without it, ``select`` must find one."""
-    if x.dim() != 2 or w.dim() != 2:
-        return no("x and w must be 2-d")
-    M, K = x.shape
-    N = w.shape[0]
-    if w.shape[1] != K:
-        return no("K mismatch")
-    if not 1 <= M <= MAX_M:
-        return no(f"M={M} outside 1..{MAX_M}")
-    if N % 8:
-        return no(f"N={N} not a multiple of 8")
-    if out_dtype not in (torch.bfloat16, torch.float32):
-        return no(f"out dtype {out_dtype}")
+SUPPORT = TensorSpec(
+    Arg("x", ("M", "K")), Arg("w", ("N", "K")), Arg("residual", ("M", "N"), optional=True),
+    Arg("out", ("M", "N"), "out_dtype", optional=True),
+    rules=(Rule("1 <= M <= MAX_M", "M={M} outside 1..{MAX_M}"), Rule("N % 8 == 0", "N={N} not a multiple of 8"),
+           Rule("out_dtype in OUT_DTYPES", "out dtype {out_dtype}")),
+    constants={"MAX_M": MAX_M, "OUT_DTYPES": (torch.bfloat16, torch.float32)}, dtype=torch.bfloat16)
+
+
+def _config_fits(tensors: dict[str, Any], scalars: dict[str, Any], dims: dict[str, int]) -> Support:
+    """With a ``config``, that config must fit (M within its bucket, the variant's K rule); without one,
+    ``select`` must find one."""
+    M, K, N = dims["M"], dims["K"], dims["N"]
+    config = scalars["config"]
     if config is not None:
         if M > config.m_max:
             return no(f"M={M} > config m_max {config.m_max}")
         if K % config.k_granule:
             return no(f"{config.variant} needs K % {config.k_granule} == 0, got K={K}")
-    else:
-        try:
-            SkinnyGemmConfig.select(M, N, K, wgmma_min_m=wgmma_min_m)
-        except ValueError as e:
-            return no(str(e))
-    for name, t, dt in (("residual", residual, torch.bfloat16), ("out", out, out_dtype)):
-        if t is not None and (t.shape != (M, N) or t.dtype != dt):
-            return no(f"{name} shape/dtype")
-    s = check_tensors({"x": x, "w": w, "residual": residual}, torch.bfloat16)
-    if s and out is not None:
-        s = check_tensors({"out": out}, out_dtype)
-    return s if not s else OK
+        return OK
+    try:
+        SkinnyGemmConfig.select(M, N, K, wgmma_min_m=scalars["wgmma_min_m"])
+    except ValueError as e:
+        return no(str(e))
+    return OK
+
+
+OP = KernelOp(NAME, SUPPORT, extra=_config_fits)
+
+
+def is_supported(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                 config: SkinnyGemmConfig | None = None, wgmma_min_m: int = WGMMA_MIN_M) -> Support:
+    """Whether the kernel serves this call (``SUPPORT``, then ``_config_fits``)."""
+    return OP.support({"x": x, "w": w, "residual": residual, "out": out},
+                      {"out_dtype": out_dtype, "config": config, "wgmma_min_m": wgmma_min_m})
 
 
 _workspaces: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -160,15 +162,13 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
     finishes, activations read after the wait); ``wgmma_min_m``: ``select``'s wgmma threshold."""
     if out_dtype is None:
         out_dtype = out.dtype if out is not None else torch.bfloat16
-    support = is_supported(x, w, residual, out, out_dtype, config, wgmma_min_m)
-    if not support:
-        counters.count_fallback(NAME, support.reason)
-        y = skinny_gemm_ref(x, w, residual, out_dtype=out_dtype)
-        if out is not None:
-            out.copy_(y)
-            return out
-        return y
+    return OP({"x": x, "w": w, "residual": residual, "out": out},
+              scalars={"out_dtype": out_dtype, "config": config, "wgmma_min_m": wgmma_min_m},
+              launch=lambda: _launch(x, w, residual, out, out_dtype, config, pdl, wgmma_min_m),
+              reference=lambda: skinny_gemm_ref(x, w, residual, out_dtype=out_dtype), outputs=(out,))
 
+
+def _launch(x, w, residual, out, out_dtype, config, pdl, wgmma_min_m):
     from ..._lib.tensor import current_stream, to_cute
 
     M, K = x.shape
@@ -188,7 +188,6 @@ def skinny_gemm(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None 
         ws, cnt = to_cute(ws_t, dynamic_dims=()), to_cute(cnt_t, dynamic_dims=())
     fn(to_cute(x), to_cute(w, dynamic_dims=()), to_cute(out),
        to_cute(residual) if residual is not None else None, ws, cnt, current_stream(x.device))
-    counters.count_launch(NAME)
     VARIANT_LAUNCHES[cfg.variant] += 1
     return out
 
