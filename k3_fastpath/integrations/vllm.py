@@ -25,7 +25,8 @@ The decision (``decide``), per model construction:
   ``fastpath_max_len``. Everything else runs vLLM's own forward after the routed requests' state is handed
   back, and is traced with its reason. A configuration in which no step can be routed (no
   ``--enforce-eager``, TP/PP > 1, speculative decoding, recoverssm, KDA prefix caching, ``fp8_ds_mla``) is
-  refused at model construction with ``RoutingUnavailableError`` and a one-line reason, never served on the
+  refused at model construction with ``RoutingUnavailableError`` and one line naming every unsupported
+  setting, never served on the
   standard path under the fast path's name. Not yet run inside a vLLM server on a GPU (no vLLM on the GPU
   host); what is tested is listed in tests/test_vllm_routing.py.
 
@@ -61,9 +62,10 @@ ROUTE_MESSAGE = ("eligible decode steps (pure decode, no speculative tokens, wit
                  "forward after the routed state is handed back")
 
 
-class RoutingUnavailableError(RuntimeError):
+class RoutingUnavailableError(ValueError):
     """``decode_backend=latency_specialized`` was asked for a K3 model in a configuration where no decode step
-    could be routed (``vllm_routing.config_refusal`` says which)."""
+    could be routed: one line naming every unsupported setting (``vllm_routing.unsupported_settings``), raised
+    at model construction as upstream's specialized decode refuses at start-up (a ``ValueError``)."""
 
 
 @dataclass(frozen=True)

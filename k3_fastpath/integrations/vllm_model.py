@@ -7,7 +7,7 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
   ``forward`` / ``compute_logits`` / ``load_weights`` are vLLM's (each override calls straight through);
 - ``latency_specialized``: first ``vllm_routing.config_refusal`` — a configuration in which no step could
   be routed (no ``enforce_eager``, TP/PP > 1, speculative decoding, recoverssm, KDA prefix caching,
-  ``fp8_ds_mla``) is refused with ``RoutingUnavailableError`` and that one-line reason, before anything is
+  ``fp8_ds_mla``) is refused with ``RoutingUnavailableError`` naming every such setting in one line, before anything is
   allocated. Otherwise vLLM's model is built normally, plus:
 
   * ``load_weights``: after vLLM's loader, the executor's own reference model is loaded from the same

@@ -250,27 +250,40 @@ class VllmDecodeRouter:
 
 
 # ---------------------------------------------------------------------------------------------- setup
-def config_refusal(vllm_config: Any) -> str | None:
-    """Why this vLLM configuration can route no K3 decode step at all (None: it can). One line."""
+def unsupported_settings(vllm_config: Any) -> list[str]:
+    """Every setting of this vLLM configuration under which no K3 decode step can be routed, one short line
+    each, in a fixed order (empty: it can be routed)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
+    out = []
     if not getattr(mc, "enforce_eager", False):
-        return ("needs enforce_eager (--enforce-eager): a routed step decides on the host per step (classify, "
-                "import state) and replays the executor's own CUDA graphs; vLLM's graphs would freeze one path")
+        out.append("needs enforce_eager (--enforce-eager): a routed step decides on the host per step (classify, "
+                   "import state) and replays the executor's own CUDA graphs; vLLM's graphs would freeze one path")
     if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        return (f"tensor/pipeline parallel size {pc.tensor_parallel_size}/{pc.pipeline_parallel_size}: the "
-                "executor routed from vLLM is single-device (TP=PP=1)")
+        out.append(f"tensor/pipeline parallel size {pc.tensor_parallel_size}/{pc.pipeline_parallel_size}: the "
+                   "executor routed from vLLM is single-device (TP=PP=1)")
     if getattr(pc, "decode_context_parallel_size", 1) != 1:
-        return "decode context parallelism is not routed"
+        out.append(f"decode context parallel size {pc.decode_context_parallel_size}: not routed")
     if vllm_config.speculative_config is not None:
-        return "speculative decoding is configured: its multi-token decode steps are not routed"
+        out.append("speculative decoding is configured: its multi-token decode steps are not routed")
     if getattr(cc, "use_kda_recoverssm", False):
-        return "use_kda_recoverssm: its recoverssm state records are not mapped"
+        out.append("use_kda_recoverssm: its recoverssm state records are not mapped")
     if getattr(cc, "mamba_cache_mode", "none") != "none":
-        return (f"mamba_cache_mode={cc.mamba_cache_mode} (KDA prefix caching): vLLM copies KDA states between "
-                "blocks between steps, which the executor's pool rows would not follow")
+        out.append(f"mamba_cache_mode={cc.mamba_cache_mode} (KDA prefix caching): vLLM copies KDA states between "
+                   "blocks between steps, which the executor's pool rows would not follow")
     if cc.cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
-        return f"kv cache dtype {cc.cache_dtype}: the executor maps bf16 or plain fp8 e4m3 MLA caches"
-    return None
+        out.append(f"kv cache dtype {cc.cache_dtype}: the executor maps bf16 or plain fp8 e4m3 MLA caches")
+    return out
+
+
+def config_refusal(vllm_config: Any) -> str | None:
+    """Why this vLLM configuration can route no K3 decode step at all, every unsupported setting in one line
+    (None: it can)."""
+    found = unsupported_settings(vllm_config)
+    if not found:
+        return None
+    if len(found) == 1:
+        return found[0]
+    return f"{len(found)} unsupported settings: " + "; ".join(f"({i}) {w}" for i, w in enumerate(found, 1))
 
 
 def load_executor_model(model_dir: str, dtype: torch.dtype, device: torch.device, extra_bytes: int = 0) -> Any:
