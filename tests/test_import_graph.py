@@ -26,17 +26,21 @@ def _modules() -> dict[str, Path]:
     return out
 
 
+def _from_module(mod: str, path: Path, node: ast.ImportFrom) -> str:
+    """The absolute module a ``from ... import`` statement in ``mod`` (at ``path``) imports from."""
+    if not node.level:
+        return node.module or ""
+    base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _targets(mod: str, path: Path, node: ast.AST, mods: dict[str, Path]) -> list[str]:
     """The modules of ``mods`` an import statement in ``mod`` names (``from pkg import sub`` names pkg.sub)."""
     if isinstance(node, ast.Import):
         names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom):
-        if node.level:
-            base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-            base = base[: len(base) - (node.level - 1)]
-            parent = ".".join(base + ([node.module] if node.module else []))
-        else:
-            parent = node.module or ""
+        parent = _from_module(mod, path, node)
         names = [f"{parent}.{a.name}" if f"{parent}.{a.name}" in mods else parent for a in node.names]
     else:
         return []
@@ -144,12 +148,7 @@ def _unresolved_names(mods: dict[str, Path]) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if not isinstance(node, ast.ImportFrom):
                 continue
-            if node.level:
-                base = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-                base = base[: len(base) - (node.level - 1)]
-                parent = ".".join(base + ([node.module] if node.module else []))
-            else:
-                parent = node.module or ""
+            parent = _from_module(mod, path, node)
             if parent not in mods:
                 continue
             m = importlib.import_module(parent)
