@@ -25,11 +25,11 @@ each audited check a seeded sample of its records (``--sample N`` indices, the s
   and the audit says so;
 * the re-run's status must equal the bundle's, and its number of records the bundle's (a record dropped
   or added anywhere is found, sampled or not);
-* a record that says ``"information_only": true`` on both sides (one no status rule gates, e.g. the
-  sweep's eager PyTorch reference rows, whose times are bound by the host's dispatch and whose per-layer
-  split moves with it) has its timing disagreements recorded as ``informational``: listed, not counted.
-  Every other field of it, the flag included, is compared as above, so a flag set on one side only is a
-  disagreement.
+* a record its check declares information only on both sides (``CheckDecl.information_only``: one no
+  status rule gates, e.g. the sweep's eager PyTorch reference rows, whose times are bound by the host's
+  dispatch and whose per-layer split moves with it) has its timing disagreements recorded as
+  ``informational``: listed, not counted. Every other field of it is compared as above, so a record made
+  to look information-only (its backend changed) is a disagreement.
 
 Output: an audit bundle (check ``audit.records``: one ``audited`` record per check, one ``disagreement``
 record per differing field, ``cannot_run`` where a check cannot run here; the re-run bundle attached as
@@ -151,8 +151,9 @@ def record_tolerance(a: dict[str, Any], b: dict[str, Any], tol: float) -> Tolera
 
 
 def compare_records(bundle: list[dict[str, Any]], rerun: list[dict[str, Any]], indices: list[int], tol: float,
-                    rel: float) -> list[dict[str, Any]]:
-    """The disagreements between the sampled ``bundle`` records and the ``rerun`` records at the same index."""
+                    rel: float, information_only: Any = None) -> list[dict[str, Any]]:
+    """The disagreements between the sampled ``bundle`` records and the ``rerun`` records at the same index
+    (``information_only``: the check's predicate, see the module doc)."""
     out: list[dict[str, Any]] = []
     for i in indices:
         if i >= len(rerun):
@@ -161,7 +162,8 @@ def compare_records(bundle: list[dict[str, Any]], rerun: list[dict[str, Any]], i
             continue
         found: list[dict[str, Any]] = []
         _walk(bundle[i], rerun[i], "", "", record_tolerance(bundle[i], rerun[i], tol), rel, found)
-        info = all(isinstance(r, dict) and r.get("information_only") is True for r in (bundle[i], rerun[i]))
+        info = information_only is not None and all(isinstance(r, dict) and information_only(r)
+                                                    for r in (bundle[i], rerun[i]))
         for d in found:
             if d.pop("timing", False) and info:
                 d["informational"] = True
@@ -281,7 +283,8 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
         for cid in ids:
             orig = records.get(cid, [])
             idx = sorted(rng.sample(range(len(orig)), min(sample, len(orig))))
-            found = compare_records(orig, rerun_recs.get(cid, []), idx, timing_tol, rel)
+            found = compare_records(orig, rerun_recs.get(cid, []), idx, timing_tol, rel,
+                                    REGISTRY[cid].information_only)
             if len(orig) != len(rerun_recs.get(cid, [])):  # a record dropped or added, whichever index it had
                 found.insert(0, {"index": None, "field": "(record count)", "bundle": len(orig),
                                  "rerun": len(rerun_recs.get(cid, [])), "why": "the record counts differ"})

@@ -304,7 +304,7 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
                                                    rounds=REFERENCE_LAYER_ROUNDS)
         ss = stats(s_samples)
         floor_t = fl["floor_us_by_layer_type"]
-        rows.append({**common, "backend": "reference", "information_only": True, **ss, "timer": "eager", **throughput(ss["step_us_median"],
+        rows.append({**common, "backend": "reference", **ss, "timer": "eager", **throughput(ss["step_us_median"],
                      batch, 1), "pct_of_floor": fl["floor_us"] / ss["step_us_median"],
                      "x_floor": ss["step_us_median"] / fl["floor_us"], "per_layer_type_us": layer_us,
                      "pct_of_floor_by_layer_type": {k: floor_t[k] / v for k, v in layer_us.items()

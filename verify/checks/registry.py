@@ -42,6 +42,9 @@ class CheckDecl:
     imports: tuple[str, ...] = ()  # Python modules the check needs (the preflight's list)
     tools: tuple[str, ...] = ()  # programs the check runs (``verify.requirements.TOOLS``; the preflight's too)
     params_type: type | None = None  # frozen dataclass of the parameters, defaults from the signature
+    # record -> True for a record no status rule gates: ``bundle audit`` lists its timing disagreements
+    # without counting them (its other fields still compare bitwise, so the predicate's inputs do too)
+    information_only: Callable[[Mapping[str, Any]], bool] | None = None
 
     @property
     def params(self) -> dict[str, Any]:
@@ -91,14 +94,15 @@ def params_dataclass(check_id: str, fn: Callable[..., Any]) -> type:
 
 
 def check(check_id: str, description: str, *, requires: tuple[str, ...] = (), imports: tuple[str, ...] = (),
-          tools: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+          tools: tuple[str, ...] = (), information_only: Callable[[Mapping[str, Any]], bool] | None = None
+          ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register the decorated function as check ``check_id`` (see the module docstring)."""
     def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
         module = fn.__module__
         if check_id in _DECLS and (_DECLS[check_id].module, _DECLS[check_id].function) != (module, fn.__name__):
             raise ValueError(f"check {check_id} is registered twice ({_DECLS[check_id].module} and {module})")
         _DECLS[check_id] = CheckDecl(check_id, module, fn.__name__, description, tuple(requires), tuple(imports),
-                                     tuple(tools), params_dataclass(check_id, fn))
+                                     tuple(tools), params_dataclass(check_id, fn), information_only)
         return fn
     return deco
 
