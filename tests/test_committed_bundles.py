@@ -29,3 +29,18 @@ def test_committed_bundle_verifies(path):
 
 def test_there_is_at_least_the_golden_example():
     assert any("example" in str(p) for p in _committed())
+
+
+def test_verifying_a_full_tier_sized_bundle_takes_under_two_seconds():
+    """Rescoring included. The largest committed tier bundle (the H200 standard run of session 12: 16 checks,
+    775 equivalence.decode rows) verifies in well under a quarter of 2 s; a full-tier bundle holds about 4x
+    its rows (equivalence.decode: 12 points x 256 steps against 6 x 128, the sweep 126 rows against 37), and
+    ``verify`` is linear in the rows, so a full-tier bundle stays under 2 s here."""
+    import time
+
+    path = REPO / "bundles" / "runs" / "2026-12-02-h200-session12" / "standard"
+    verify_bundle(path)  # imports and the rescorers' modules, once
+    t = time.perf_counter()
+    report = verify_bundle(path)
+    elapsed = time.perf_counter() - t
+    assert report.ok and elapsed * 4 < 2.0, (report.problems, elapsed)
