@@ -56,17 +56,25 @@ def test_every_kernel_folder_has_the_same_files():
 
 
 def test_device_helpers_live_in_common():
-    """The sigmoid and the PDL prologue's L2 prefetch are written once (kernels/common/primitives.py): no
-    kernel issues a raw ``cp.async.bulk.prefetch`` or defines its own sigmoid, and no kernel imports another
-    kernel's folder."""
+    """The sigmoid and the PDL prologue's L2 prefetch are written once (kernels/common/primitives.py), the PDL
+    wait and trigger go through common/pdl.py's ``PdlOrder`` (which states per operand whether it may be read
+    before the wait): no kernel issues a raw ``cp.async.bulk.prefetch`` or ``griddepcontrol``, defines its own
+    sigmoid, or imports another kernel's folder; every kernel with a PDL build names its order."""
     import re
+
+    from k3_fastpath.kernels import KERNELS, spec
 
     for path in KERNEL_DIR.glob("*/kernel*.py"):
         text = path.read_text()
         assert 'inline_ptx("cp.async.bulk.prefetch' not in text, f"{path}: use common.primitives.prefetch_weights_l2"
+        assert "griddepcontrol_" not in text, f"{path}: wait / trigger through common.pdl.PdlOrder"
         assert not re.search(r"^def _?sigmoid\(", text, re.M), f"{path}: use common.primitives.sigmoid"
         others = {m for m in re.findall(r"from \.\.(\w+)", text) if m != "common"}
         assert not others, f"{path} imports kernel folder(s) {sorted(others)}"
+    for name in KERNELS:
+        if spec(name).pdl:
+            text = "".join(p.read_text() for p in (KERNEL_DIR / name).glob("kernel*.py"))
+            assert "PdlOrder(" in text and ".wait()" in text, f"{name}: a PDL build states its order (PdlOrder)"
 
 
 def test_reading_specs_imports_neither_torch_nor_cutlass():
@@ -180,3 +188,27 @@ def test_op_tables_serve_the_specs_kernels():
             assert s.opt_in in bools, f"{s.name}: opt_in {s.opt_in!r} is not a DecodeOptions bool"
             added = set(fast_ops.op_table(DecodeOptions(**{s.opt_in: True}))) - set(plain)
             assert added == {s.serves_op}, (s.name, added)
+
+
+def test_pdl_order_refuses_an_after_wait_operand_before_the_wait():
+    """``kernels/common/pdl.py`` at trace time (the non-PDL order emits no instruction, so this needs no
+    kernel): an ``AfterWait`` handle refuses indexing, item assignment and ``.tensor`` until ``wait()``, its
+    shape stays readable, dependents cannot be triggered first, and a weight is handed back as it is."""
+    pytest.importorskip("cutlass")
+    import torch
+
+    from k3_fastpath.kernels.common.pdl import PdlOrder, PdlOrderError
+
+    order = PdlOrder(False)
+    x, w = torch.arange(6.0).reshape(2, 3), torch.ones(3)
+    hx, none = order.after_wait(x, None)
+    assert none is None and order.weight(w) is w and hx.shape == (2, 3)
+    for touch in (lambda: hx[0], lambda: hx.__setitem__((0, 0), 1.0), lambda: hx.tensor, lambda: order.open(hx),
+                  order.launch_dependents):
+        with pytest.raises(PdlOrderError):
+            touch()
+    order.wait()
+    order.launch_dependents()
+    assert torch.equal(hx[1], x[1]) and order.open(hx) is x
+    hx[0, 0] = 7.0
+    assert x[0, 0] == 7.0

@@ -33,6 +33,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32
 from cutlass.memory import SmemAllocator
 
+from ..common.pdl import PdlOrder
 from ..common.primitives import prefetch_weights_l2
 from .config import VEC, AttnResConfig
 
@@ -91,6 +92,9 @@ class AttnResMixKernel:
         s_part = smem.allocate_tensor(Float32, cute.make_layout((self.nred, self.num_warps)), byte_alignment=16)
         s_tot = smem.allocate_tensor(Float32, cute.make_layout((self.nred + 1,)), byte_alignment=16)
 
+        order = PdlOrder(self.cfg.pdl)
+        mWn, mWp, mWo = order.weight(mWn), order.weight(mWp), order.weight(mWo)
+        mV, mMix, mOut = order.after_wait(mV, mMix, mOut)
         rA = cute.make_rmem_tensor((VEC, self.V), BFloat16)
         rB = cute.make_rmem_tensor((VEC, self.V), BFloat16)
         self._load(mWn, rA, tidx)
@@ -101,7 +105,7 @@ class AttnResMixKernel:
             if cutlass.const_expr(self.cfg.has_norm):
                 if row == 0 and tidx == 0:
                     prefetch_weights_l2(mWo.iterator.toint(), Int32(self.H * 2))
-            cute.arch.griddepcontrol_wait()
+        order.wait()
 
         srcs = []
         for s in cutlass.range_constexpr(self.S):
@@ -151,8 +155,7 @@ class AttnResMixKernel:
                 acc.store(vf * (ps[0] * inv_z))
             else:
                 acc.store(vf * (ps[s] * inv_z) + acc.load())
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # every source load is issued
+        order.launch_dependents()  # every source load is issued
         mix = acc.load().to(BFloat16)
         rA.store(mix)
         self._store(rA, mMix[row, None], tidx)

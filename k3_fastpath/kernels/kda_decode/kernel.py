@@ -50,6 +50,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int64
 from cutlass.memory import SmemAllocator
 
+from ..common.pdl import PdlOrder
 from ..common.primitives import sigmoid
 from .config import CONV_W, VEC, KDADecodeConfig
 
@@ -124,7 +125,10 @@ class KDADecodeKernel:
         vec16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=64)
         hD = h * D
         rY = cute.make_rmem_tensor((VEC,), BFloat16)
-        gO = cute.local_tile(mO[b, None], (VEC,), (h * TPR + cg,))
+        order = PdlOrder(self.cfg.pdl)
+        mWq, mWk, mWv, mAlog, mDt, mNw = (order.weight(t) for t in (mWq, mWk, mWv, mAlog, mDt, mNw))
+        mQ, mK, mV, mG, mA, mBeta, mSlot, mCq, mCk, mCv, mS, mO = order.after_wait(
+            mQ, mK, mV, mG, mA, mBeta, mSlot, mCq, mCk, mCv, mS, mO)
 
         # parameters (never written by a step): conv weights of this thread's tasks (a: q or v, b: k),
         # dt_bias of its decay channel, A_log[h], row group 0's o_norm_w vector
@@ -148,14 +152,13 @@ class KDADecodeKernel:
         rW = cute.make_rmem_tensor((VEC,), Float32)
         if rg == 0:
             cute.copy(vec32, cute.local_tile(mNw, (VEC,), (cg,)), rW)
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()  # the predecessor's writes (inputs, caches) are visible after this
+        order.wait()  # the predecessor's writes (inputs, caches) are visible after this
 
+        gO = cute.local_tile(mO[b, None], (VEC,), (h * TPR + cg,))
         slot = mSlot[b]
         if slot == 0:
             # 0. empty slot: output zeros, no cache touched
-            if cutlass.const_expr(self.cfg.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
+            order.launch_dependents()
             if rg == 0:
                 rY.fill(0.0)
                 cute.copy(vec16, rY, gO)
@@ -186,8 +189,7 @@ class KDADecodeKernel:
                         glog = lower_bound * sigmoid(rate * (mA[b, c].to(Float32) + rdt[it]))
                         s_al[j] = cute.math.exp(glog)
             beta = sigmoid(mBeta[b, h].to(Float32))
-            if cutlass.const_expr(self.cfg.pdl):
-                cute.arch.griddepcontrol_launch_dependents()  # every input load is issued
+            order.launch_dependents()  # every input load is issued
             cute.arch.sync_threads()
 
             # 3. L2 norms and q.k, reduced redundantly by every warp

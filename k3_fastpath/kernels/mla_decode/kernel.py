@@ -60,6 +60,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
+from ..common.pdl import PdlOrder
 from ..common.primitives import prefetch_weights_l2, sigmoid
 from ..common.ptx import (
     cp_async_16,
@@ -188,6 +189,9 @@ class MLAAttentionKernel:
         g = lane // 4
         q = lane % 4
         h0 = grp * HG
+        order = PdlOrder(self.cfg.pdl)  # every input here is an activation or the cache: nothing before the wait
+        mQl, mQp, mCache, mBT, mLen, mScale, mO, mLse = order.after_wait(
+            mQl, mQp, mCache, mBT, mLen, mScale, mO, mLse)
 
         smem = SmemAllocator()
         p_stage = smem.allocate(self.ST * self.STAGE_B, byte_alignment=128)
@@ -210,15 +214,14 @@ class MLAAttentionKernel:
         vec_bf = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=128)
         vec_f = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
 
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()  # every input here is an activation or the cache
+        order.wait()
+        mQl, mQp, mCache, mBT, mLen, mScale, mO, mLse = order.open(mQl, mQp, mCache, mBT, mLen, mScale, mO, mLse)
         L = mLen[b]
         start = split * chunk
         end = cutlass.min(start + chunk, L)
         if start >= L:
             # 0. empty range: lse = -inf and a zero partial, so the combine never reads garbage
-            if cutlass.const_expr(self.cfg.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
+            order.launch_dependents()
             z = cute.make_rmem_tensor((4,), Float32)
             z.fill(0.0)
             for i in cutlass.range_constexpr(self.o_iters):
@@ -312,8 +315,7 @@ class MLAAttentionKernel:
                 self.pv(a_cur, a_p, sAl, oacc, warp, lane, g, q)
 
             # 6. epilogue
-            if cutlass.const_expr(self.cfg.pdl):
-                cute.arch.griddepcontrol_launch_dependents()  # every cache tile is requested
+            order.launch_dependents()  # every cache tile is requested
             cute.arch.cp_async_wait_group(0)
             if sj == 0:
                 sML[0, sh] = m_run
@@ -449,6 +451,9 @@ class MLACombineKernel:
         h, bj, _ = cute.arch.block_idx()
         warp = tidx // 32
         lane = tidx % 32
+        order = PdlOrder(self.pdl)
+        mW = order.weight(mW)
+        mO, mLse, mG, mOut, mOlat, mLseOut = order.after_wait(mO, mLse, mG, mOut, mOlat, mLseOut)
         S = mO.shape[0]
         B = mO.shape[1]
         b0 = bj * self.rows
@@ -463,7 +468,8 @@ class MLACombineKernel:
                 if bj == 0 and tidx < self.pf_lanes:
                     addr = mW.iterator.toint() + Int64(h) * self.w_bytes + Int64(tidx) * self.pf_chunk
                     prefetch_weights_l2(addr, Int32(self.pf_chunk))
-            cute.arch.griddepcontrol_wait()  # the partials are the attention kernel's output
+        order.wait()  # the partials are the attention kernel's output
+        mO, mLse, mG, mOut, mOlat, mLseOut = order.open(mO, mLse, mG, mOut, mOlat, mLseOut)
 
         # 1. split weights, one warp per row
         if warp < self.rows:
@@ -505,8 +511,7 @@ class MLACombineKernel:
                         acc[e] = acc[e] + w * part[e]
             cute.autovec_copy(acc, cute.local_tile(sX[sg, row, None], (4,), (c,)))
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # every partial is read (the gate is the epilogue's)
+        order.launch_dependents()  # every partial is read (the gate is the epilogue's)
         for row in cutlass.range_constexpr(self.rows):
             b = b0 + row
             if b < B and sg == 0:

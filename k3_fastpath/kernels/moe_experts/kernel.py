@@ -42,6 +42,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
 from cutlass.memory import SmemAllocator
 
+from ..common.pdl import PdlOrder
 from ..common.primitives import sigmoid
 from ..common.ptx import mma_bf16
 from .config import GP
@@ -79,20 +80,23 @@ class PlanKernel:
         t, _, _ = cute.arch.thread_idx()
         lane = t % 32
         warp = t // 32
+        order = PdlOrder(self.pdl)  # no weights: nothing global before the wait
+        mIds, mNact, mActE, mActStart, mActCount, mSorted = order.after_wait(
+            mIds, mNact, mActE, mActStart, mActCount, mSorted)
         P = mIds.shape[0]
         smem = SmemAllocator()
         sKey = smem.allocate_tensor(Int32, cute.make_layout((self.N,)), byte_alignment=16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout((self.NW,)), byte_alignment=16)
         sStart = smem.allocate_tensor(Int32, cute.make_layout((self.N + 1,)), byte_alignment=16)
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # ids are the router's output
+        order.wait()  # ids are the router's output
+        mIds, mNact, mActE, mActStart, mActCount, mSorted = order.open(
+            mIds, mNact, mActE, mActStart, mActCount, mSorted)
         key = Int32(_INT_MAX)
         if t < P:
             e = cutlass.max(cutlass.min(mIds[t], Int32(self.E - 1)), Int32(0))
             key = (e << 10) | t
         sKey[t] = key
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # the only global read is done
+        order.launch_dependents()  # the only global read is done
         cute.arch.sync_threads()
         # bitonic sort, ascending: stages (k, j) for k = 2, 4, .., N and j = k/2, .., 1
         for st in cutlass.range_constexpr(len(self.stages)):
@@ -212,6 +216,10 @@ class ExpertGemmKernel:
         q = lane % 4
         wn = warp % self.WN
         wk = warp // self.WN
+        # which experts' weights are read depends on the router: every operand only after the wait
+        order = PdlOrder(self.cfg.pdl)
+        mX, mA0, mS0, mA1, mS1, mNact, mActE, mActStart, mActCount, mSorted, mOut = order.after_wait(
+            mX, mA0, mS0, mA1, mS1, mNact, mActE, mActStart, mActCount, mSorted, mOut)
         smem = SmemAllocator()
         lut = Int32(0)
         if cutlass.const_expr(self.mx):
@@ -226,10 +234,11 @@ class ExpertGemmKernel:
                         sLut[byte * 32 + (c + lane) % 32] = val
             lut = sLut.iterator.toint()
         sRed = smem.allocate_tensor(Float32, cute.make_layout((self.NACC, 32, self.WN, self.WK)), byte_alignment=16)
-        if cutlass.const_expr(self.cfg.pdl):
-            # the table above touched no global memory; everything below (the plan, x, and which expert
-            # weights to read) depends on the predecessors' outputs
-            cute.arch.griddepcontrol_wait()
+        # the table above touched no global memory; everything below (the plan, x, and which expert weights
+        # to read) depends on the predecessors' outputs
+        order.wait()
+        mX, mA0, mS0, mA1, mS1, mNact, mActE, mActStart, mActCount, mSorted, mOut = order.open(
+            mX, mA0, mS0, mA1, mS1, mNact, mActE, mActStart, mActCount, mSorted, mOut)
         cute.arch.sync_threads()
 
         acc = cute.make_rmem_tensor((4, self.TPP, self.mats), Float32)
@@ -256,7 +265,7 @@ class ExpertGemmKernel:
                     self.k_step(mX, mA0, mS0, mA1, mS1, ex, rt, gi, xrow, rzb, acc, tmp, lut, lane, g, q)
                 if cutlass.const_expr(self.cfg.pdl):
                     if item + nblk >= n_items and p0 + 8 * self.TPP >= cnt:  # CTA-uniform: its last loads
-                        cute.arch.griddepcontrol_launch_dependents()
+                        order.launch_dependents()
                 self.finish(mSorted, mOut, acc, sRed, start, cnt, p0, rt, wn, wk, lane, g, q)
 
     @cute.jit
@@ -370,13 +379,16 @@ class CombineKernel:
         acc.fill(0.0)
         ry = cute.make_rmem_tensor((8,), BFloat16)
         rw = cute.make_rmem_tensor((8, self.VPT), BFloat16)
+        order = PdlOrder(self.pdl)
+        mNw = order.weight(mNw)
+        mY, mW, mOut = order.after_wait(mY, mW, mOut)
         if cutlass.const_expr(self.norm):  # the norm weight (a parameter) first
             for i in cutlass.range_constexpr(self.VPT):
                 v = tidx + self.T * i
                 if v < self.NV:
                     cute.copy(vec_bf, cute.local_tile(mNw, (8,), (v,)), rw[None, i])
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # y and the routing weights are this step's activations
+        order.wait()  # y and the routing weights are this step's activations
+        mY, mW, mOut = order.open(mY, mW, mOut)
         for s in cutlass.range_constexpr(self.k):
             w = mW[t, s]
             for i in cutlass.range_constexpr(self.VPT):
@@ -385,8 +397,7 @@ class CombineKernel:
                     cute.copy(vec_bf, cute.local_tile(mY[t * self.k + s, None], (8,), (v,)), ry)
                     for e in cutlass.range_constexpr(8):
                         acc[e, i] = acc[e, i] + w * ry[e].to(Float32)
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # every y load is issued
+        order.launch_dependents()  # every y load is issued
         if cutlass.const_expr(self.norm):
             ss = Float32(0.0)
             for i in cutlass.range_constexpr(self.VPT):

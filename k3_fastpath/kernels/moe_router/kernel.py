@@ -31,6 +31,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from ..common.pdl import PdlOrder
 from ..common.primitives import sigmoid
 from .config import VEC, MoERouterConfig
 
@@ -64,6 +65,9 @@ class MoERouterKernel:
         tidx, _, _ = cute.arch.thread_idx()
         blk, _, _ = cute.arch.block_idx()
         lane = tidx % 32
+        order = PdlOrder(self.cfg.pdl)
+        mB = order.weight(mB)
+        mL, mIds, mW = order.after_wait(mL, mIds, mW)
         row = blk * self.cfg.rows_per_cta + tidx // 32
         M = mL.shape[0]
         rrow = cutlass.min(row, M - 1)  # a warp past M (rows_per_cta > 1) selects row M - 1, stores nothing
@@ -77,8 +81,7 @@ class MoERouterKernel:
                     cute.copy(vec, cute.local_tile(mB, (VEC,), (v,)), rb[None, i])
             else:
                 cute.copy(vec, cute.local_tile(mB, (VEC,), (v,)), rb[None, i])
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()  # the logits (the predecessor's output) are visible after this
+        order.wait()  # the logits (the predecessor's output) are visible after this
 
         # 1. keys in registers: sel[j, i] is expert 4 * (lane + 32 i) + j
         sel = cute.make_rmem_tensor((VEC, self.VPL), Float32)
@@ -125,8 +128,7 @@ class MoERouterKernel:
         s = Float32(0.0)
         if lane < self.K:
             s = sigmoid(mL[rrow, my_id])
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()  # the last read of the logits is issued
+        order.launch_dependents()  # the last read of the logits is issued
         if cutlass.const_expr(self.cfg.renormalize):
             tot = cute.arch.warp_reduction_sum(s)
             w = s / tot * scale

@@ -31,6 +31,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 from cutlass.memory import SmemAllocator
 
+from ..common.pdl import PdlOrder
 from .config import VEC, RMSNormConfig
 
 
@@ -93,14 +94,15 @@ class RMSNormResidualKernel:
         rR.fill(0.0)
         rW.fill(0.0)
         # 1. the weight first (never written by a step: PDL may read it before the wait), then x, residual
+        order = PdlOrder(self.cfg.pdl)
+        mW = order.weight(mW)
+        mX, mR, mO, mRO = order.after_wait(mX, mR, mO, mRO)
         self._load_row(mW, rW, tidx)
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()
+        order.wait()
         self._load_row(mX[row, None], rX, tidx)
         if cutlass.const_expr(self.cfg.has_residual):
             self._load_row(mR[row, None], rR, tidx)
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
+        order.launch_dependents()
 
         if cutlass.const_expr(self.cfg.has_residual):
             s = rX.load().to(Float32) + rR.load().to(Float32)

@@ -25,6 +25,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import BFloat16, Float32
 
+from ..common.pdl import PdlOrder
 from ..common.primitives import sigmoid
 from .config import VEC, SituGluConfig
 
@@ -55,10 +56,11 @@ class SituGluKernel:
         rU = cute.make_rmem_tensor((VEC, self.vpt), BFloat16)
         rG.fill(0.0)
         rU.fill(0.0)
-        gG, gU, gH = mG[row, None], mU[row, None], mH[row, None]
+        order = PdlOrder(self.cfg.pdl)  # no weights: nothing global before the wait
+        mG, mU, mH = order.after_wait(mG, mU, mH)
         base = chunk * self.cfg.vectors_per_cta + tidx
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()
+        order.wait()
+        gG, gU, gH = mG[row, None], mU[row, None], mH[row, None]
         for v in cutlass.range_constexpr(self.vpt):
             idx = base + v * self.threads
             if cutlass.const_expr(self.predicated):
@@ -68,8 +70,7 @@ class SituGluKernel:
             else:
                 cute.copy(vec, cute.local_tile(gG, (VEC,), (idx,)), rG[None, v])
                 cute.copy(vec, cute.local_tile(gU, (VEC,), (idx,)), rU[None, v])
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
+        order.launch_dependents()
 
         b, lb = Float32(self.cfg.beta), Float32(self.cfg.linear_beta)
         for v in cutlass.range_constexpr(self.vpt):

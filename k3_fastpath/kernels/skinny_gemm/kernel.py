@@ -47,6 +47,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64, Uint32
 from cutlass.memory import SmemAllocator
 
+from ..common.pdl import PdlOrder
 from ..common.primitives import prefetch_weights_l2
 from .config import MMA_K, PDL_PREFETCH_BYTES, VEC, SkinnyGemmConfig
 
@@ -107,15 +108,22 @@ class SkinnyGemmKernel:
                 min_blocks_per_mp=self.cfg.min_ctas_per_sm, use_pdl=self.cfg.pdl)
 
     @cute.jit
-    def _pdl_prologue(self, mW: cute.Tensor, tidx, cta):
-        """Weights toward L2 first (they are never written by a step), then wait for the predecessor grid
-        (its outputs are this kernel's x / residual), then let the successor launch."""
-        if cutlass.const_expr(self.pf_chunk > 0):
+    def _prefetch_weights(self, mW: cute.Tensor, tidx, cta):
+        """The PDL build's prologue: this CTA's share of W toward L2 (weights are never written by a step)."""
+        if cutlass.const_expr(self.cfg.pdl and self.pf_chunk > 0):
             if tidx < 32:
                 addr = mW.iterator.toint() + Int64(cta) * self.pf_region + Int64(tidx) * self.pf_chunk
                 prefetch_weights_l2(addr, Int32(self.pf_chunk))
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
+
+    def _pdl_order(self, mW: cute.Tensor, activations: tuple, tidx, cta) -> tuple:
+        """W toward L2, then wait for the predecessor grid (its outputs are this kernel's x / residual), then
+        let the successor launch; returns the activations, opened."""
+        order = PdlOrder(self.cfg.pdl)
+        handles = order.after_wait(*activations)
+        self._prefetch_weights(order.weight(mW), tidx, cta)
+        order.wait()
+        order.launch_dependents()
+        return order.open(*handles)
 
     # ------------------------------------------------------------------------------------- shared
     @cute.jit
@@ -154,8 +162,7 @@ class SkinnyGemmKernel:
     def kernel_fma(self, mX: cute.Tensor, mW: cute.Tensor, mY: cute.Tensor, mR: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         blk, _, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.cfg.pdl):
-            self._pdl_prologue(mW, tidx, blk)
+        mX, mY, mR = self._pdl_order(mW, (mX, mY, mR), tidx, blk)
         warp = tidx // 32
         lane = tidx % 32
         wn = warp % self.WN
@@ -234,8 +241,7 @@ class SkinnyGemmKernel:
                    mWs: Optional[cute.Tensor], mCnt: Optional[cute.Tensor]):
         tidx, _, _ = cute.arch.thread_idx()
         blk, split, _ = cute.arch.block_idx()
-        if cutlass.const_expr(self.cfg.pdl):
-            self._pdl_prologue(mW, tidx, blk * self.S + split)
+        mX, mY, mR, mWs, mCnt = self._pdl_order(mW, (mX, mY, mR, mWs, mCnt), tidx, blk * self.S + split)
         warp = tidx // 32
         lane = tidx % 32
         wn = warp % self.WN

@@ -48,6 +48,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.pdl import PdlOrder
 from .config import VEC, SkinnyGemmConfig
 
 # L2 cache hints of the TMA loads (CUTLASS's CacheHintSm90): weights are read once, x by every CTA.
@@ -114,6 +115,8 @@ class SkinnyGemmWgmmaKernel:
         tidx, _, _ = cute.arch.thread_idx()
         blk, split, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        order = PdlOrder(self.cfg.pdl)
+        mY, mR, mWs, mCnt = order.after_wait(mY, mR, mWs, mCnt)
         if warp == 0:
             cpasync.prefetch_descriptor(tma_w)
             cpasync.prefetch_descriptor(tma_x)
@@ -140,6 +143,7 @@ class SkinnyGemmWgmmaKernel:
                                          cute.group_modes(gW, 0, 2))
         tXs, tXg = cpasync.tma_partition(tma_x, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                          cute.group_modes(gX, 0, 2))
+        tXg = order.after_wait(tXg)  # x's tiles: the predecessor's output
 
         # Prologue: fill min(stages, nk) slots. W first (before the PDL wait), then x.
         prod = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -150,14 +154,13 @@ class SkinnyGemmWgmmaKernel:
                 cute.copy(tma_w, tWg[(None, k0 + prod.count)], tWs[(None, prod.index)],
                           tma_bar_ptr=pipe.producer_get_barrier(prod), cache_policy=Int64(_EVICT_FIRST))
                 prod.advance()
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()
+        order.wait()
+        tXg, mY, mR, mWs, mCnt = order.open(tXg, mY, mR, mWs, mCnt)
         if warp == 0:
             for i in cutlass.range(n_pro, unroll=1):
                 cute.copy(tma_x, tXg[(None, k0 + i)], tXs[(None, i)],
                           tma_bar_ptr=pipe.sync_object_full.get_barrier(i), cache_policy=Int64(_EVICT_LAST))
-        if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_launch_dependents()
+        order.launch_dependents()
 
         # Main loop: wgmma on slot i while the next stages - 1 are in flight; refill each freed slot.
         wg_idx = cute.arch.make_warp_uniform(tidx // 128)
