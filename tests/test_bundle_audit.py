@@ -176,9 +176,11 @@ def test_timings_of_information_only_records_are_listed_not_counted():
     found = compare_records([base], [rerun], [0], 0.25, 0.0, eager_reference_row)
     assert [(d["field"], d.get("informational")) for d in found] == [("per_layer_type_us.kda", True)]
     assert counted(found) == [] and counted(compare_records([base], [rerun], [0], 0.25, 0.0)) != []
-    rows = [{"kind": "audited", "check": "perf.decode_sweep", "disagreements": 1},
+    rows = [{"kind": "audited", "check": "perf.decode_sweep", "disagreements": 1, "informational": 1},
             {"kind": "disagreement", "check": "perf.decode_sweep", **found[0]}]
     assert audit_problems(rows) == []
+    assert audit_problems([{**rows[0], "informational": 0}, rows[1]])  # the count must be the records'
+    assert audit_problems([rows[0], {**rows[1], "field": "batch"}])  # not a timing: never informational
     rerun["batch"] = 9  # not a timing: counted even in an information-only record
     got = counted(compare_records([base], [rerun], [0], 0.25, 0.0, eager_reference_row))
     assert [d["field"] for d in got] == ["batch"]
@@ -301,3 +303,39 @@ def test_the_session12_sweep_audit_recompared_under_the_information_only_rule(tm
         found = [r for r in recs if r["kind"] == "disagreement"]
         assert len(found) == 10 and all(r.get("informational") for r in found)
         assert verify_bundle(d).ok
+
+
+@pytest.mark.skipif(not (SESSION12 / "audit-standard-perf-recompared").exists(), reason="the committed recompare")
+@pytest.mark.parametrize("forgery", ["status flipped", "informational on a non-timing field",
+                                     "informational flag dropped", "informational count edited"])
+def test_a_forged_audit_with_informational_disagreements_fails_verify(tmp_path, forgery):
+    """The audit's status follows from its records: a passing audit (10 informational disagreements) flipped to
+    failed, a counted disagreement disguised as informational (its field renamed to one that is not a
+    timing), an informational flag dropped under a passed status, or the audited row's informational count
+    edited, each re-sealed, fails ``bundle verify``."""
+    import shutil
+
+    from verify.checks.status_rules import audit_problems
+
+    copy = tmp_path / "audit"
+    shutil.copytree(SESSION12 / "audit-standard-perf-recompared", copy)
+    assert verify_bundle(copy).ok
+
+    def first_info(rows):
+        return next(r for r in rows if r.get("kind") == "disagreement" and r.get("informational"))
+
+    def edit(rows):
+        if forgery == "informational on a non-timing field":
+            first_info(rows)["field"] = "backend"
+        elif forgery == "informational flag dropped":
+            del first_info(rows)["informational"]
+        elif forgery == "informational count edited":
+            next(r for r in rows if r.get("kind") == "audited")["informational"] = 9
+    if forgery == "status flipped":
+        forge(copy, AUDIT_CHECK, result={"status": "failed", "reason": "forged"})
+    else:
+        forge(copy, AUDIT_CHECK, record=edit)
+        rows = [json.loads(x) for x in (copy / "records" / f"{AUDIT_CHECK}.jsonl").read_text().splitlines()]
+        assert audit_problems(rows), forgery
+    report = verify_bundle(copy)
+    assert not report.ok and report.exit_code == 1, (forgery, report.problems)

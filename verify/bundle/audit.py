@@ -8,18 +8,15 @@ an earlier audit attached: the comparison is then redone without executing, agai
 each audited check a seeded sample of its records (``--sample N`` indices, the same ones for the same
 ``--seed``) is compared field by field with the re-run's record at the same index:
 
-* **timings** (fields named like ``*_us``, ``*_ms``, ``*_per_s``, ``pct_of_*``, ``speedup``, ``vs_*``,
-  ``spread``, ``interactivity*``, a unit between underscores as in ``floor_us_by_layer_type``: ``TIMING``,
-  and every field inside one, e.g. ``section_us.L3.mlp``) agree within a tolerance, on the same GPU
+* **timings** (``verify/checks/record_fields.py: TIMING``, and every field inside one, e.g.
+  ``section_us.L3.mlp``) agree within a tolerance, on the same GPU
   model: ``timing_tol`` (relative) widened to the larger of the two runs' own spreads, a timed record's
   ``(p10 .. p90) / median`` of its step samples and, for a nested timing ``<field>.<key>``, the record's
   ``timing_spread[<field>][<key>]`` (the sweep's per-section and per-layer-type spreads); a nested
   microsecond timing (``section_us.head.in``) may also differ by ``STEP_FRACTION`` of the record's step
   median (a difference that small moves no ratio the record reports by more than that). Per-sample lists
   (``*_samples``) are compared through their median and percentiles, not element by element;
-* **wall-clock stamps and wall times** (``*_at``, ``*_ns`` timestamps, ``hostname``, a point's ``seconds``
-  or ``*wall_s``, a ``*_timer`` description that quotes its measured overhead...: ``IGNORED``) are not
-  compared;
+* **wall-clock stamps and wall times** (``record_fields.IGNORED``) are not compared;
 * **everything else** is deterministic for a seeded check on the same device model: equal bitwise; on a
   different device model (another GPU, or a CPU where the bundle ran on a GPU) numbers get ``rel 1e-6``
   and the audit says so;
@@ -41,7 +38,6 @@ from __future__ import annotations
 
 import math
 import random
-import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -49,12 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from verify.bundle.schema import BundleError
+from verify.checks.record_fields import IGNORED, TIMING
 
 AUDIT_CHECK = "audit.records"
-TIMING = re.compile(r"(_us|_ms|_per_s|_per_gpu|_gbs|tb_per_s|_s)$|_(us|ms)_|^(pct_of|speedup|vs_|x_floor|spread|"
-                    r"interactivity|times|samples|step_us|duration|window|throughput|read_bw|gb_per_s|tokens_per_s)")
-IGNORED = re.compile(r"(_at|_ns|hostname.*|pid|log_path|port|base_url|url|wall_s|_timer|_samples)$|"
-                     r"^(started|ended|elapsed|seconds$|timing_spread$)")
 STEP_FRACTION = 0.01  # of a timed record's step median: the absolute slack of its nested microsecond timings
 CROSS_DEVICE_REL = 1e-6
 

@@ -25,6 +25,7 @@ from verify.checks.feature_rules import (
     temperature_sampling_problems,
 )
 from verify.checks.fp64_rules import fp64_problems
+from verify.checks.record_fields import is_timing_path
 from verify.checks.serving_rules import serving_problems
 
 F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
@@ -303,20 +304,26 @@ def _short(v: Any) -> str:
 
 def audit_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
     """``audit.records`` (verify/bundle/audit.py): every disagreement (``informational`` ones aside: timings of a
-    record no status rule gates) and every check that could not run."""
+    record no status rule gates; a field that is not a timing cannot be one) and every check that could not
+    run; each audited row's counts of disagreements and informational ones must be the records'."""
     problems = []
     for r in records:
-        if r.get("kind") == "disagreement" and not r.get("informational"):
+        if r.get("kind") == "disagreement" and not (r.get("informational") and is_timing_path(r.get("field") or "")):
             problems.append(f"{r.get('check')} record {r.get('index')}: {r.get('field') or '(record)'} {r.get('why')} "
-                            f"(bundle {_short(r.get('bundle'))}, re-run {_short(r.get('rerun'))})")
+                            f"(bundle {_short(r.get('bundle'))}, re-run {_short(r.get('rerun'))})"
+                            + (" (marked informational, but not a timing)" if r.get("informational") else ""))
         elif r.get("kind") == "cannot_run":
             problems.append(f"{r.get('check')}: {r.get('why')}")
     audited = [r for r in records if r.get("kind") == "audited"]
     for a in audited:
-        n = sum(1 for r in records if r.get("kind") == "disagreement" and r.get("check") == a.get("check"))
-        if a.get("disagreements") != n:
+        found = [r for r in records if r.get("kind") == "disagreement" and r.get("check") == a.get("check")]
+        info = sum(1 for r in found if r.get("informational"))
+        if a.get("disagreements") != len(found):
             problems.append(f"{a.get('check')}: the audited record counts {a.get('disagreements')} disagreements, "
-                            f"{n} are recorded")
+                            f"{len(found)} are recorded")
+        if a.get("informational", 0) != info:
+            problems.append(f"{a.get('check')}: the audited record counts {a.get('informational', 0)} informational "
+                            f"disagreements, {info} are marked")
     if not audited and not problems:
         problems.append("no check was audited")
     return problems
