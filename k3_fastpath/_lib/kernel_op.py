@@ -156,17 +156,22 @@ class TensorSpec:
 
     def check_shapes(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any] | None = None) -> Support:
         """Shapes, ``requires`` and rules: everything that depends on the operands' shapes and the scalars."""
+        return self.shape_verdict(tensors, scalars)[1]
+
+    def shape_verdict(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any] | None = None
+                      ) -> tuple[dict[str, int], Support]:
+        """(the bound shape symbols, ``check_shapes``' verdict)."""
         dims, s = self.dims(tensors, scalars)
         if not s:
-            return s
+            return dims, s
         for need, given in self.requires:
             if tensors.get(need) is not None and tensors.get(given) is None:
-                return no(f"{need} without {given}")
+                return dims, no(f"{need} without {given}")
         names = {**self.constants, **dims, **(scalars or {})}
         for r in self.rules:
             if not evaluate(r.test, names):
-                return no(r.reason.format(**names))
-        return OK
+                return dims, no(r.reason.format(**names))
+        return dims, OK
 
     def check_devices(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any] | None = None) -> Support:
         """Dtypes, then ``dispatch.check_tensors`` per alignment (the DSL, one sm_90 device, contiguity, alignment)."""
@@ -220,7 +225,7 @@ def signature(tensors: Mapping[str, Any], scalars: Mapping[str, Any] | None = No
         else:
             a = (aligns or {}).get(name, 16)
             parts.append((name, tuple(t.shape), t.dtype, t.device, t.is_contiguous(), t.data_ptr() % a == 0))
-    cur = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cur = torch.cuda.current_device() if torch.cuda.is_initialized() else None
     return (*parts, tuple(sorted((scalars or {}).items())), cur)
 
 
@@ -234,17 +239,19 @@ class KernelOp:
         self.spec = spec
         self.extra = extra  # extra(tensors, scalars, dims) -> Support: conditions no expression states
         self._decided: OrderedDict[tuple[Any, ...], Support] = OrderedDict()
+        # the operands' alignments, resolved per call only where an arg names a scalar
+        self._aligns = None if any(isinstance(a.align, str) for a in spec.args) else spec.aligns()
 
     def _decide(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any]) -> Support:
-        s = self.spec.check_shapes(tensors, scalars)
+        dims, s = self.spec.shape_verdict(tensors, scalars)
         if s and self.extra is not None:
-            s = self.extra(tensors, scalars, self.spec.dims(tensors, scalars)[0])
+            s = self.extra(tensors, scalars, dims)
         return self.spec.check_devices(tensors, scalars) if s else s
 
     def support(self, tensors: Mapping[str, Any], scalars: Mapping[str, Any] | None = None) -> Support:
         """The verdict for these operands, decided once per signature."""
-        scalars = dict(scalars or {})
-        key = signature(tensors, scalars, self.spec.aligns(scalars))
+        scalars = scalars or {}
+        key = signature(tensors, scalars, self._aligns or self.spec.aligns(scalars))
         got = self._decided.get(key)
         if got is None:
             got = self._decided[key] = self._decide(tensors, scalars)
