@@ -263,11 +263,17 @@ def test_the_failed_h200_equivalence_grid_flipped_to_passed_fails_verify(tmp_pat
     assert "status 'passed', but its" in problems[0] and "step 95 seq 11" in problems[0], problems
 
 
-def test_the_failed_h200_decode_sweep_flipped_to_passed_fails_verify(tmp_path):
+SESSION12_PERF = REPO / "bundles" / "runs" / "2026-12-02-h200-session12" / "standard-perf"
+
+
+@pytest.mark.parametrize("source", [STANDARD, SESSION12_PERF], ids=["session7-standard", "session12-standard-perf"])
+def test_the_failed_h200_decode_sweep_flipped_to_passed_fails_verify(tmp_path, source):
     """The issue's second forgery: the standard tier's perf.decode_sweep missed the #5 targets; its status
-    (targets untouched), verdict, summary and sums made to say passed."""
+    (targets untouched), verdict, summary and sums made to say passed. The session-12 sweep is the one whose
+    check now declares its eager reference rows information only (for the audit): its rescorer still
+    re-derives the status from every row."""
     dest = tmp_path / "standard"
-    shutil.copytree(STANDARD, dest)
+    shutil.copytree(source, dest)
     forge(dest, "perf.decode_sweep", result={"status": "passed", "reason": ""})
     problems = _only_rescore_problems(dest, "perf.decode_sweep")
     assert "status 'passed', but its records give 'failed'" in problems[0], problems

@@ -265,7 +265,7 @@ def bundle_audit(path: Path = typer.Argument(..., help="bundle directory or .tar
     disagrees, 2 a check cannot run here); writes an audit bundle. With ``--rerun`` the comparison is redone
     against a re-run made before (on its machine), nothing executed."""
     out = Output(fmt)
-    from verify.bundle.audit import audit_bundle
+    from verify.bundle.audit import audit_bundle, counted
 
     if sample < 1:
         raise UserError("--sample must be at least 1")
@@ -275,8 +275,6 @@ def bundle_audit(path: Path = typer.Argument(..., help="bundle directory or .tar
                       "disagreements": list(rep.disagreements), "cannot_run": list(rep.cannot_run),
                       "notes": list(rep.notes)})
     head = {0: "AGREES", 1: "DISAGREES", 2: "INCOMPLETE"}[rep.exit_code]
-    from verify.bundle.audit import counted
-
     real = counted(rep.disagreements)
     info = len(rep.disagreements) - len(real)
     out.line(f"{head}  {path}: {len(rep.audited)} check(s) {'compared' if rerun else 're-executed'}, "

@@ -321,14 +321,15 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
         from verify.checks.status_rules import audit_problems, verdict_reason
 
         problems = audit_problems(audited_rows + disagreements + [{"kind": "cannot_run", **c} for c in cannot])
-        status = "error" if cannot and not counted(disagreements) else ("failed" if problems else "passed")
+        real = counted(disagreements)
+        status = "error" if cannot and not real else ("failed" if problems else "passed")
         reason = verdict_reason(problems) if problems else ""
-        w.add_result(CheckResult(AUDIT_CHECK, status, reason, metrics={"audited": ids, "disagreements": len(counted(disagreements)),
-                                                                        "informational": len(disagreements) - len(counted(disagreements)),
+        w.add_result(CheckResult(AUDIT_CHECK, status, reason, metrics={"audited": ids, "disagreements": len(real),
+                                                                        "informational": len(disagreements) - len(real),
                                                                         "cannot_run": len(cannot)},
                                  artifacts=artifacts))
         w.finalize()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    code = 1 if counted(disagreements) else 2 if cannot else 0
+    code = 1 if real else 2 if cannot else 0
     return AuditReport(code, out_dir, tuple(ids), tuple(disagreements), tuple(cannot), tuple(notes))
