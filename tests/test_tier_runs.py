@@ -86,6 +86,16 @@ def test_tier_overrides_are_validated_against_the_check_parameters(tmp_path):
         load_tier(str(over))
 
 
+def test_a_tier_run_in_parts_has_no_check_longer_than_a_part(tmp_path):
+    full = load_tier("full")
+    assert full.part_limit_s == 530 and max(c.budget_s for c in full.checks) <= full.part_limit_s
+    long = _tier(tmp_path, "  - id: reference.determinism\n    budget_s: 30\n"
+                           "  - id: weights.roundtrip\n    budget_s: 400\n", name="long")
+    long.write_text(long.read_text().replace("checks:", "part_limit_s: 300\nchecks:"))
+    with pytest.raises(TierError, match="check 'weights.roundtrip' has budget_s 400, over the tier's part_limit_s"):
+        load_tier(str(long))
+
+
 def test_list_prints_full_check_ids():
     proc = subprocess.run([*CLI, "list"], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "COLUMNS": "60"})

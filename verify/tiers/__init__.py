@@ -6,6 +6,8 @@ file of the same form::
     name: smoke
     description: ...
     target_s: 300                      # the time the whole tier must fit in (one H200, cold compile cache)
+    part_limit_s: 530                  # optional: the longest part (``run --resume``) the tier is run in;
+                                       # every check's budget must fit in one
     checks:
       - id: reference.determinism      # a registered check (``k3-verify list``)
         budget_s: 120                  # its measured time plus a stated margin; enforced by the runner
@@ -46,6 +48,7 @@ class Tier:
     target_s: float
     checks: tuple[CheckSpec, ...]
     source: str
+    part_limit_s: float | None = None  # every check's budget fits in one part of this many seconds
 
     @property
     def check_ids(self) -> list[str]:
@@ -110,8 +113,17 @@ def load_tier(name_or_path: str) -> Tier:
     target = raw["target_s"]
     if not isinstance(target, (int, float)) or isinstance(target, bool) or target <= 0:
         raise TierError(f"{path}: field 'target_s' must be a positive number")
+    part_limit = raw.get("part_limit_s")
+    if part_limit is not None:
+        if not isinstance(part_limit, (int, float)) or isinstance(part_limit, bool) or part_limit <= 0:
+            raise TierError(f"{path}: field 'part_limit_s' must be a positive number")
+        over = [c for c in specs if c.budget_s > part_limit]
+        if over:
+            raise TierError(f"{path}: check {over[0].id!r} has budget_s {over[0].budget_s:.0f}, over the tier's "
+                            f"part_limit_s of {part_limit:.0f} s: no part could run it (lower its size or budget)")
     total = sum(c.budget_s for c in specs)
     if total > target:
         raise TierError(f"{path}: the checks' budgets sum to {total:.0f} s, over the tier's target_s of "
                         f"{target:.0f} s (lower a check's size or budget, or raise target_s)")
-    return Tier(str(raw["name"]), str(raw["description"]), float(target), tuple(specs), str(path))
+    return Tier(str(raw["name"]), str(raw["description"]), float(target), tuple(specs), str(path),
+                None if part_limit is None else float(part_limit))
