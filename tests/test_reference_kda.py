@@ -240,6 +240,29 @@ def test_chunked_matches_recurrent(chunk_size):
     assert max_err(o32_step, o_ref) <= 1e-5
 
 
+def test_chunked_in_bounded_groups_matches_one_pass(monkeypatch):
+    """A decay tensor over ``MAX_DECAY_BYTES`` splits the heads, then the sequences, into groups: the same
+    outputs and states as one pass (float64, 1e-12) and as the per-token loop; a sequence shorter than the
+    chunk is one chunk of its own length (the 64-token padding at batch 64 and 96 heads was 12 GiB)."""
+    g = gen(11)
+    inputs = _recurrence_inputs(g, 3, 40)
+    o_ref, s_ref = _loop(*inputs)
+    o_one, s_one = kda_chunked(*inputs, chunk_size=16)
+    seen = []
+    real = kda_mod._in_groups
+    monkeypatch.setattr(kda_mod, "_in_groups", lambda *a, dim: seen.append((a[0].shape[0], a[0].shape[2], dim))
+                        or real(*a, dim=dim))
+    monkeypatch.setattr(kda_mod, "MAX_DECAY_BYTES", 16 * 16 * D * 8)  # one sequence x one head per group
+    o, s = kda_chunked(*inputs, chunk_size=16)
+    assert {d for *_, d in seen} == {0, 2}, seen  # heads split down to one, then the sequences
+    assert max_err(o, o_one) <= 1e-12 and max_err(s, s_one) <= 1e-12
+    assert max_err(o, o_ref) <= 1e-12 and max_err(s, s_ref) <= 1e-12
+    short = [x[:, :5] if x.dim() > 2 and x.shape[1] == 40 else x for x in inputs]
+    o5_ref, s5_ref = _loop(*short)
+    o5, s5 = kda_chunked(*short, chunk_size=64)
+    assert o5.shape[1] == 5 and max_err(o5, o5_ref) <= 1e-12 and max_err(s5, s5_ref) <= 1e-12
+
+
 @pytest.mark.parametrize("g_log_value", [-5.0, 0.0])
 def test_chunked_extreme_decays_fp32(g_log_value):
     """K3's decay extremes in FP32 over 4 chunks: alpha = e^-5 everywhere (G reaches -320 in a chunk, so

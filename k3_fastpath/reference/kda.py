@@ -40,6 +40,10 @@ from .common import RMSNorm, compute_dtype
 
 L2_NORM_EPS = 1e-6  # added to the sum of squares of each q / k head (fla's l2norm)
 DEFAULT_CHUNK_SIZE = 64
+# the most bytes one chunk's decay tensor ``[B, h, L, L, K]`` may take: above it ``kda_chunked`` runs the
+# heads (then the sequences) in groups, each independent of the others (an FP32 chunk of 64 at batch 64
+# and K3's 96 heads is 12 GiB)
+MAX_DECAY_BYTES = 1 << 30
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -192,7 +196,8 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor, st
     zeros); ``q``/``k`` normalised, ``q`` scaled. Returns ``(o [B, T, h, V]``, ``final_state)``; computes in
     FP32 (FP64 if the state or inputs are FP64), the final state in ``state.dtype``. ``T`` need not be a
     multiple of ``chunk_size``: the tail is padded with ``g_log = 0, beta = 0`` tokens, which leave the state
-    unchanged.
+    unchanged; ``T < chunk_size`` is one chunk of ``T``. One chunk's decay tensor is ``[B, h, L, L, K]``: over
+    ``MAX_DECAY_BYTES`` the heads, then the sequences, run in groups (``_in_groups``).
 
     Within one chunk (positions r = 0..L-1, start state S0), with ``G_r = sum_{i<=r} g_log_i`` (per channel):
 
@@ -216,7 +221,10 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor, st
     cdt = _wider(state.dtype, q.dtype, k.dtype, v.dtype)
     if t == 0:
         return q.new_zeros(b, 0, h, dv, dtype=cdt), state.clone()
-    size = chunk_size
+    size = min(chunk_size, t)  # a sequence shorter than a chunk is one chunk of its own length
+    decay_bytes = b * h * size * size * dk * torch.empty((), dtype=cdt).element_size()
+    if decay_bytes > MAX_DECAY_BYTES and (h > 1 or b > 1):
+        return _in_groups(q, k, v, g_log, beta, state, chunk_size, dim=2 if h > 1 else 0)
     n_chunks = -(-t // size)
     pad = n_chunks * size - t
 
@@ -253,6 +261,23 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor, st
         s = torch.exp(last).transpose(-1, -2) * s + (kn * torch.exp(last - cum)).transpose(-1, -2) @ v_new
     o = torch.stack(out, dim=2).reshape(b, h, n_chunks * size, dv)[:, :, :t]
     return o.transpose(1, 2), s.to(state.dtype)
+
+
+def _in_groups(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor, state: Tensor, chunk_size: int,
+               dim: int) -> tuple[Tensor, Tensor]:
+    """``kda_chunked`` over the two halves of the heads (``dim`` 2) or sequences (``dim`` 0), which do not
+    interact, joined again: each half's decay tensor is half the size (halved again inside as needed)."""
+    n = q.shape[dim]
+    cut = n // 2
+    parts = [slice(0, cut), slice(cut, n)]
+    outs, states = [], []
+    for sl in parts:
+        idx = (slice(None),) * dim + (sl,)
+        sdx = (sl,) if dim == 0 else (slice(None), sl)  # state [B, h, K, V]: heads are its dim 1
+        o, s = kda_chunked(q[idx], k[idx], v[idx], g_log[idx], beta[idx], state[sdx], chunk_size)
+        outs.append(o)
+        states.append(s)
+    return torch.cat(outs, dim=dim), torch.cat(states, dim=0 if dim == 0 else 1)
 
 
 # ------------------------------------------------------------------------------------------------ layer
