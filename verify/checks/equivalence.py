@@ -17,7 +17,7 @@ Per grid point (batch x context):
    every later mismatch is checked by the same rule;
 4. the rule at each sequence's first divergence: each side's token is in the other's top-``top_k``; later
    mismatches (near-ties while both sides follow the reference's tokens) are checked by the same rule and
-   bounded by rate (``max_later_violation_rate``). Per step: max |logit
+   bounded by rate over the grid's row-steps (``max_later_violation_rate``). Per step: max |logit
    difference| (absolute and relative to max |reference logit| of the row), KL(reference || fast) per row
    (FP64 softmax), both sides' tokens;
 5. the fast executor's execution trace over the point's decode steps: no whole-step fallback, no kernel
@@ -25,7 +25,7 @@ Per grid point (batch x context):
    allowed and listed in the metrics.
 
 Fails on: a top-k violation at a first divergence, later violations above ``max_later_violation_rate`` of
-the point's row-steps, a non-finite fast logit, mean KL over the point above ``max_mean_kl``, or a trace
+the grid's row-steps or improbably many at one point (``status_rules.POINT_EXCESS_P``), a non-finite fast logit, mean KL over the point above ``max_mean_kl``, or a trace
 problem; a planned point with no record (out of memory, past 90% of the budget) is a problem too. The status is
 ``status_rules.equivalence_problems`` of the records (a ``plan``, per point its step rows and summary), which
 ``bundle verify`` applies again. ``max_mean_kl`` defaults to 0.01: on k3-tiny with the fast step emulated on a CPU (every kernel
@@ -268,7 +268,8 @@ def decode(ctx: CheckContext, batches: list[int] = [1, 8], contexts: list[Any] =
     ModelPlan.build(model)  # re-points the experts at their stacked tensors once, before their dense copies
     dense_kept = _keep_reference_experts_dense(model, reference_dense_experts)
     ctx.record({"kind": "plan", "batches": list(batches), "contexts": list(contexts), "steps": steps, "top_k": top_k,
-                "max_mean_kl": max_mean_kl, "max_later_violation_rate": max_later_violation_rate, "emulated": emulate})
+                "max_mean_kl": max_mean_kl, "max_later_violation_rate": max_later_violation_rate, "later_violations": "grid",
+                "emulated": emulate})
     points = []
     standard_ops: dict[str, int] = {}
     for context in contexts:
