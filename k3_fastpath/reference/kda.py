@@ -241,7 +241,8 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor, st
     strict = pos[:, None] > pos[None, :]  # j < r
     eye = torch.eye(size, dtype=cdt, device=q.device)
 
-    s = state.to(cdt)
+    s = state.to(cdt, copy=True)  # not an alias of the caller's state: a cache updated in place after the
+    # call must not change what autograd saved
     out = []
     for n in range(n_chunks):
         qn, kn, vn, bn = qc[:, :, n], kc[:, :, n], vc[:, :, n], bc[:, :, n]  # [B, h, L, D] / [B, h, L]
