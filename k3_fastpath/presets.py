@@ -5,6 +5,8 @@
                    per-GPU shapes; see ../shared/design/K3.md "One GPU's share").
 * ``k3-tp16-rank`` the same at tensor parallelism 16.
 * ``k3-mini``      full per-layer shapes, 8 layers and a reduced expert pool (64): fits one H200.
+* ``k3-sentinel``  K3's structure and per-head shapes with a TP16 rank's 6 heads at width 1024 (~82M
+                   parameters): the model ``k3_fastpath.sentinel`` trains so evals have signal.
 * ``k3-tiny``      the same structure at toy sizes: a whole prefill + decode runs in seconds on a CPU.
 
 A preset spec is a preset name with overrides, ``NAME[:key=value[,...]]``: ``experts`` (the expert pool,
@@ -73,6 +75,24 @@ def _mini() -> K3Config:
     )
 
 
+def _sentinel() -> K3Config:
+    """K3's structure with K3's per-head dimensions (KDA head 128; MLA q/k 128 + 64, v 128, the 576-wide
+    latent, q LoRA 1536) and a TP16 rank's 6 heads, at a small width (1024), 16 experts (top 4) and a
+    1024-token vocabulary: ~82M parameters, trainable in minutes (``k3_fastpath.sentinel``). 9 layers: layer
+    0 dense, MLA at 4, 8 and 9 (1-based: K3 also ends on two MLA layers), KDA elsewhere; AttnRes blocks of 3."""
+    kda, full = _k3_layers(9)
+    base = _k3_full()
+    return dataclasses.replace(
+        base, vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=9,
+        max_position_embeddings=65_536, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        num_attention_heads=6,
+        linear_attn_config=dataclasses.replace(base.linear_attn_config, num_heads=6, kda_layers=kda,
+                                               full_attn_layers=full),
+        num_experts=16, num_experts_per_token=4, moe_intermediate_size=384, routed_expert_hidden_size=512,
+        attn_res_block_size=3, name="k3-sentinel",
+    )
+
+
 def _tiny() -> K3Config:
     # 8 layers: MLA at 3, 6, 7 (0-based; K3 also ends on two MLA layers), KDA elsewhere, layer 0 dense;
     # AttnRes blocks of 3 so snapshots close at layers 0, 3 and 6.
@@ -95,7 +115,7 @@ def _tiny() -> K3Config:
     )
 
 
-PRESET_NAMES = ("k3", "k3-tp8-rank", "k3-tp16-rank", "k3-mini", "k3-tiny")
+PRESET_NAMES = ("k3", "k3-tp8-rank", "k3-tp16-rank", "k3-mini", "k3-sentinel", "k3-tiny")
 
 
 def preset(name: str) -> Preset:
@@ -108,6 +128,8 @@ def preset(name: str) -> Preset:
         return Preset(name, dataclasses.replace(_k3_full(), name=name), 16, "one TP16 rank's shapes of the full model")
     if name == "k3-mini":
         return Preset(name, _mini(), 1, "full per-layer shapes, 8 layers, 64 experts: fits one H200")
+    if name == "k3-sentinel":
+        return Preset(name, _sentinel(), 1, "K3's structure and per-head shapes, 6 heads, ~82M parameters: the trained sentinel")
     if name == "k3-tiny":
         return Preset(name, _tiny(), 1, "K3's structure at toy sizes: CPU-fast")
     raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESET_NAMES)}")

@@ -28,6 +28,26 @@ def test_k3_layer_structure_matches_the_published_model():
     assert cfg.num_attn_res_blocks == 8  # + the running prefix = 9 AttnRes sources at most
 
 
+def test_the_sentinel_has_k3s_structure_and_a_tp16_ranks_head_shapes():
+    """k3-sentinel (issue #19): every K3 structural feature, K3's per-head dimensions and a TP16 rank's head
+    count (so the fast path compiles the kernels it runs for K3 at TP16), tens of millions of parameters."""
+    k3, s = preset("k3").config, preset("k3-sentinel").config
+    r16 = rank_shapes(k3, 16)
+    assert s.linear_attn_config.num_heads == s.num_attention_heads == r16.kda_heads == 6
+    for field in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                  "mla_use_nope", "mla_use_output_gate", "moe_router_activation_func", "num_shared_experts",
+                  "latent_moe_use_norm", "expert_format", "tie_word_embeddings", "first_k_dense_replace",
+                  "activation_situ_beta", "activation_situ_linear_beta"):
+        assert getattr(s, field) == getattr(k3, field), field
+    assert s.linear_attn_config.head_dim == k3.linear_attn_config.head_dim == 128
+    assert s.mla_latent_dim == 576 and s.q_head_dim == 192
+    assert s.mla_layer_ids[-2:] == [s.num_hidden_layers - 2, s.num_hidden_layers - 1]  # two MLA layers at the end
+    assert not s.is_moe_layer(0) and all(s.is_moe_layer(i) for i in range(1, s.num_hidden_layers))
+    assert s.num_attn_res_blocks >= 2
+    params = sum(spec.numel for spec in tensor_specs(s) if spec.dtype != "U8")  # MXFP4 scales aside
+    assert 20e6 < params < 120e6, params  # tens of millions
+
+
 def test_full_checkpoint_size_matches_k3_md():
     total = sum(s.nbytes for s in tensor_specs(preset("k3").config))
     assert 1.50e12 < total < 1.62e12  # "about 1.56 TB on disk"
