@@ -222,7 +222,7 @@ def kda_chunked(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor, st
     if t == 0:
         return q.new_zeros(b, 0, h, dv, dtype=cdt), state.clone()
     size = min(chunk_size, t)  # a sequence shorter than a chunk is one chunk of its own length
-    decay_bytes = b * h * size * size * dk * torch.empty((), dtype=cdt).element_size()
+    decay_bytes = b * h * size * size * dk * torch.finfo(cdt).bits // 8
     if decay_bytes > MAX_DECAY_BYTES and (h > 1 or b > 1):
         return _in_groups(q, k, v, g_log, beta, state, chunk_size, dim=2 if h > 1 else 0)
     n_chunks = -(-t // size)

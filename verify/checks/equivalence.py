@@ -25,8 +25,9 @@ Per grid point (batch x context):
    allowed and listed in the metrics.
 
 Fails on: a top-k violation at a first divergence, later violations above ``max_later_violation_rate`` of
-the grid's row-steps or improbably many at one point (``status_rules.POINT_EXCESS_P``), a non-finite fast logit, mean KL over the point above ``max_mean_kl``, or a trace
-problem; a planned point with no record (out of memory, past 90% of the budget) is a problem too. The status is
+the grid's row-steps or improbably many at one point (``status_rules.POINT_EXCESS_P``), a non-finite fast
+logit, mean KL over the point above ``max_mean_kl``, or a trace problem; a planned point with no record
+(out of memory, past 90% of the budget) is a problem too. The status is
 ``status_rules.equivalence_problems`` of the records (a ``plan``, per point its step rows and summary), which
 ``bundle verify`` applies again. ``max_mean_kl`` defaults to 0.01: on k3-tiny with the fast step emulated on a CPU (every kernel
 served by its FP32 reference rounded to BF16, the kernels' own rounding points), batch 4, 12 steps, mean KL
