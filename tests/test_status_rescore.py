@@ -288,3 +288,43 @@ def test_every_registered_check_has_a_rescorer():
     keys = [k for k, _ in _RESCORERS]
     missing = {cid for cid in REGISTRY if not any(cid == k or (k.endswith(".") and cid.startswith(k)) for k in keys)}
     assert not missing, missing
+
+
+SESSION14_FULL = REPO / "bundles" / "runs" / "2026-12-03-h200-session14" / "full"
+
+
+def test_the_session14_equivalence_statuses_follow_from_their_records_under_either_later_violation_rule(tmp_path):
+    """The H200 full tier at 46061c2: equivalence.decode failed on one near-tie under the per-point rate its
+    plan carried, equivalence.fp64 on two out-of-memory points. Each flipped to passed and re-sealed fails
+    verify. The same records under the grid rule (``later_violations: grid`` in the plan) give 'passed', so
+    the recorded 'failed' is then the forgery; and 4 later violations planted at the batch-2 point (5 in its
+    256 row-steps) under a 'passed' status fail verify by the rule's point test."""
+    from tests.test_equivalence_cpu import _forge_later_violations
+
+    dest = tmp_path / "full"
+    shutil.copytree(SESSION14_FULL, dest)
+    assert verify_bundle(dest).ok
+    forge(dest, "equivalence.decode", result={"status": "passed", "reason": ""})
+    problems = _only_rescore_problems(dest, "equivalence.decode")
+    assert "status 'passed', but its" in problems[0] and "0.391% of row-steps" in problems[0], problems
+    forge(dest, "equivalence.fp64", result={"status": "passed", "reason": ""})
+    assert any(p.startswith("equivalence.fp64: rescore: status 'passed', but its") and "out of memory" in p
+               for p in verify_bundle(dest).problems)
+    original = {r["id"]: r for r in _lines(SESSION14_FULL / schema.RESULTS)}
+    forge(dest, "equivalence.fp64", result={k: original["equivalence.fp64"][k] for k in ("status", "reason")})
+
+    def grid(rows):
+        rows[0]["later_violations"] = "grid"
+
+    forge(dest, "equivalence.decode", result={"status": "failed", "reason": "forged"}, record=grid)
+    problems = _only_rescore_problems(dest, "equivalence.decode")
+    assert "status 'failed', but its" in problems[0] and "records give 'passed'" in problems[0], problems
+    forge(dest, "equivalence.decode", result={"status": "passed", "reason": ""})
+    assert verify_bundle(dest).ok
+
+    def planted(rows):
+        steps = [r["step"] for r in rows if r.get("kind") == "step" and (r["batch"], r["context"]) == (2, "short")
+                 and r["step"] >= 20 and 1 not in r["mismatch_rows"]]
+        _forge_later_violations(rows, 2, "short", 1, steps[:4])
+
+    assert_passed_record_forgery_fails(dest, "equivalence.decode", planted, "5 later top-5 violations in 256 row-steps")
