@@ -26,6 +26,8 @@ from decimal import Decimal, InvalidOperation
 from difflib import SequenceMatcher
 from typing import Any
 
+from k3_fastpath.sentinel import tasks
+
 # ---------------------------------------------------------------- number extraction
 _NUM = r"-?\$?\d[\d,]*(?:\.\d+)?"
 _NUM_RE = re.compile(_NUM)
@@ -180,13 +182,12 @@ def keep_all_repeats(resps: list, docs: list) -> list:
 
 
 def gsm8k_doc_to_text(doc: dict[str, Any]) -> str:
-    return ("Solve the math word problem. Show your steps, then give the final answer as an integer on a "
-            f"last line of the form '#### <answer>'.\n\nQuestion: {doc['question']}\nAnswer:")
+    """The prompt the sentinel is trained on too (``k3_fastpath.sentinel.tasks``: one place for it)."""
+    return tasks.gsm8k_prompt(doc)
 
 
 def aime_doc_to_text(doc: dict[str, Any]) -> str:
-    return ("Solve the problem. The answer is an integer from 0 to 999; put it in \\boxed{} at the end.\n\n"
-            f"Problem: {doc['problem']}\nSolution:")
+    return tasks.aime_prompt(doc)
 
 
 def mrcr_doc_to_text(doc: dict[str, Any]) -> str:

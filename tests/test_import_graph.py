@@ -14,7 +14,8 @@ PACKAGES = ("k3_fastpath", "verify")
 # k3_fastpath's layers, bottom up; a module may import its own layer and those below
 LAYERS = {"_lib": 0, "config": 1, "rank_shapes": 1, "presets": 1, "manifest": 1, "mxfp4": 1, "synthetic": 1,
           "tokenizer": 1, "weights": 1,
-          "reference": 2, "kernels": 3, "runtime": 4, "measure": 5, "integrations": 5}
+          "reference": 2, "kernels": 3, "runtime": 4, "measure": 5, "integrations": 5,
+          "sentinel": 5}
 
 
 def _modules() -> dict[str, Path]:

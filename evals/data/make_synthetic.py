@@ -2,8 +2,8 @@
 
 Tests and CPU runs cannot fetch GSM8K, AIME25 or MRCR; these generators make stand-ins whose *format*
 is the real one (field names, the ``#### <int>`` answer line, MRCR's JSON message list with its prefix
-rule), so the same task YAMLs, loaders and scorers run on both. Content is generated, answers are
-computed exactly:
+rule), so the same task YAMLs, loaders and scorers run on both. The items are the eval split of
+``k3_fastpath.sentinel.tasks`` (the sentinel trains on that module's disjoint training split):
 
 - GSM8K: arithmetic word problems (2-3 steps) with GSM8K-style worked answers ending ``#### <int>``;
 - AIME25: number-theory/counting problems whose answer is an integer in 0..999 (as a string, like
@@ -21,139 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from pathlib import Path
 from typing import Any
 
 from evals.data.sources import sha256_file
-
-NAMES = ["Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam"]
-ITEMS = ["apples", "stickers", "marbles", "pencils", "cookies", "stamps", "shells", "beads"]
-FORMS = ["poem", "short story", "blog post", "haiku", "short essay", "social media post", "riddle", "limerick"]
-TOPICS = ["tapirs", "rocks", "lighthouses", "glaciers", "bicycles", "owls", "volcanoes", "libraries", "kites",
-          "harbors", "comets", "orchards"]
-WORDS = ("amber quiet river stone morning lantern drift hollow meadow silver echo thread salt winter bloom "
-         "cedar signal orbit ember tide velvet compass harbor dune prism willow static copper fern ribbon "
-         "thunder garden mirror ladder canyon marble breeze quartz feather anchor").split()
-ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
-
-
-def _ordinal(n: int) -> str:
-    return ORDINALS.get(n, f"{n}th")
-
-
-# ---------------------------------------------------------------- GSM8K
-def _gsm8k_item(rng: random.Random) -> dict[str, str]:
-    name = rng.choice(NAMES)
-    kind = rng.randrange(4)
-    if kind == 0:
-        item = rng.choice(ITEMS)
-        a, b, c = rng.randint(3, 40), rng.randint(2, 9), rng.randint(2, 12)
-        bc, total = b * c, a + b * c
-        q = f"{name} has {a} {item}. {name} buys {b} packs with {c} {item} in each pack. How many {item} does {name} have now?"
-        steps = [f"The packs hold {b} * {c} = <<{b}*{c}={bc}>>{bc} {item}.",
-                 f"{name} now has {a} + {bc} = <<{a}+{bc}={total}>>{total} {item}."]
-    elif kind == 1:
-        rate, hours, days = rng.randint(8, 30), rng.randint(2, 8), rng.randint(2, 6)
-        earned = rate * hours * days
-        spent = rng.randint(1, earned - 1)
-        total = earned - spent
-        q = (f"{name} earns ${rate} an hour and works {hours} hours a day for {days} days. "
-             f"Then {name} spends ${spent} on a bike. How many dollars does {name} have left?")
-        steps = [f"Per day {name} earns {rate} * {hours} = <<{rate}*{hours}={rate * hours}>>{rate * hours} dollars.",
-                 f"Over {days} days that is {rate * hours} * {days} = <<{rate * hours}*{days}={earned}>>{earned} dollars.",
-                 f"After the bike {name} has {earned} - {spent} = <<{earned}-{spent}={total}>>{total} dollars."]
-    elif kind == 2:
-        per_box, boxes, eaten = rng.randint(3, 12), rng.randint(4, 20), rng.randint(1, 30)
-        made = per_box * boxes + eaten
-        total = boxes
-        q = (f"A baker makes {made} cookies. {eaten} of them break, and the rest are packed into boxes of "
-             f"{per_box}. How many boxes are filled?")
-        steps = [f"Unbroken cookies: {made} - {eaten} = <<{made}-{eaten}={made - eaten}>>{made - eaten}.",
-                 f"Boxes: {made - eaten} / {per_box} = <<{made - eaten}/{per_box}={total}>>{total}."]
-    else:
-        older, young, later = rng.randint(2, 30), rng.randint(3, 40), rng.randint(1, 15)
-        other = rng.choice([n for n in NAMES if n != name])
-        now = young + older
-        total = now + later
-        q = f"{name} is {older} years older than {other}. {other} is {young} years old. How old will {name} be in {later} years?"
-        steps = [f"{name} is {young} + {older} = <<{young}+{older}={now}>>{now} years old now.",
-                 f"In {later} years {name} will be {now} + {later} = <<{now}+{later}={total}>>{total}."]
-    return {"question": q, "answer": "\n".join(steps) + f"\n#### {total}"}
-
-
-# ---------------------------------------------------------------- AIME
-def _divisor_sum(n: int) -> int:
-    return sum(d for d in range(1, n + 1) if n % d == 0)
-
-
-def _aime_item(rng: random.Random, i: int) -> dict[str, str]:
-    kind = rng.randrange(5)
-    if kind == 0:
-        a, b = rng.randint(3, 97), rng.randint(50, 2025)
-        problem, ans = f"Find the remainder when ${a}^{{{b}}}$ is divided by $1000$.", pow(a, b, 1000)
-    elif kind == 1:
-        n, p, q = rng.randint(200, 2000), rng.randint(2, 9), rng.randint(10, 23)
-        ans = sum(1 for k in range(1, n + 1) if (k % p == 0) != (k % q == 0))
-        problem = (f"Find the number of positive integers $n \\le {n}$ that are divisible by exactly one of "
-                   f"${p}$ and ${q}$.")
-    elif kind == 2:
-        n = rng.randint(100, 5000)
-        ans = _divisor_sum(n) % 1000
-        problem = f"Let $S$ be the sum of all positive divisors of ${n}$. Find the remainder when $S$ is divided by $1000$."
-    elif kind == 3:
-        n = rng.randint(50, 900)
-        ans = (n * (n - 1) // 2) % 1000
-        problem = (f"Let $N$ be the number of ordered pairs $(x, y)$ of positive integers with $x + y \\le {n}$. "
-                   f"Find the remainder when $N$ is divided by $1000$.")
-    else:
-        a, d, k = rng.randint(1, 50), rng.randint(1, 9), rng.randint(20, 300)
-        ans = (a + d * (k - 1) * k // 2) % 1000
-        problem = (f"A sequence has $a_1 = {a}$ and $a_{{n+1}} = a_n + {d}n$ for $n \\ge 1$. "
-                   f"Find the remainder when $a_{{{k}}}$ is divided by $1000$.")
-    return {"id": f"synthetic-{i}", "problem": problem, "answer": str(ans)}
-
-
-# ---------------------------------------------------------------- MRCR
-def _text(rng: random.Random, form: str, topic: str, chars: int) -> str:
-    """A made-up piece of writing of about ``chars`` characters, mentioning its topic once."""
-    words = [rng.choice(WORDS) for _ in range(max(6, chars // 7))]
-    words.insert(rng.randrange(len(words)), topic)
-    lines = [" ".join(words[i:i + 8]).capitalize() + "." for i in range(0, len(words), 8)]
-    return ("\n" if form in ("poem", "haiku", "limerick") else " ").join(lines)
-
-
-def _mrcr_item(rng: random.Random, n_needles: int, n_chars: int) -> dict[str, Any]:
-    form, topic = rng.choice(FORMS), rng.choice(TOPICS)
-    reply_chars = max(40, min(400, n_chars // (3 * n_needles)))
-    asks: list[tuple[str, str]] = [(form, topic)] * n_needles
-    total = n_needles * (reply_chars + 30)
-    while total < n_chars or len(asks) < 2 * n_needles:
-        # distractors share the form or the topic half of the time: the model must tell them apart
-        f = form if rng.random() < 0.25 else rng.choice(FORMS)
-        t = topic if (f != form and rng.random() < 0.5) else rng.choice([x for x in TOPICS if x != topic])
-        asks.append((f, t))
-        total += reply_chars + 30
-    # shuffle, keeping the needles' relative order meaningless (they are identical asks)
-    rng.shuffle(asks)
-    messages: list[dict[str, str]] = []
-    needle_replies: list[tuple[int, str]] = []
-    for f, t in asks:
-        messages.append({"role": "user", "content": f"write a {f} about {t}"})
-        reply = _text(rng, f, t, reply_chars)
-        if (f, t) == (form, topic):
-            needle_replies.append((len(messages), reply))
-        messages.append({"role": "assistant", "content": reply})
-    desired = rng.randint(1, n_needles)
-    prefix = "".join(rng.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789") for _ in range(10))
-    messages.append({"role": "user", "content": f"Prepend {prefix} to the {_ordinal(desired)} (1 indexed) {form} "
-                                                f"about {topic}. Do not include any other text in your response."})
-    msg_index, reply = needle_replies[desired - 1]
-    prompt = json.dumps(messages, ensure_ascii=False)
-    return {"prompt": prompt, "answer": prefix + reply, "random_string_to_prepend": prefix,
-            "n_needles": n_needles, "desired_msg_index": msg_index, "total_messages": len(messages),
-            "n_chars": sum(len(m["content"]) for m in messages)}
+from k3_fastpath.sentinel import tasks
 
 
 # ---------------------------------------------------------------- writing
@@ -170,14 +43,13 @@ def make_all(out: Path, seed: int = 0, gsm8k: int = 50, aime: int = 30, mrcr: in
     if min(gsm8k, aime, mrcr) < 1 or mrcr_chars < 1:
         raise ValueError("every dataset needs at least one item and --mrcr-chars must be positive")
     out = Path(out)
-    files: dict[str, list[dict[str, Any]]] = {}
-    rng = random.Random(f"k3-gsm8k:{seed}")
-    files["gsm8k/test.jsonl"] = [_gsm8k_item(rng) for _ in range(gsm8k)]
-    rng = random.Random(f"k3-aime25:{seed}")
-    files["aime25/test.jsonl"] = [_aime_item(rng, i) for i in range(aime)]
+    files: dict[str, list[dict[str, Any]]] = {
+        "gsm8k/test.jsonl": [t.record for t in tasks.items("gsm8k", "eval", seed, gsm8k)],
+        "aime25/test.jsonl": [t.record for t in tasks.items("aime25", "eval", seed, aime)],
+    }
     for n in needles:
-        rng = random.Random(f"k3-mrcr{n}:{seed}")
-        files[f"mrcr/{n}needle.jsonl"] = [_mrcr_item(rng, n, mrcr_chars) for _ in range(mrcr)]
+        files[f"mrcr/{n}needle.jsonl"] = [t.record for t in tasks.items("mrcr", "eval", seed, mrcr, n_needles=n,
+                                                                          mrcr_chars=mrcr_chars)]
     for rel, rows in files.items():
         _write_jsonl(out / rel, rows)
     manifest = {"generator": "evals.data.make_synthetic", "seed": seed,

@@ -1,0 +1,282 @@
+"""Seeded task generators in the real eval formats, for the eval files and for the sentinel's training data.
+
+Three tasks, each item computed exactly from a ``random.Random`` seeded with a string (no ``hash()``
+randomisation, so the same seed gives the same items in every process):
+
+- ``gsm8k``: arithmetic word problems (2-3 steps) whose answer field is a GSM8K-style worked solution with
+  ``<<a*b=c>>`` annotations ending ``#### <int>``;
+- ``aime25``: number-theory / counting problems with an integer answer in 0..999 (a string, as in
+  math-ai/aime25); the worked solution (repeated squaring, inclusion-exclusion, the divisor-sum formula,
+  triangular numbers) is the training target and never part of the eval row;
+- ``mrcr``: openai/mrcr-format conversations: the same request appears ``n_needles`` times among
+  distractors, the last user turn asks for the i-th one prefixed with a random string.
+
+Each generator yields ``TaskItem``: ``record`` is the eval file's row (the fields the loader and scorers
+read), ``messages`` the chat the model sees with the answer it should give as the last (assistant) turn.
+The eval split's streams are the ones ``evals.data.make_synthetic`` has always written (files are
+byte-identical); the training split's streams are named apart, and ``train_items`` also drops any item
+whose prompt is in a given eval set, so training and eval items are disjoint by construction and by check.
+The prompts are the eval tasks' own (``evals/utils.py`` renders them with the functions here).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+TASKS = ("gsm8k", "aime25", "mrcr")
+SPLITS = ("eval", "train")
+
+NAMES = ["Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam"]
+ITEMS = ["apples", "stickers", "marbles", "pencils", "cookies", "stamps", "shells", "beads"]
+FORMS = ["poem", "short story", "blog post", "haiku", "short essay", "social media post", "riddle", "limerick"]
+TOPICS = ["tapirs", "rocks", "lighthouses", "glaciers", "bicycles", "owls", "volcanoes", "libraries", "kites",
+          "harbors", "comets", "orchards"]
+WORDS = ("amber quiet river stone morning lantern drift hollow meadow silver echo thread salt winter bloom "
+         "cedar signal orbit ember tide velvet compass harbor dune prism willow static copper fern ribbon "
+         "thunder garden mirror ladder canyon marble breeze quartz feather anchor").split()
+ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
+_PREFIX_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+
+
+@dataclass(frozen=True)
+class TaskItem:
+    """One generated item: the eval row and the chat (prompt turns, then the answer turn)."""
+
+    task: str
+    record: dict[str, Any]
+    messages: tuple[dict[str, str], ...]
+
+    @property
+    def prompt_key(self) -> str:
+        """What identifies the item's question (the disjointness check compares these)."""
+        return json.dumps(self.messages[:-1], sort_keys=True, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------- prompts (the eval tasks' own)
+def gsm8k_prompt(doc: dict[str, Any]) -> str:
+    return ("Solve the math word problem. Show your steps, then give the final answer as an integer on a "
+            f"last line of the form '#### <answer>'.\n\nQuestion: {doc['question']}\nAnswer:")
+
+
+def aime_prompt(doc: dict[str, Any]) -> str:
+    return ("Solve the problem. The answer is an integer from 0 to 999; put it in \\boxed{} at the end.\n\n"
+            f"Problem: {doc['problem']}\nSolution:")
+
+
+def _ordinal(n: int) -> str:
+    return ORDINALS.get(n, f"{n}th")
+
+
+def stream(task: str, split: str, seed: int, n_needles: int | None = None) -> random.Random:
+    """The seeded stream of ``task`` (``mrcr`` per needle count) in ``split``: eval streams are those the
+    eval files were always made from; training streams are named apart."""
+    if task not in TASKS or split not in SPLITS:
+        raise ValueError(f"unknown task/split {task!r}/{split!r}: tasks {TASKS}, splits {SPLITS}")
+    if (task == "mrcr") != (n_needles is not None):
+        raise ValueError("n_needles is required for mrcr and only for mrcr")
+    name = f"mrcr{n_needles}" if task == "mrcr" else task
+    return random.Random(f"k3-{name}:{seed}" if split == "eval" else f"k3-sentinel-train:{name}:{seed}")
+
+
+# ---------------------------------------------------------------- GSM8K
+def gsm8k_item(rng: random.Random) -> TaskItem:
+    name = rng.choice(NAMES)
+    kind = rng.randrange(4)
+    if kind == 0:
+        item = rng.choice(ITEMS)
+        a, b, c = rng.randint(3, 40), rng.randint(2, 9), rng.randint(2, 12)
+        bc, total = b * c, a + b * c
+        q = f"{name} has {a} {item}. {name} buys {b} packs with {c} {item} in each pack. How many {item} does {name} have now?"
+        steps = [f"The packs hold {b} * {c} = <<{b}*{c}={bc}>>{bc} {item}.",
+                 f"{name} now has {a} + {bc} = <<{a}+{bc}={total}>>{total} {item}."]
+    elif kind == 1:
+        rate, hours, days = rng.randint(8, 30), rng.randint(2, 8), rng.randint(2, 6)
+        earned = rate * hours * days
+        spent = rng.randint(1, earned - 1)
+        total = earned - spent
+        q = (f"{name} earns ${rate} an hour and works {hours} hours a day for {days} days. "
+             f"Then {name} spends ${spent} on a bike. How many dollars does {name} have left?")
+        steps = [f"Per day {name} earns {rate} * {hours} = <<{rate}*{hours}={rate * hours}>>{rate * hours} dollars.",
+                 f"Over {days} days that is {rate * hours} * {days} = <<{rate * hours}*{days}={earned}>>{earned} dollars.",
+                 f"After the bike {name} has {earned} - {spent} = <<{earned}-{spent}={total}>>{total} dollars."]
+    elif kind == 2:
+        per_box, boxes, eaten = rng.randint(3, 12), rng.randint(4, 20), rng.randint(1, 30)
+        made = per_box * boxes + eaten
+        total = boxes
+        q = (f"A baker makes {made} cookies. {eaten} of them break, and the rest are packed into boxes of "
+             f"{per_box}. How many boxes are filled?")
+        steps = [f"Unbroken cookies: {made} - {eaten} = <<{made}-{eaten}={made - eaten}>>{made - eaten}.",
+                 f"Boxes: {made - eaten} / {per_box} = <<{made - eaten}/{per_box}={total}>>{total}."]
+    else:
+        older, young, later = rng.randint(2, 30), rng.randint(3, 40), rng.randint(1, 15)
+        other = rng.choice([n for n in NAMES if n != name])
+        now = young + older
+        total = now + later
+        q = f"{name} is {older} years older than {other}. {other} is {young} years old. How old will {name} be in {later} years?"
+        steps = [f"{name} is {young} + {older} = <<{young}+{older}={now}>>{now} years old now.",
+                 f"In {later} years {name} will be {now} + {later} = <<{now}+{later}={total}>>{total}."]
+    record = {"question": q, "answer": "\n".join(steps) + f"\n#### {total}"}
+    return TaskItem("gsm8k", record, ({"role": "user", "content": gsm8k_prompt(record)},
+                                      {"role": "assistant", "content": record["answer"]}))
+
+
+# ---------------------------------------------------------------- AIME
+def _pow_mod_steps(a: int, b: int, m: int) -> tuple[int, list[str]]:
+    """a^b mod m by repeated squaring, one line per squaring and per multiplication."""
+    bits = bin(b)[2:]
+    steps = [f"Write {b} in binary: {bits}. Square {a} repeatedly modulo {m}."]
+    sq, powers = a % m, []
+    for i in range(len(bits)):
+        if i:
+            nxt = sq * sq % m
+            steps.append(f"{a}^{1 << i} = {sq}^2 = {sq * sq} = {nxt} (mod {m}).")
+            sq = nxt
+        else:
+            steps.append(f"{a}^1 = {sq} (mod {m}).")
+        if bits[-1 - i] == "1":
+            powers.append((1 << i, sq))
+    acc = powers[0][1]
+    for e, v in powers[1:]:
+        nxt = acc * v % m
+        steps.append(f"Multiply by {a}^{e}: {acc} * {v} = {acc * v} = {nxt} (mod {m}).")
+        acc = nxt
+    return acc, steps
+
+
+def _factor(n: int) -> list[tuple[int, int]]:
+    out, p = [], 2
+    while p * p <= n:
+        e = 0
+        while n % p == 0:
+            n, e = n // p, e + 1
+        if e:
+            out.append((p, e))
+        p += 1
+    if n > 1:
+        out.append((n, 1))
+    return out
+
+
+def aime_item(rng: random.Random, i: int) -> TaskItem:
+    kind = rng.randrange(5)
+    if kind == 0:
+        a, b = rng.randint(3, 97), rng.randint(50, 2025)
+        problem = f"Find the remainder when ${a}^{{{b}}}$ is divided by $1000$."
+        ans, steps = _pow_mod_steps(a, b, 1000)
+    elif kind == 1:
+        n, p, q = rng.randint(200, 2000), rng.randint(2, 9), rng.randint(10, 23)
+        lcm = p * q // math.gcd(p, q)
+        ans = n // p + n // q - 2 * (n // lcm)
+        problem = (f"Find the number of positive integers $n \\le {n}$ that are divisible by exactly one of "
+                   f"${p}$ and ${q}$.")
+        steps = [f"Multiples of {p}: floor({n}/{p}) = {n // p}. Multiples of {q}: floor({n}/{q}) = {n // q}.",
+                 f"Multiples of both, i.e. of lcm({p}, {q}) = {lcm}: floor({n}/{lcm}) = {n // lcm}.",
+                 f"Exactly one: {n // p} + {n // q} - 2 * {n // lcm} = {ans}."]
+    elif kind == 2:
+        n = rng.randint(100, 5000)
+        fac = _factor(n)
+        sigma, steps = 1, [f"{n} = " + " * ".join(f"{p}^{e}" for p, e in fac) + "."]
+        for p, e in fac:
+            s = (p ** (e + 1) - 1) // (p - 1)
+            steps.append(f"The divisors' sum over {p}^{e} is ({p}^{e + 1} - 1) / ({p} - 1) = {s}.")
+            sigma *= s
+        ans = sigma % 1000
+        steps.append(f"S = {' * '.join(str((p ** (e + 1) - 1) // (p - 1)) for p, e in fac)} = {sigma}, "
+                     f"and {sigma} mod 1000 = {ans}.")
+        problem = f"Let $S$ be the sum of all positive divisors of ${n}$. Find the remainder when $S$ is divided by $1000$."
+    elif kind == 3:
+        n = rng.randint(50, 900)
+        tri = n * (n - 1) // 2
+        ans = tri % 1000
+        problem = (f"Let $N$ be the number of ordered pairs $(x, y)$ of positive integers with $x + y \\le {n}$. "
+                   f"Find the remainder when $N$ is divided by $1000$.")
+        steps = [f"For x + y = s there are s - 1 pairs, so N = 1 + 2 + ... + {n - 1} = {n - 1} * {n} / 2 = {tri}.",
+                 f"{tri} mod 1000 = {ans}."]
+    else:
+        a, d, k = rng.randint(1, 50), rng.randint(1, 9), rng.randint(20, 300)
+        tri = (k - 1) * k // 2
+        val = a + d * tri
+        ans = val % 1000
+        problem = (f"A sequence has $a_1 = {a}$ and $a_{{n+1}} = a_n + {d}n$ for $n \\ge 1$. "
+                   f"Find the remainder when $a_{{{k}}}$ is divided by $1000$.")
+        steps = [f"a_{k} = {a} + {d} * (1 + 2 + ... + {k - 1}) = {a} + {d} * {tri} = {val}.",
+                 f"{val} mod 1000 = {ans}."]
+    record = {"id": f"synthetic-{i}", "problem": problem, "answer": str(ans)}
+    solution = " ".join(steps) + f" The answer is \\boxed{{{ans}}}."
+    return TaskItem("aime25", record, ({"role": "user", "content": aime_prompt(record)},
+                                       {"role": "assistant", "content": solution}))
+
+
+# ---------------------------------------------------------------- MRCR
+def _text(rng: random.Random, form: str, topic: str, chars: int) -> str:
+    """A made-up piece of writing of about ``chars`` characters, mentioning its topic once."""
+    words = [rng.choice(WORDS) for _ in range(max(6, chars // 7))]
+    words.insert(rng.randrange(len(words)), topic)
+    lines = [" ".join(words[i:i + 8]).capitalize() + "." for i in range(0, len(words), 8)]
+    return ("\n" if form in ("poem", "haiku", "limerick") else " ").join(lines)
+
+
+def mrcr_item(rng: random.Random, n_needles: int, n_chars: int) -> TaskItem:
+    form, topic = rng.choice(FORMS), rng.choice(TOPICS)
+    reply_chars = max(40, min(400, n_chars // (3 * n_needles)))
+    asks: list[tuple[str, str]] = [(form, topic)] * n_needles
+    total = n_needles * (reply_chars + 30)
+    while total < n_chars or len(asks) < 2 * n_needles:
+        # distractors share the form or the topic half of the time: the model must tell them apart
+        f = form if rng.random() < 0.25 else rng.choice(FORMS)
+        t = topic if (f != form and rng.random() < 0.5) else rng.choice([x for x in TOPICS if x != topic])
+        asks.append((f, t))
+        total += reply_chars + 30
+    rng.shuffle(asks)
+    messages: list[dict[str, str]] = []
+    needle_replies: list[tuple[int, str]] = []
+    for f, t in asks:
+        messages.append({"role": "user", "content": f"write a {f} about {t}"})
+        reply = _text(rng, f, t, reply_chars)
+        if (f, t) == (form, topic):
+            needle_replies.append((len(messages), reply))
+        messages.append({"role": "assistant", "content": reply})
+    desired = rng.randint(1, n_needles)
+    prefix = "".join(rng.choice(_PREFIX_ALPHABET) for _ in range(10))
+    messages.append({"role": "user", "content": f"Prepend {prefix} to the {_ordinal(desired)} (1 indexed) {form} "
+                                                f"about {topic}. Do not include any other text in your response."})
+    msg_index, reply = needle_replies[desired - 1]
+    record = {"prompt": json.dumps(messages, ensure_ascii=False), "answer": prefix + reply,
+              "random_string_to_prepend": prefix, "n_needles": n_needles, "desired_msg_index": msg_index,
+              "total_messages": len(messages), "n_chars": sum(len(m["content"]) for m in messages)}
+    return TaskItem("mrcr", record, (*messages, {"role": "assistant", "content": record["answer"]}))
+
+
+# ---------------------------------------------------------------- item streams
+def items(task: str, split: str, seed: int, n: int, *, n_needles: int | None = None,
+          mrcr_chars: int = 2000) -> list[TaskItem]:
+    """The first ``n`` items of ``task``'s stream in ``split``."""
+    rng = stream(task, split, seed, n_needles)
+    if task == "gsm8k":
+        return [gsm8k_item(rng) for _ in range(n)]
+    if task == "aime25":
+        return [aime_item(rng, i) for i in range(n)]
+    return [mrcr_item(rng, n_needles, mrcr_chars) for _ in range(n)]
+
+
+def train_items(task: str, seed: int, exclude: set[str], *, n_needles: int | None = None,
+                mrcr_chars: int = 2000) -> Iterator[TaskItem]:
+    """An endless stream of training items of ``task``, skipping every item whose ``prompt_key`` is in
+    ``exclude`` (the eval sets' keys): no eval question is ever trained on."""
+    rng = stream(task, "train", seed, n_needles)
+    i = 0
+    while True:
+        if task == "gsm8k":
+            item = gsm8k_item(rng)
+        elif task == "aime25":
+            item = aime_item(rng, i)
+        else:
+            item = mrcr_item(rng, n_needles, mrcr_chars)
+        i += 1
+        if item.prompt_key not in exclude:
+            yield item

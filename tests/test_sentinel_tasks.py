@@ -1,0 +1,121 @@
+"""The sentinel's task generators (k3_fastpath.sentinel.tasks): eval files unchanged, answers exact,
+worked solutions that score as the gold answer, training items disjoint from the eval sets."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from evals.data.make_synthetic import make_all
+from evals.utils import aime_gold, extract_aime, extract_gsm8k, gsm8k_gold
+from k3_fastpath.sentinel import tasks
+
+# the eval files (seed 3, 4 MRCR items) as evals.data.make_synthetic wrote them before the generators moved:
+# bundles name their data by these digests, so a change to a generator must show up here
+PINNED_SEED3 = {
+    "aime25/test.jsonl": "d9780705e00cc8f0b0892673649edc1964f86bb08777f187c6e4e005073a86a2",
+    "gsm8k/test.jsonl": "4d12d8136bae031e3aad387df41af3dd9988fe10e839d1d284c48444a79d6c08",
+    "mrcr/2needle.jsonl": "e4accd429b77fa2517fdc0ad3077acae20465800169b868688d5725356e75b19",
+    "mrcr/4needle.jsonl": "977e60a7b7bd25342f9cf84ddc84ef2b490e096ab94640de4b43e1f6d7542886",
+    "mrcr/8needle.jsonl": "4ddbc5dc7485ad12086cd5289ef795ec4284d0e571e37ac52d20e85b2831bb34",
+}
+
+
+def test_the_eval_files_are_byte_identical_to_the_pinned_digests(tmp_path):
+    manifest = make_all(tmp_path, seed=3, mrcr=4)
+    assert {rel: f["sha256"] for rel, f in manifest["files"].items()} == PINNED_SEED3
+    for rel, digest in PINNED_SEED3.items():
+        assert hashlib.sha256((tmp_path / rel).read_bytes()).hexdigest() == digest
+
+
+@pytest.mark.parametrize("split", tasks.SPLITS)
+def test_gsm8k_worked_answers_score_as_their_gold(split):
+    for item in tasks.items("gsm8k", split, 0, 300):
+        target = item.messages[-1]["content"]
+        assert item.messages[-1]["role"] == "assistant" and target == item.record["answer"]
+        value, rule = extract_gsm8k(target)
+        assert (value, rule) == (gsm8k_gold(item.record["answer"]), "####")
+
+
+def _aime_brute_force(problem: str) -> int:
+    """Each AIME kind's answer from its definition (no formula shared with the generator)."""
+    nums = [int(x) for x in __import__("re").findall(r"\d+", problem)]
+    if problem.startswith("Find the remainder when"):
+        return pow(nums[0], nums[1], 1000)
+    if "divisible by exactly one" in problem:
+        n, p, q = nums
+        return sum(1 for k in range(1, n + 1) if (k % p == 0) != (k % q == 0))
+    if "sum of all positive divisors" in problem:
+        n = nums[0]
+        return sum(d for d in range(1, n + 1) if n % d == 0) % 1000
+    if "ordered pairs" in problem:
+        n = nums[0]
+        return sum(1 for x in range(1, n) for y in range(1, n) if x + y <= n) % 1000
+    _, a1, _, d, _, k, _ = nums[:7]
+    a = a1
+    for i in range(1, k):
+        a += d * i
+    return a % 1000
+
+
+@pytest.mark.parametrize("split", tasks.SPLITS)
+def test_aime_answers_are_exact_and_the_worked_solutions_box_them(split):
+    kinds = set()
+    for item in tasks.items("aime25", split, 1, 120):
+        gold = aime_gold(item.record["answer"])
+        assert 0 <= gold <= 999 and gold == _aime_brute_force(item.record["problem"])
+        solution = item.messages[-1]["content"]
+        assert extract_aime(solution) == (gold, "boxed")
+        assert item.record.keys() == {"id", "problem", "answer"}  # the solution never enters the eval row
+        kinds.add(item.record["problem"][:20])
+    assert len(kinds) == 5
+
+
+def test_the_repeated_squaring_lines_are_each_right():
+    a, b = 37, 1337
+    ans, steps = tasks._pow_mod_steps(a, b, 1000)
+    assert ans == pow(a, b, 1000)
+    for line in steps[2:]:
+        if line.startswith(f"{a}^"):
+            e = int(line.split("^")[1].split(" ")[0])
+            assert line.endswith(f"= {pow(a, e, 1000)} (mod 1000).")
+
+
+def test_mrcr_answers_are_the_prefixed_needle_and_the_last_turn():
+    for item in tasks.items("mrcr", "train", 2, 20, n_needles=4, mrcr_chars=3000):
+        msgs = json.loads(item.record["prompt"])
+        assert list(item.messages[:-1]) == msgs
+        needle = msgs[item.record["desired_msg_index"]]
+        assert needle["role"] == "assistant"
+        assert item.record["answer"] == item.record["random_string_to_prepend"] + needle["content"]
+        assert item.messages[-1] == {"role": "assistant", "content": item.record["answer"]}
+        assert item.record["n_chars"] >= 3000
+
+
+def test_training_items_never_repeat_an_eval_question():
+    for task, kw in (("gsm8k", {}), ("aime25", {}), ("mrcr", {"n_needles": 2, "mrcr_chars": 800})):
+        n_eval = 20 if task == "mrcr" else 400
+        exclude = {t.prompt_key for t in tasks.items(task, "eval", 0, n_eval, **kw)}
+        stream = tasks.train_items(task, 0, exclude, **kw)
+        seen = [next(stream).prompt_key for _ in range(50 if task == "mrcr" else 2000)]
+        assert not exclude & set(seen)
+    # the filter does its work: excluding the stream's own first items makes it skip them
+    first = [t.prompt_key for t in tasks.items("gsm8k", "train", 0, 5)]
+    assert next(tasks.train_items("gsm8k", 0, set(first))).prompt_key == tasks.items("gsm8k", "train", 0, 6)[5].prompt_key
+
+
+def test_the_splits_are_different_streams():
+    ev = [t.record for t in tasks.items("gsm8k", "eval", 0, 50)]
+    tr = [t.record for t in tasks.items("gsm8k", "train", 0, 50)]
+    assert ev != tr and ev == [t.record for t in tasks.items("gsm8k", "eval", 0, 50)]
+
+
+def test_bad_streams_are_refused():
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.stream("math", "eval", 0)
+    with pytest.raises(ValueError, match="n_needles"):
+        tasks.stream("mrcr", "eval", 0)
+    with pytest.raises(ValueError, match="n_needles"):
+        tasks.stream("gsm8k", "train", 0, n_needles=2)
