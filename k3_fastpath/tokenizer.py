@@ -134,37 +134,47 @@ def tiny_corpus(seed: int = 0, n_docs: int = 3000) -> list[str]:
     return [maker.document() for _ in range(n_docs)]
 
 
-def _train(vocab_size: int, seed: int):
+def _train(vocab_size: int, corpus: list[str], split_digits: bool):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    # one token per digit where asked: arithmetic then sees every number digit by digit
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                         if split_digits else byte_level)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, min_frequency=2, show_progress=False,
         special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train_from_iterator(tiny_corpus(seed), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
     return tok
 
 
 def build_tiny_tokenizer(vocab_size: int, seed: int = 0):
     """A byte-level BPE ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` tokens (specials included),
     trained on seeded generated text, with a ChatML chat template. Deterministic in ``(vocab_size, seed)``."""
+    return build_tokenizer(vocab_size, tiny_corpus(seed))
+
+
+def build_tokenizer(vocab_size: int, corpus: list[str], *, split_digits: bool = False):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` of exactly ``vocab_size`` tokens (the three specials at
+    ids 0-2, all 256 bytes, merges learnt from ``corpus``) with the ChatML template; ``split_digits`` makes
+    every digit its own token. Deterministic in its arguments."""
     if not isinstance(vocab_size, int) or not MIN_VOCAB <= vocab_size <= MAX_VOCAB:
         raise ValueError(f"vocab_size must be an int in [{MIN_VOCAB}, {MAX_VOCAB}] (3 special tokens + 256 bytes "
                          f"+ merges), got {vocab_size!r}")
     from transformers import PreTrainedTokenizerFast
 
-    tok = _train(vocab_size, seed)
+    tok = _train(vocab_size, corpus, split_digits)
     got = tok.get_vocab_size(with_added_tokens=True)
     if got != vocab_size:
-        raise RuntimeError(f"tiny tokenizer: training gave {got} tokens, not the {vocab_size} asked for "
-                           f"(the generated corpus has too few distinct merges)")
+        raise RuntimeError(f"tokenizer: training gave {got} tokens, not the {vocab_size} asked for "
+                           f"(the corpus has too few distinct merges)")
     for want_id, text in enumerate(SPECIAL_TOKENS):
         if tok.token_to_id(text) != want_id:
-            raise RuntimeError(f"tiny tokenizer: {text} got id {tok.token_to_id(text)}, expected {want_id}")
+            raise RuntimeError(f"tokenizer: {text} got id {tok.token_to_id(text)}, expected {want_id}")
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS_TOKEN, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
         chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False, model_max_length=1 << 20,
@@ -173,7 +183,12 @@ def build_tiny_tokenizer(vocab_size: int, seed: int = 0):
 
 def save_tiny_tokenizer(path: str | Path, vocab_size: int, seed: int = 0):
     """Build the tiny tokenizer and ``save_pretrained`` it into ``path`` (created); returns the tokenizer."""
-    tokenizer = build_tiny_tokenizer(vocab_size, seed)
+    return save_tokenizer(build_tiny_tokenizer(vocab_size, seed), path)
+
+
+def save_tokenizer(tokenizer, path: str | Path):
+    """``save_pretrained`` a tokenizer of ``build_tokenizer`` into ``path`` (created), loadable by
+    transformers 4.x and 5; returns the tokenizer."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(str(out))

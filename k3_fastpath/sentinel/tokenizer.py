@@ -1,0 +1,42 @@
+"""The sentinel's own tokenizer: a byte-level BPE of the k3-sentinel vocabulary (1024 tokens) trained on
+the sentinel's training text, every digit its own token (multi-step arithmetic is then learnt digit by
+digit, and a number's tokens never depend on its neighbours).
+
+The corpus is ChatML-framed chats (the template the engines apply) of items from the training streams of
+``tasks`` (never an eval item): GSM8K- and AIME-style worked solutions and short MRCR conversations.
+Deterministic in ``(vocab_size, seed)``: same vocabulary, merges and saved files in every process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer, save_tokenizer
+from . import tasks
+
+SENTINEL_VOCAB = 1024  # the k3-sentinel preset's vocab_size
+CORPUS_ITEMS = {"gsm8k": 1500, "aime25": 1500, "mrcr": 150}  # training items per task in the corpus
+
+
+def chatml(messages) -> str:
+    """The chat as the tokenizer's ChatML template renders it (no generation prompt)."""
+    return "".join(f"{BOS_TOKEN}{m['role']}\n{m['content']}{EOS_TOKEN}\n" for m in messages)
+
+
+def sentinel_corpus(seed: int = 0) -> list[str]:
+    """The tokenizer's training text: ``CORPUS_ITEMS`` chats per task from the training streams."""
+    out = []
+    for task, n in CORPUS_ITEMS.items():
+        kw = {"n_needles": 2, "mrcr_chars": 1500} if task == "mrcr" else {}
+        out.extend(chatml(item.messages) for item in tasks.items(task, "train", seed, n, **kw))
+    return out
+
+
+def build_sentinel_tokenizer(vocab_size: int = SENTINEL_VOCAB, seed: int = 0):
+    """The sentinel's ``PreTrainedTokenizerFast`` (pad 0, bos 1, eos 2, ChatML template, digits split)."""
+    return build_tokenizer(vocab_size, sentinel_corpus(seed), split_digits=True)
+
+
+def save_sentinel_tokenizer(path: str | Path, vocab_size: int = SENTINEL_VOCAB, seed: int = 0):
+    """Build the sentinel tokenizer and save it into ``path`` (a checkpoint directory); returns it."""
+    return save_tokenizer(build_sentinel_tokenizer(vocab_size, seed), path)

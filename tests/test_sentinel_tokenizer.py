@@ -1,0 +1,60 @@
+"""The sentinel's tokenizer: the preset's vocabulary exactly, digits one token each, the chat rendering the
+engines apply, and byte-identical files across processes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from k3_fastpath.presets import preset
+from k3_fastpath.sentinel import tasks
+from k3_fastpath.sentinel.tokenizer import SENTINEL_VOCAB, build_sentinel_tokenizer, chatml
+from k3_fastpath.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_sentinel_tokenizer()
+
+
+def test_the_vocabulary_is_the_presets_with_the_specials_at_their_ids(tok):
+    cfg = preset("k3-sentinel").config
+    assert len(tok) == SENTINEL_VOCAB == cfg.vocab_size
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (PAD_ID, BOS_ID, EOS_ID)
+    assert (cfg.pad_token_id, cfg.bos_token_id, cfg.eos_token_id) == (PAD_ID, BOS_ID, EOS_ID)
+
+
+def test_every_digit_is_its_own_token(tok):
+    for text in ("#### 1234", "= <<17*23=391>>391", "2^{2025} mod 1000 = 625"):
+        pieces = tok.convert_ids_to_tokens(tok(text)["input_ids"])
+        digits = [p.lstrip("Ġ") for p in pieces if any(c.isdigit() for c in p)]
+        assert digits and all(len(d) == 1 and d.isdigit() for d in digits), pieces
+
+
+def test_the_chat_rendering_is_the_templates_and_round_trips(tok):
+    for task, kw in (("gsm8k", {}), ("aime25", {}), ("mrcr", {"n_needles": 2, "mrcr_chars": 1200})):
+        for item in tasks.items(task, "eval", 4, 5, **kw):
+            text = chatml(item.messages)
+            assert text == tok.apply_chat_template(list(item.messages), tokenize=False)
+            assert tok.decode(tok(text)["input_ids"]) == text
+
+
+_SAVE = ("import sys; from k3_fastpath.sentinel.tokenizer import save_sentinel_tokenizer; "
+         "save_sentinel_tokenizer(sys.argv[1])")
+
+
+def test_the_saved_files_are_byte_identical_across_processes(tmp_path):
+    digests = []
+    for i, hash_seed in enumerate(("0", "12345")):
+        out = tmp_path / f"t{i}"
+        env = {**os.environ, "PYTHONHASHSEED": hash_seed}
+        subprocess.run([sys.executable, "-c", _SAVE, str(out)], check=True, cwd=REPO, env=env)
+        digests.append({p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())})
+    assert digests[0] == digests[1] and "tokenizer.json" in digests[0]
