@@ -37,6 +37,7 @@ import shutil
 import struct
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,12 +188,22 @@ def _plan_shards(items: list[tuple[TensorSpec, int]], max_shard_bytes: int) -> l
 def write_synthetic_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0,
                                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tp_size: int = 1, rank: int = 0,
                                *, prefix: str = CHECKPOINT_PREFIX, overwrite: bool = False) -> Path:
-    """Write the seeded synthetic checkpoint of ``cfg`` (``synthetic.synthetic_tensor``) to ``out_dir``.
+    """Write the seeded synthetic checkpoint of ``cfg`` (``synthetic.synthetic_tensor``) to ``out_dir``
+    with ``write_checkpoint``; the same arguments give byte-identical files."""
+    return write_checkpoint(cfg, out_dir, lambda spec: synthetic.synthetic_tensor(cfg, spec, seed),
+                            max_shard_bytes, tp_size, rank, prefix=prefix, overwrite=overwrite)
 
-    Deterministic: the same arguments give byte-identical files. Only one shard's tensors are in memory at a
-    time. Atomic: everything is written into a temporary sibling directory renamed into place at the end;
-    on any failure nothing is left behind. ``tp_size > 1`` writes rank ``rank``'s slices only (recorded in
-    the index metadata). ``prefix`` is prepended to every manifest name. Returns ``out_dir``.
+
+def write_checkpoint(cfg: K3Config, out_dir: str | Path, tensor_of: Callable[[TensorSpec], torch.Tensor],
+                     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tp_size: int = 1, rank: int = 0,
+                     *, prefix: str = CHECKPOINT_PREFIX, overwrite: bool = False) -> Path:
+    """Write the checkpoint of ``cfg`` whose full (unsliced) tensors ``tensor_of(spec)`` gives, in the
+    manifest's names, shapes and dtypes (a tensor that is not raises ``CheckpointError`` naming it).
+
+    Deterministic in ``tensor_of``'s values. Only one shard's tensors are in memory at a time. Atomic:
+    everything is written into a temporary sibling directory renamed into place at the end; on any failure
+    nothing is left behind. ``tp_size > 1`` writes rank ``rank``'s slices only (recorded in the index
+    metadata). ``prefix`` is prepended to every manifest name. Returns ``out_dir``.
     """
     out = Path(out_dir)
     if max_shard_bytes <= 0:
@@ -221,7 +232,10 @@ def write_synthetic_checkpoint(cfg: K3Config, out_dir: str | Path, seed: int = 0
             fname = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
             tensors: dict[str, torch.Tensor] = {}
             for spec in group:
-                t = synthetic.synthetic_tensor(cfg, spec, seed)
+                t = tensor_of(spec)
+                if tuple(t.shape) != spec.shape or t.dtype != synthetic.torch_dtype(spec.dtype):
+                    raise CheckpointError(f"tensor {spec.name}: {t.dtype} {tuple(t.shape)} given, the manifest "
+                                          f"says {spec.dtype} {spec.shape}")
                 c = cuts[spec.name]
                 if c is not None:
                     t = t.narrow(c.dim, c.start, c.length).clone()
