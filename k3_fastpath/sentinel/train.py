@@ -1,0 +1,217 @@
+"""Training the sentinel: ``python -m k3_fastpath.sentinel.train --out DIR [--device cuda] [--steps N]``.
+
+The reference model (``reference.model.K3ForCausalLM``, autograd through every layer: chunked KDA, MLA,
+LatentMoE with dense BF16 experts, AttnRes) learns the three tasks' training streams (``tasks``; every
+eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
+
+- initial weights: ``synthetic.synthetic_state_dict(training config, seed, "stable")``;
+- each row: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
+  with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only;
+- AdamW (FP32 master weights, BF16 autocast on CUDA), linear warm-up then cosine decay, gradient clip;
+- the router's correction bias balanced without an auxiliary loss (each step ``bias += rate * sign(mean
+  load - load)`` per MoE layer, as DeepSeek-V3 / K3 train it).
+
+At the end the MXFP4 checkpoint (``checkpoint.write_trained_checkpoint``), the sentinel tokenizer and
+``training.json`` (plan, seeds, steps, wall time, loss curve, device, versions) are written into ``--out``
+atomically enough for a failed run to leave nothing: all of it goes to a temporary sibling first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..presets import preset
+from ..synthetic import synthetic_state_dict
+from ..tokenizer import EOS_ID, PAD_ID
+from . import tasks
+from .checkpoint import training_config, write_trained_checkpoint
+from .tokenizer import build_sentinel_tokenizer, save_tokenizer
+
+EVAL_SEEDS = (0,)  # the eval files' seeds the tiers use (verify/checks/evals.py)
+EVAL_EXCLUDE = 2000  # eval items per task and seed kept out of training (the tiers score far fewer)
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    """Everything a training run depends on (recorded whole in ``training.json``)."""
+
+    preset: str = "k3-sentinel"
+    seed: int = 0
+    steps: int = 1500
+    batch: int = 32
+    seq_len: int = 512
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    bias_rate: float = 1e-3
+    mix: tuple[tuple[str, float], ...] = (("gsm8k", 0.4), ("aime25", 0.4), ("mrcr", 0.2))
+    mrcr_needles: tuple[int, ...] = (2, 4)
+    mrcr_chars: int = 1500
+    time_limit_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch < 1 or self.seq_len < 16 or not self.lr > 0:
+            raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16 and lr > 0: {self}")
+        if {t for t, _ in self.mix} - set(tasks.TASKS) or not all(w > 0 for _, w in self.mix):
+            raise ValueError(f"mix names tasks of {tasks.TASKS} with positive weights, got {self.mix}")
+
+
+class Batches:
+    """Seeded rows of (token ids, loss mask) from the training streams, eval questions excluded."""
+
+    def __init__(self, plan: TrainPlan, tokenizer) -> None:
+        self.plan, self.tok = plan, tokenizer
+        self.rng = random.Random(f"k3-sentinel-mix:{plan.seed}")
+        self.streams = {}
+        for task, _ in plan.mix:
+            for n in (plan.mrcr_needles if task == "mrcr" else (None,)):
+                kw = {"n_needles": n, "mrcr_chars": plan.mrcr_chars} if n else {}
+                exclude = {t.prompt_key for s in EVAL_SEEDS
+                           for t in tasks.items(task, "eval", s, 50 if n else EVAL_EXCLUDE, **kw)}
+                self.streams.setdefault(task, []).append(tasks.train_items(task, plan.seed, exclude, **kw))
+
+    def row(self) -> tuple[list[int], list[int]]:
+        task = self.rng.choices([t for t, _ in self.plan.mix], weights=[w for _, w in self.plan.mix])[0]
+        item = next(self.rng.choice(self.streams[task]))
+        prompt = self.tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
+        p_ids = self.tok(prompt)["input_ids"]
+        a_ids = self.tok(item.messages[-1]["content"])["input_ids"] + [EOS_ID]
+        ids = (p_ids + a_ids)[-self.plan.seq_len:]  # a long MRCR chat keeps its end (the answer)
+        mask = ([0] * len(p_ids) + [1] * len(a_ids))[-self.plan.seq_len:]
+        return ids, mask
+
+    def batch(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = [self.row() for _ in range(self.plan.batch)]
+        t = max(len(r[0]) for r in rows)
+        ids = torch.full((len(rows), t), PAD_ID, dtype=torch.long)
+        mask = torch.zeros((len(rows), t), dtype=torch.bool)
+        for i, (r, m) in enumerate(rows):
+            ids[i, :len(r)] = torch.tensor(r)
+            mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
+        lengths = torch.tensor([len(r) for r, _ in rows])
+        return ids.to(device), lengths.to(device), mask.to(device)
+
+
+def _lr(plan: TrainPlan, step: int) -> float:
+    if step < plan.warmup:
+        return plan.lr * (step + 1) / plan.warmup
+    frac = (step - plan.warmup) / max(1, plan.steps - plan.warmup)
+    return plan.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _gate_loads(model) -> tuple[list, list]:
+    """Forward hooks that count each MoE gate's routed tokens per expert (for the bias update)."""
+    gates, loads = [], []
+    for mod in model.modules():
+        if type(mod).__name__ == "MoEGate":
+            counts = torch.zeros(mod.e_score_correction_bias.shape, device=mod.e_score_correction_bias.device)
+
+            def count(_mod, _args, out, c=counts) -> None:  # returns None: the gate's output is kept
+                c.add_(torch.bincount(out[0].reshape(-1), minlength=c.numel()).to(c.dtype))
+
+            mod.register_forward_hook(count)
+            gates.append(mod)
+            loads.append(counts)
+    return gates, loads
+
+
+def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print) -> dict:
+    """Train per ``plan`` and write the checkpoint directory ``out_dir`` (must not exist); returns the record."""
+    from ..reference.model import load_reference
+
+    out = Path(out_dir)
+    if out.exists():
+        raise FileExistsError(f"{out} already exists")
+    torch.manual_seed(plan.seed)
+    cfg = preset(plan.preset).config
+    tcfg = training_config(cfg)
+    model = load_reference(tcfg, synthetic_state_dict(tcfg, plan.seed, "stable"), dtype=torch.float32).to(device)
+    model.train()
+    tok = build_sentinel_tokenizer(cfg.vocab_size, plan.seed)
+    data = Batches(plan, tok)
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": plan.weight_decay},
+                             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+                            lr=plan.lr, betas=(0.9, 0.95))
+    gates, loads = _gate_loads(model)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    curve, t0, done = [], time.monotonic(), 0
+    for step in range(plan.steps):
+        if plan.time_limit_s is not None and time.monotonic() - t0 > plan.time_limit_s:
+            log(f"time limit {plan.time_limit_s:.0f} s reached after {done} steps")
+            break
+        ids, lengths, mask = data.batch(device)
+        for group in opt.param_groups:
+            group["lr"] = _lr(plan, step)
+        for c in loads:
+            c.zero_()
+        with autocast:
+            logits = model._run(ids, lengths, model.new_cache(ids.shape[0], ids.shape[1]), "plain")
+        pred, gold = logits[:, :-1].float(), ids[:, 1:]
+        loss = F.cross_entropy(pred[mask[:, 1:]], gold[mask[:, 1:]])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, plan.clip)
+        opt.step()
+        with torch.no_grad():
+            for gate, c in zip(gates, loads, strict=True):
+                gate.e_score_correction_bias.add_(plan.bias_rate * torch.sign(c.mean() - c))
+        done += 1
+        if step % 10 == 0 or step == plan.steps - 1:
+            curve.append({"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)})
+            log(f"step {step}: loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)")
+    record = {"plan": dataclasses.asdict(plan), "steps_done": done, "train_s": round(time.monotonic() - t0, 2),
+              "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
+              "torch": torch.__version__, "eval_seeds_excluded": list(EVAL_SEEDS), "eval_items_excluded": EVAL_EXCLUDE,
+              "loss_curve": curve}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        write_trained_checkpoint(cfg, sd, tmp / "ckpt")
+        save_tokenizer(tok, tmp / "ckpt")
+        (tmp / "ckpt" / "training.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        os.rename(tmp / "ckpt", out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m k3_fastpath.sentinel.train", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path, help="checkpoint directory to write (must not exist)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    for f in dataclasses.fields(TrainPlan):
+        if f.type in ("int", "float", "str", "float | None"):
+            p.add_argument("--" + f.name.replace("_", "-"), type=float if "float" in f.type else (int if f.type == "int" else str),
+                           default=None)
+    args = p.parse_args(argv)
+    over = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainPlan)
+            if getattr(args, f.name, None) is not None}
+    try:
+        record = train(TrainPlan(**over), args.out, args.device)
+    except (ValueError, OSError) as e:
+        print(f"sentinel train: {e}", file=sys.stderr)
+        return 2
+    print(f"trained {record['steps_done']} steps in {record['train_s']} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,61 @@
+"""Sentinel training on the CPU at k3-tiny size: seeded and reproducible, loss on the answers only, the
+checkpoint (MXFP4 experts, the sentinel tokenizer, training.json) loads through the normal paths."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3_fastpath.sentinel import train as sentinel_train
+from k3_fastpath.sentinel.tokenizer import build_sentinel_tokenizer
+from k3_fastpath.tokenizer import EOS_ID
+from k3_fastpath.weights import checkpoint_digest, load_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=3, batch=2, seq_len=96, warmup=1, mrcr_chars=300)
+
+
+def test_rows_mask_the_prompt_and_end_on_im_end():
+    tok = build_sentinel_tokenizer(512)
+    rows = sentinel_train.Batches(PLAN, tok)
+    for _ in range(12):
+        ids, mask = rows.row()
+        assert len(ids) == len(mask) <= PLAN.seq_len and ids[-1] == EOS_ID and mask[-1] == 1
+        first = mask.index(1)
+        assert all(mask[first:]) and not any(mask[:first])  # the answer is one run at the end
+    ids, lengths, mask = rows.batch("cpu")
+    assert ids.shape == mask.shape and int(lengths.max()) == ids.shape[1]
+
+
+def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
+    recs = [sentinel_train.train(PLAN, tmp_path / f"run{i}", "cpu", log=lambda _: None) for i in range(2)]
+    assert checkpoint_digest(tmp_path / "run0") == checkpoint_digest(tmp_path / "run1")
+    assert [c["loss"] for c in recs[0]["loss_curve"]] == [c["loss"] for c in recs[1]["loss_curve"]]
+    rec = json.loads((tmp_path / "run0" / "training.json").read_text())
+    assert rec["steps_done"] == 3 and rec["plan"]["preset"] == "k3-tiny" and rec["eval_seeds_excluded"] == [0]
+    assert all(torch.isfinite(torch.tensor(c["loss"])) for c in rec["loss_curve"])
+    cfg, sd = load_checkpoint(tmp_path / "run0")
+    assert cfg.expert_format == "mxfp4" and any(k.endswith("weight_packed") for k in sd)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "run0"))
+    assert len(tok) == cfg.vocab_size and tok.eos_token_id == EOS_ID
+
+
+def test_bad_plans_and_an_existing_output_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="steps >= 1"):
+        sentinel_train.TrainPlan(steps=0)
+    with pytest.raises(ValueError, match="mix names tasks"):
+        sentinel_train.TrainPlan(mix=(("poetry", 1.0),))
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError):
+        sentinel_train.train(PLAN, tmp_path / "taken", "cpu")
+    r = subprocess.run([sys.executable, "-m", "k3_fastpath.sentinel.train", "--out", str(tmp_path / "x"),
+                        "--steps", "0"], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.startswith("sentinel train:") and len(r.stderr.splitlines()) == 1
+    assert not (tmp_path / "x").exists()
