@@ -19,6 +19,7 @@ byte-identical files (tests/test_tokenizer.py checks this across processes with 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -37,6 +38,21 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+
+@functools.cache
+def _chat_template():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # what transformers renders chat templates with
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(CHAT_TEMPLATE)
+
+
+def render_chat(messages, add_generation_prompt: bool = False) -> str:
+    """``CHAT_TEMPLATE`` rendered over ``messages`` (what ``apply_chat_template(..., tokenize=False)`` gives),
+    for text made before any tokenizer exists."""
+    return _chat_template().render(messages=list(messages), add_generation_prompt=add_generation_prompt)
+
 
 _BYTE_ALPHABET = 256
 MIN_VOCAB = len(SPECIAL_TOKENS) + _BYTE_ALPHABET + 1  # at least one merge

@@ -119,3 +119,18 @@ def test_bad_streams_are_refused():
         tasks.stream("mrcr", "eval", 0)
     with pytest.raises(ValueError, match="n_needles"):
         tasks.stream("gsm8k", "train", 0, n_needles=2)
+
+
+def test_every_eval_file_row_the_tiers_make_is_in_the_training_exclusion(tmp_path):
+    """The eval check writes ``make_all(seed=run seed)``; training excludes these keys (EVAL_SEEDS, EVAL_EXCLUDE)."""
+    from k3_fastpath.sentinel.train import EVAL_EXCLUDE, EVAL_SEEDS
+
+    manifest = make_all(tmp_path, seed=EVAL_SEEDS[0])
+    for rel in manifest["files"]:
+        task = rel.split("/")[0]
+        keys = tasks.eval_prompt_keys(task, EVAL_SEEDS, EVAL_EXCLUDE[task])
+        rows = [json.loads(line) for line in (tmp_path / rel).read_text().splitlines()]
+        assert rows and all(tasks.prompt_key(task, r) in keys for r in rows), rel
+    # and a row of another seed is not (the test can fail)
+    other = tasks.items("gsm8k", "eval", 99, 1)[0]
+    assert other.prompt_key not in tasks.eval_prompt_keys("gsm8k", EVAL_SEEDS, 50)

@@ -13,8 +13,8 @@ import pytest
 
 from k3_fastpath.presets import preset
 from k3_fastpath.sentinel import tasks
-from k3_fastpath.sentinel.tokenizer import SENTINEL_VOCAB, build_sentinel_tokenizer, chatml
-from k3_fastpath.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from k3_fastpath.sentinel.tokenizer import SENTINEL_VOCAB, build_sentinel_tokenizer
+from k3_fastpath.tokenizer import BOS_ID, EOS_ID, PAD_ID, render_chat
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -41,8 +41,11 @@ def test_every_digit_is_its_own_token(tok):
 def test_the_chat_rendering_is_the_templates_and_round_trips(tok):
     for task, kw in (("gsm8k", {}), ("aime25", {}), ("mrcr", {"n_needles": 2, "mrcr_chars": 1200})):
         for item in tasks.items(task, "eval", 4, 5, **kw):
-            text = chatml(item.messages)
+            text = render_chat(item.messages)
             assert text == tok.apply_chat_template(list(item.messages), tokenize=False)
+            assert render_chat(item.messages[:-1], add_generation_prompt=True) == tok.apply_chat_template(
+                list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
+            assert text.count("<|im_start|>") == len(item.messages)
             assert tok.decode(tok(text)["input_ids"]) == text
 
 

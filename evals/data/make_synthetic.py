@@ -38,7 +38,7 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def make_all(out: Path, seed: int = 0, gsm8k: int = 50, aime: int = 30, mrcr: int = 20,
-             mrcr_chars: int = 2000, needles: tuple[int, ...] = (2, 4, 8)) -> dict[str, Any]:
+             mrcr_chars: int = tasks.EVAL_MRCR_CHARS, needles: tuple[int, ...] = tasks.EVAL_NEEDLES) -> dict[str, Any]:
     """Write every dataset under ``out``; returns the manifest (also written to ``out/MANIFEST.json``)."""
     if min(gsm8k, aime, mrcr) < 1 or mrcr_chars < 1:
         raise ValueError("every dataset needs at least one item and --mrcr-chars must be positive")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gsm8k", type=int, default=50, help="GSM8K-style items")
     p.add_argument("--aime", type=int, default=30, help="AIME-style items")
     p.add_argument("--mrcr", type=int, default=20, help="MRCR conversations per needle count")
-    p.add_argument("--mrcr-chars", type=int, default=2000, help="MRCR conversation length in characters")
+    p.add_argument("--mrcr-chars", type=int, default=tasks.EVAL_MRCR_CHARS, help="MRCR conversation length in characters")
     args = p.parse_args(argv)
     try:
         m = make_all(args.out, args.seed, args.gsm8k, args.aime, args.mrcr, args.mrcr_chars)

@@ -30,6 +30,8 @@ from typing import Any
 
 TASKS = ("gsm8k", "aime25", "mrcr")
 SPLITS = ("eval", "train")
+EVAL_NEEDLES = (2, 4, 8)  # the MRCR files an eval set holds, one per needle count
+EVAL_MRCR_CHARS = 2000  # their conversations' length in characters
 
 NAMES = ["Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam"]
 ITEMS = ["apples", "stickers", "marbles", "pencils", "cookies", "stamps", "shells", "beads"]
@@ -53,8 +55,12 @@ class TaskItem:
 
     @property
     def prompt_key(self) -> str:
-        """What identifies the item's question (the disjointness check compares these)."""
-        return json.dumps(self.messages[:-1], sort_keys=True, ensure_ascii=False)
+        return prompt_key(self.task, self.record)
+
+
+def prompt_key(task: str, record: dict[str, Any]) -> str:
+    """What identifies an item's question, read from its eval row (the disjointness check compares these)."""
+    return record[{"gsm8k": "question", "aime25": "problem", "mrcr": "prompt"}[task]]
 
 
 # ---------------------------------------------------------------- prompts (the eval tasks' own)
@@ -253,30 +259,36 @@ def mrcr_item(rng: random.Random, n_needles: int, n_chars: int) -> TaskItem:
 
 
 # ---------------------------------------------------------------- item streams
+def _next(task: str, rng: random.Random, i: int, n_needles: int | None, mrcr_chars: int) -> TaskItem:
+    if task == "gsm8k":
+        return gsm8k_item(rng)
+    if task == "aime25":
+        return aime_item(rng, i)
+    return mrcr_item(rng, n_needles, mrcr_chars)
+
+
 def items(task: str, split: str, seed: int, n: int, *, n_needles: int | None = None,
-          mrcr_chars: int = 2000) -> list[TaskItem]:
+          mrcr_chars: int = EVAL_MRCR_CHARS) -> list[TaskItem]:
     """The first ``n`` items of ``task``'s stream in ``split``."""
     rng = stream(task, split, seed, n_needles)
-    if task == "gsm8k":
-        return [gsm8k_item(rng) for _ in range(n)]
-    if task == "aime25":
-        return [aime_item(rng, i) for i in range(n)]
-    return [mrcr_item(rng, n_needles, mrcr_chars) for _ in range(n)]
+    return [_next(task, rng, i, n_needles, mrcr_chars) for i in range(n)]
+
+
+def eval_prompt_keys(task: str, seeds: tuple[int, ...], n: int) -> set[str]:
+    """The prompt keys of the first ``n`` items of every eval file of ``task`` (MRCR: each of
+    ``EVAL_NEEDLES`` at ``EVAL_MRCR_CHARS``) made with each of ``seeds``."""
+    needles = EVAL_NEEDLES if task == "mrcr" else (None,)
+    return {t.prompt_key for s in seeds for k in needles for t in items(task, "eval", s, n, n_needles=k)}
 
 
 def train_items(task: str, seed: int, exclude: set[str], *, n_needles: int | None = None,
-                mrcr_chars: int = 2000) -> Iterator[TaskItem]:
+                mrcr_chars: int = EVAL_MRCR_CHARS) -> Iterator[TaskItem]:
     """An endless stream of training items of ``task``, skipping every item whose ``prompt_key`` is in
     ``exclude`` (the eval sets' keys): no eval question is ever trained on."""
     rng = stream(task, "train", seed, n_needles)
     i = 0
     while True:
-        if task == "gsm8k":
-            item = gsm8k_item(rng)
-        elif task == "aime25":
-            item = aime_item(rng, i)
-        else:
-            item = mrcr_item(rng, n_needles, mrcr_chars)
+        item = _next(task, rng, i, n_needles, mrcr_chars)
         i += 1
         if item.prompt_key not in exclude:
             yield item

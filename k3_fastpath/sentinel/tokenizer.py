@@ -11,16 +11,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..tokenizer import BOS_TOKEN, EOS_TOKEN, build_tokenizer, save_tokenizer
+from ..tokenizer import build_tokenizer, render_chat, save_tokenizer
 from . import tasks
 
 SENTINEL_VOCAB = 1024  # the k3-sentinel preset's vocab_size
 CORPUS_ITEMS = {"gsm8k": 1500, "aime25": 1500, "mrcr": 150}  # training items per task in the corpus
-
-
-def chatml(messages) -> str:
-    """The chat as the tokenizer's ChatML template renders it (no generation prompt)."""
-    return "".join(f"{BOS_TOKEN}{m['role']}\n{m['content']}{EOS_TOKEN}\n" for m in messages)
 
 
 def sentinel_corpus(seed: int = 0) -> list[str]:
@@ -28,7 +23,7 @@ def sentinel_corpus(seed: int = 0) -> list[str]:
     out = []
     for task, n in CORPUS_ITEMS.items():
         kw = {"n_needles": 2, "mrcr_chars": 1500} if task == "mrcr" else {}
-        out.extend(chatml(item.messages) for item in tasks.items(task, "train", seed, n, **kw))
+        out.extend(render_chat(item.messages) for item in tasks.items(task, "train", seed, n, **kw))
     return out
 
 

@@ -42,7 +42,8 @@ from .checkpoint import training_config, write_trained_checkpoint
 from .tokenizer import build_sentinel_tokenizer, save_tokenizer
 
 EVAL_SEEDS = (0,)  # the eval files' seeds the tiers use (verify/checks/evals.py)
-EVAL_EXCLUDE = 2000  # eval items per task and seed kept out of training (the tiers score far fewer)
+EVAL_EXCLUDE = {"gsm8k": 2000, "aime25": 2000, "mrcr": 200}  # eval items per file and seed kept out of
+# training (the tiers score far fewer)
 
 
 @dataclass(frozen=True)
@@ -79,10 +80,9 @@ class Batches:
         self.rng = random.Random(f"k3-sentinel-mix:{plan.seed}")
         self.streams = {}
         for task, _ in plan.mix:
+            exclude = tasks.eval_prompt_keys(task, EVAL_SEEDS, EVAL_EXCLUDE[task])
             for n in (plan.mrcr_needles if task == "mrcr" else (None,)):
                 kw = {"n_needles": n, "mrcr_chars": plan.mrcr_chars} if n else {}
-                exclude = {t.prompt_key for s in EVAL_SEEDS
-                           for t in tasks.items(task, "eval", s, 50 if n else EVAL_EXCLUDE, **kw)}
                 self.streams.setdefault(task, []).append(tasks.train_items(task, plan.seed, exclude, **kw))
 
     def row(self) -> tuple[list[int], list[int]]:
