@@ -59,3 +59,12 @@ def test_bad_plans_and_an_existing_output_are_refused(tmp_path):
                         "--steps", "0"], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.startswith("sentinel train:") and len(r.stderr.splitlines()) == 1
     assert not (tmp_path / "x").exists()
+
+
+def test_a_time_limit_fits_the_schedule_and_names_the_steps_that_replay_it():
+    plan = sentinel_train.TrainPlan(steps=1000, warmup=10, time_limit_s=100.0)
+    assert sentinel_train._fitted_steps(plan, 10, 2.0) == 475  # 0.2 s a step, 95% of 100 s
+    assert sentinel_train._fitted_steps(plan, 10, 0.01) == 1000  # never past plan.steps
+    assert sentinel_train._fitted_steps(plan, 10, 500.0) == 11  # already past the limit: one more step
+    lrs = [sentinel_train._lr(plan, s, 475) for s in (0, 9, 10, 474)]
+    assert lrs[0] < lrs[1] == plan.lr and lrs[3] == pytest.approx(plan.lr * 0.1, rel=1e-3)

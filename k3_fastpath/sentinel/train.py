@@ -107,11 +107,20 @@ class Batches:
         return ids.to(device), lengths.to(device), mask.to(device)
 
 
-def _lr(plan: TrainPlan, step: int) -> float:
+def _lr(plan: TrainPlan, step: int, steps: int) -> float:
+    """The learning rate at ``step`` of a schedule of ``steps`` (warm-up, then cosine to a tenth)."""
     if step < plan.warmup:
         return plan.lr * (step + 1) / plan.warmup
-    frac = (step - plan.warmup) / max(1, plan.steps - plan.warmup)
+    frac = (step - plan.warmup) / max(1, steps - plan.warmup)
     return plan.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def _fitted_steps(plan: TrainPlan, done: int, elapsed_s: float) -> int:
+    """With a time limit, the schedule's length once ``done`` steps took ``elapsed_s``: as many steps as the
+    limit holds at that pace (5% kept back), at most ``plan.steps``; the record names it so ``--steps N``
+    without a limit replays the same schedule."""
+    pace = elapsed_s / max(1, done)
+    return max(done + 1, min(plan.steps, int(plan.time_limit_s * 0.95 / pace)))
 
 
 def _gate_loads(model) -> tuple[list, list]:
@@ -151,14 +160,19 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print) 
                             lr=plan.lr, betas=(0.9, 0.95))
     gates, loads = _gate_loads(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
-    curve, t0, done = [], time.monotonic(), 0
+    curve, t0, done, steps = [], time.monotonic(), 0, plan.steps
     for step in range(plan.steps):
+        if step >= steps:
+            break
+        if step == plan.warmup and plan.time_limit_s is not None:
+            steps = _fitted_steps(plan, step, time.monotonic() - t0)
+            log(f"{step} steps in {time.monotonic() - t0:.1f} s: the schedule is fitted to {steps} steps")
         if plan.time_limit_s is not None and time.monotonic() - t0 > plan.time_limit_s:
             log(f"time limit {plan.time_limit_s:.0f} s reached after {done} steps")
             break
         ids, lengths, mask = data.batch(device)
         for group in opt.param_groups:
-            group["lr"] = _lr(plan, step)
+            group["lr"] = _lr(plan, step, steps)
         for c in loads:
             c.zero_()
         with autocast:
@@ -173,10 +187,11 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print) 
             for gate, c in zip(gates, loads, strict=True):
                 gate.e_score_correction_bias.add_(plan.bias_rate * torch.sign(c.mean() - c))
         done += 1
-        if step % 10 == 0 or step == plan.steps - 1:
+        if step % 10 == 0 or step == steps - 1:
             curve.append({"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)})
             log(f"step {step}: loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)")
-    record = {"plan": dataclasses.asdict(plan), "steps_done": done, "train_s": round(time.monotonic() - t0, 2),
+    record = {"plan": dataclasses.asdict(plan), "steps_done": done, "steps_scheduled": steps,
+              "reproduce": f"--steps {steps}" + ("" if steps == plan.steps else " (the time limit's fitted schedule)"), "train_s": round(time.monotonic() - t0, 2),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
               "torch": torch.__version__, "eval_seeds_excluded": list(EVAL_SEEDS), "eval_items_excluded": EVAL_EXCLUDE,
               "loss_curve": curve}

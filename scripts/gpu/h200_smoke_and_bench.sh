@@ -26,6 +26,11 @@
 #             the copy: the audit must exit 1 (the fabricated record found)
 #   tier:NAME k3-verify run --tier scripts/gpu/NAME.yaml (any tier file there, e.g. tier:decode-sweep-s5,
 #             tier:rank-emulation-s5, tier:equivalence-b64); K3_STEP_TIMEOUT applies as for the others
+#   sentinel-train  python -m k3_fastpath.sentinel.train --out /tmp/sentinel, its schedule fitted to 60 s
+#             under K3_STEP_TIMEOUT (training.json and the log come back; the checkpoint stays in /tmp for
+#             a later call on the same warm machine)
+#   sentinel-evals  k3-verify run --tier scripts/gpu/sentinel-evals.yaml --checkpoint /tmp/sentinel, within
+#             K3_EVAL_S (default 300 s)
 #   part:TIER one part of a resumable run of TIER (smoke | standard | full | a .yaml path) into
 #             /tmp/bundles/h200-TIER: `--time-limit` 30 s under K3_STEP_TIMEOUT, `--resume` when that bundle
 #             exists (a later call on the same warm machine, or the bundle carried back in .gpubundles/)
@@ -79,6 +84,14 @@ for what in "$@"; do
       rankemu) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/rank-emulation.yaml --output "/tmp/bundles/$stamp-h200-rank-emulation" 2>&1 | tee "$OUT/rankemu.log" || rc=1 ;;
       sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
       tp2) timeout -s TERM "$T" python3 scripts/gpu/tp2_check.py 2>&1 | tail -60 | tee "$OUT/tp2.log" || rc=1 ;;
+      sentinel-train) rm -rf /tmp/sentinel
+        timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel --time-limit-s $((T - 60)) 2>&1 | tee "$OUT/sentinel-train.log" | tail -8
+        [ -f /tmp/sentinel/training.json ] && cp /tmp/sentinel/training.json "$OUT/sentinel-training.json" || rc=1 ;;
+      sentinel-evals) E=${K3_EVAL_S:-300}
+        if [ -f /tmp/sentinel/training.json ]; then
+          timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml --checkpoint /tmp/sentinel \
+            --output "/tmp/bundles/$stamp-h200-sentinel-evals" --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-evals.log" || rc=1
+        else echo "sentinel-evals: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
       part:*) name=${s#part:}; base=$(basename "$name" .yaml); dir=/tmp/bundles/h200-$base
         [ -f "$dir/manifest.json" ] || [ ! -f ".gpubundles/h200-$base/manifest.json" ] || cp -r ".gpubundles/h200-$base" "$dir"
         r=; [ -f "$dir/manifest.json" ] && r=--resume
