@@ -37,6 +37,7 @@ def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
     assert checkpoint_digest(tmp_path / "run0") == checkpoint_digest(tmp_path / "run1")
     assert [c["loss"] for c in recs[0]["loss_curve"]] == [c["loss"] for c in recs[1]["loss_curve"]]
     rec = json.loads((tmp_path / "run0" / "training.json").read_text())
+    assert rec["checkpoint_digest"] == checkpoint_digest(tmp_path / "run0")  # training.json is not in it
     assert rec["steps_done"] == 3 and rec["plan"]["preset"] == "k3-tiny" and rec["eval_seeds_excluded"] == [0]
     assert all(torch.isfinite(torch.tensor(c["loss"])) for c in rec["loss_curve"])
     cfg, sd = load_checkpoint(tmp_path / "run0")

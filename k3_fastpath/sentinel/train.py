@@ -4,7 +4,10 @@ The reference model (``reference.model.K3ForCausalLM``, autograd through every l
 LatentMoE with dense BF16 experts, AttnRes) learns the three tasks' training streams (``tasks``; every
 eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
 
-- initial weights: ``synthetic.synthetic_state_dict(training config, seed, "stable")``;
+- initial weights: ``synthetic.synthetic_state_dict(training config, seed, "stable")``; on CUDA,
+  deterministic algorithms (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, warnings for ops without one) so that one
+  GPU model and software stack can rebuild the checkpoint digest ``training.json`` records (the GPU
+  driver's ``sentinel-repro`` step trains twice and compares);
 - each row: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
   with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only;
 - AdamW (FP32 master weights, BF16 autocast on CUDA), linear warm-up then cosine decay, gradient clip;
@@ -37,6 +40,7 @@ import torch.nn.functional as F
 from ..presets import preset
 from ..synthetic import synthetic_state_dict
 from ..tokenizer import EOS_ID, PAD_ID
+from ..weights import checkpoint_digest
 from . import tasks
 from .checkpoint import training_config, write_trained_checkpoint
 from .tokenizer import build_sentinel_tokenizer, save_tokenizer
@@ -130,8 +134,11 @@ def _gate_loads(model) -> tuple[list, list]:
         if type(mod).__name__ == "MoEGate":
             counts = torch.zeros(mod.e_score_correction_bias.shape, device=mod.e_score_correction_bias.device)
 
-            def count(_mod, _args, out, c=counts) -> None:  # returns None: the gate's output is kept
-                c.add_(torch.bincount(out[0].reshape(-1), minlength=c.numel()).to(c.dtype))
+            experts = torch.arange(counts.numel(), device=counts.device)
+
+            def count(_mod, _args, out, c=counts, e=experts) -> None:  # returns None: the gate's output is kept
+                # an exact integer count without atomics (CUDA bincount is not deterministic-mode safe)
+                c.add_((out[0].reshape(-1, 1) == e).sum(0).to(c.dtype))
 
             mod.register_forward_hook(count)
             gates.append(mod)
@@ -147,6 +154,10 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print) 
     if out.exists():
         raise FileExistsError(f"{out} already exists")
     torch.manual_seed(plan.seed)
+    if device.startswith("cuda"):  # bit-reproducible on one GPU model and software stack (training.json);
+        # the workspace setting must precede the process's first cuBLAS handle
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     cfg = preset(plan.preset).config
     tcfg = training_config(cfg)
     model = load_reference(tcfg, synthetic_state_dict(tcfg, plan.seed, "stable"), dtype=torch.float32).to(device)
@@ -201,6 +212,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print) 
         sd = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         write_trained_checkpoint(cfg, sd, tmp / "ckpt")
         save_tokenizer(tok, tmp / "ckpt")
+        record["checkpoint_digest"] = checkpoint_digest(tmp / "ckpt")  # config, index and shards
         (tmp / "ckpt" / "training.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         os.rename(tmp / "ckpt", out)
     finally:
@@ -224,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"sentinel train: {e}", file=sys.stderr)
         return 2
-    print(f"trained {record['steps_done']} steps in {record['train_s']} s -> {args.out}")
+    print(f"trained {record['steps_done']} steps in {record['train_s']} s -> {args.out} "
+          f"(checkpoint digest {record['checkpoint_digest']})")
     return 0
 
 

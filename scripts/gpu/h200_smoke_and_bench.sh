@@ -29,6 +29,7 @@
 #   sentinel-train  python -m k3_fastpath.sentinel.train --out /tmp/sentinel, its schedule fitted to 60 s
 #             under K3_STEP_TIMEOUT (training.json and the log come back; the checkpoint stays in /tmp for
 #             a later call on the same warm machine)
+#   sentinel-repro  two 20-step sentinel trainings from the same seed: their checkpoint digests must match
 #   sentinel-evals  k3-verify run --tier scripts/gpu/sentinel-evals.yaml --checkpoint /tmp/sentinel, within
 #             K3_EVAL_S (default 300 s)
 #   part:TIER one part of a resumable run of TIER (smoke | standard | full | a .yaml path) into
@@ -87,6 +88,12 @@ for what in "$@"; do
       sentinel-train) rm -rf /tmp/sentinel
         timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel --time-limit-s $((T - 60)) 2>&1 | tee "$OUT/sentinel-train.log" | tail -8
         [ -f /tmp/sentinel/training.json ] && cp /tmp/sentinel/training.json "$OUT/sentinel-training.json" || rc=1 ;;
+      sentinel-repro) rm -rf /tmp/sentinel-r1 /tmp/sentinel-r2
+        for i in 1 2; do timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel-r$i --steps 20 --warmup 5 2>&1 | tail -1 | tee -a "$OUT/sentinel-repro.log"; done
+        d1=$(python3 -c "import json;print(json.load(open('/tmp/sentinel-r1/training.json'))['checkpoint_digest'])" 2>/dev/null)
+        d2=$(python3 -c "import json;print(json.load(open('/tmp/sentinel-r2/training.json'))['checkpoint_digest'])" 2>/dev/null)
+        if [ -n "$d1" ] && [ "$d1" = "$d2" ]; then echo "sentinel-repro: same digest $d1" | tee -a "$OUT/sentinel-repro.log"
+        else echo "sentinel-repro: digests differ ($d1 vs $d2)" | tee -a "$OUT/sentinel-repro.log"; rc=1; fi ;;
       sentinel-evals) E=${K3_EVAL_S:-300}
         if [ -f /tmp/sentinel/training.json ]; then
           timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml --checkpoint /tmp/sentinel \
