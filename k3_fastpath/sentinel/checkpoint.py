@@ -11,6 +11,7 @@ parameters, BF16 elsewhere). The accuracy to report is that of the written check
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import torch
@@ -22,6 +23,23 @@ from ..synthetic import torch_dtype
 from ..weights import CheckpointError, write_checkpoint
 
 _QUANTIZED = {"weight_packed": 0, "weight_scale": 1}
+DIR_ENV = "K3_SENTINEL_DIR"  # where the evals' `model: sentinel` looks (default below)
+DEFAULT_DIR = Path("~/.cache/k3-verify/sentinel")
+
+
+def sentinel_dir() -> Path:
+    """The sentinel checkpoint directory the evals score: ``$K3_SENTINEL_DIR``, else ``DEFAULT_DIR``."""
+    return Path(os.environ.get(DIR_ENV) or DEFAULT_DIR).expanduser()
+
+
+def missing_reason(root: Path) -> str | None:
+    """Why ``root`` holds no sentinel checkpoint to score (the whole line, with the command that makes
+    one), or None when it has one (its config.json: the loader validates the rest)."""
+    if (root / "config.json").is_file():
+        return None
+    return (f"no sentinel checkpoint at {root} (${DIR_ENV}, default {DEFAULT_DIR}): train it on a GPU with "
+            f"`python -m k3_fastpath.sentinel.train --out {root}` (about 6 minutes on one H200; far too slow on a "
+            f"CPU) or point ${DIR_ENV} at a trained one")
 
 
 def training_config(cfg: K3Config) -> K3Config:

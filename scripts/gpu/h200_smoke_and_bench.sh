@@ -30,7 +30,7 @@
 #             under K3_STEP_TIMEOUT (training.json and the log come back; the checkpoint stays in /tmp for
 #             a later call on the same warm machine)
 #   sentinel-repro  two 20-step sentinel trainings from the same seed: their checkpoint digests must match
-#   sentinel-evals  k3-verify run --tier scripts/gpu/sentinel-evals.yaml --checkpoint /tmp/sentinel, within
+#   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s)
 #   part:TIER one part of a resumable run of TIER (smoke | standard | full | a .yaml path) into
 #             /tmp/bundles/h200-TIER: `--time-limit` 30 s under K3_STEP_TIMEOUT, `--resume` when that bundle
@@ -96,7 +96,7 @@ for what in "$@"; do
         else echo "sentinel-repro: digests differ ($d1 vs $d2)" | tee -a "$OUT/sentinel-repro.log"; rc=1; fi ;;
       sentinel-evals) E=${K3_EVAL_S:-300}
         if [ -f /tmp/sentinel/training.json ]; then
-          timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml --checkpoint /tmp/sentinel \
+          K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
             --output "/tmp/bundles/$stamp-h200-sentinel-evals" --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-evals.log" || rc=1
         else echo "sentinel-evals: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
       part:*) name=${s#part:}; base=$(basename "$name" .yaml); dir=/tmp/bundles/h200-$base

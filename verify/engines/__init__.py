@@ -122,32 +122,44 @@ class EnginePool:
         self.log = log or (lambda text: None)
         self._by_spec: dict[str, Engine] = {}
         self._failed: dict[str, EngineError] = {}
-        self.built: dict[str, dict[str, Any]] = {}  # role -> describe() at build time
+        self.built: dict[str, dict[str, Any]] = {}  # role (or "role @ digest") -> describe() at build time
 
     def manifest_entries(self) -> list[dict[str, Any]]:
         return [describe_spec(spec, role, **self.opts) for role, spec in self.specs.items()]
 
-    def get(self, role: str) -> Engine:
+    def get(self, role: str, model_source: Any = None) -> Engine:
+        """The engine of ``role``; with ``model_source`` (a checkpoint ``verify.model_source.ModelSource``
+        other than the run's, e.g. the sentinel the evals score) the same spec serving that checkpoint,
+        built once per spec and checkpoint digest. Only builtin engines take another model: a server
+        serves what it was launched on."""
         if role not in self.specs:
             raise EngineError(f"this run has no {role} engine")
-        spec = self.specs[role]
-        if spec in self._failed:
-            raise self._failed[spec]
-        if spec not in self._by_spec:
-            self.log(f"building engine {spec} ({role})")
+        spec, opts = self.specs[role], self.opts
+        if model_source is not None:
+            if parse_spec(spec)[0] != "builtin":
+                raise EngineError(f"{spec} serves the model it was launched on, not {model_source.name} "
+                                  f"({model_source.path}): score that checkpoint with builtin engines, or serve it "
+                                  "and pass it as the run's --checkpoint")
+            opts = {**opts, "preset": model_source.preset, "model_source": model_source}
+        key = spec if model_source is None else f"{spec} @ {model_source.digest}"
+        if key in self._failed:
+            raise self._failed[key]
+        if key not in self._by_spec:
+            self.log(f"building engine {key} ({role})")
             try:
-                self._by_spec[spec] = build_engine(spec, **self.opts)
+                self._by_spec[key] = build_engine(spec, **opts)
             except EngineError as e:
-                self._failed[spec] = e
+                self._failed[key] = e
                 raise
             except Exception as e:
                 err = EngineError(f"engine {spec}: {type(e).__name__}: {e}")
-                self._failed[spec] = err
+                self._failed[key] = err
                 raise err from e
-        engine = self._by_spec[spec]
-        if role not in self.built:
-            self.built[role] = engine.describe()
-            self.log(f"engine {role}: {self.built[role]}")
+        engine = self._by_spec[key]
+        built_key = role if model_source is None else f"{role} @ {model_source.digest}"
+        if built_key not in self.built:
+            self.built[built_key] = engine.describe()
+            self.log(f"engine {built_key}: {self.built[built_key]}")
         return engine
 
     def close(self) -> None:
