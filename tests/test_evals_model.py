@@ -1,0 +1,112 @@
+"""The evals' ``model`` param: the evals score a checkpoint other than the run's model (the trained
+sentinel, or any checkpoint directory) through the run's builtin engines, name it in the records, skip
+with the training command when no sentinel is there, and refuse a checkpoint that does not load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval", reason="needs_eval_extra: scripts/bootstrap --eval")
+pytest.importorskip("transformers", reason="needs_eval_extra: scripts/bootstrap --eval")
+
+from evals.data.make_synthetic import make_all  # noqa: E402
+from k3_fastpath.presets import preset  # noqa: E402
+from k3_fastpath.sentinel.checkpoint import DIR_ENV  # noqa: E402
+from k3_fastpath.weights import write_synthetic_checkpoint  # noqa: E402
+from verify.bundle.writer import BundleWriter  # noqa: E402
+from verify.checks import evals as eval_checks  # noqa: E402
+from verify.context import CheckContext  # noqa: E402
+from verify.engines import EnginePool  # noqa: E402
+from verify.engines.base import EngineError  # noqa: E402
+from verify.model_source import read_checkpoint  # noqa: E402
+
+PERMISSIVE = """
+defaults:
+  alpha: 0.05
+  min_relative_accuracy: 0.99
+  max_relative_length_change: 0.10
+  truncation: {max_rate: 1.0, max_increase: 0.02}
+  extraction_failure: {max_rate: 1.0, max_increase: 0.02}
+  increase_test: mcnemar
+  bootstrap: {iters: 200, confidence: 0.95}
+"""
+SPECS = {"engine_under_test": "builtin:reference", "baseline": "builtin:reference"}
+OPTS = {"preset": "k3-tiny", "device": "cpu", "seed": 0}
+
+
+class _Out:
+    def note(self, text: str) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    return write_synthetic_checkpoint(preset("k3-tiny").config, tmp_path_factory.mktemp("m") / "other", seed=7)
+
+
+def test_the_pool_serves_another_checkpoint_once_per_digest_and_servers_refuse(ckpt):
+    source = read_checkpoint(ckpt)
+    pool = EnginePool(SPECS, OPTS)
+    try:
+        run_model, other = pool.get("baseline"), pool.get("baseline", source)
+        assert other is not run_model and pool.get("engine_under_test", source) is other  # one spec, one build
+        assert source.digest in other.weights_source and "synthetic" in run_model.weights_source
+        prompt = "Question: what is 2 + 3?"
+        assert run_model.next_token_logprobs(prompt) != other.next_token_logprobs(prompt)  # other weights
+        assert f"baseline @ {source.digest}" in pool.built
+    finally:
+        pool.close()
+    served = EnginePool({"engine_under_test": "openai:http://127.0.0.1:9", "baseline": "builtin:reference"}, OPTS)
+    with pytest.raises(EngineError, match="serves the model it was launched on"):
+        served.get("engine_under_test", source)
+
+
+def _gsm8k(tmp_path: Path, pool, **params):
+    data = tmp_path / "data"
+    make_all(data, seed=3, gsm8k=2, aime=1, mrcr=1, mrcr_chars=160, needles=(2,))
+    (tmp_path / "th.yaml").write_text(PERMISSIVE)
+    writer = BundleWriter(tmp_path / "b", tool_version="0.1.0", argv=["pytest"], tier="t",
+                          planned_checks=["evals.gsm8k"], engines=["builtin:reference"],
+                          config={"preset": "k3-tiny"}, seeds={"global": 0}, env={})
+    ctx = CheckContext(check_id="evals.gsm8k", preset="k3-tiny", device="cpu", seed=0, writer=writer, out=_Out(),
+                       tmp_dir=tmp_path, budget_s=600, engines=pool)
+    r = eval_checks.gsm8k(ctx, limit=2, max_tokens=6, data_dir=str(data), thresholds=str(tmp_path / "th.yaml"),
+                          **params)
+    return r, ctx.recorded
+
+
+def test_a_checkpoint_param_is_the_model_scored_and_named(ckpt, tmp_path):
+    pool = EnginePool(SPECS, OPTS)
+    try:
+        r, recs = _gsm8k(tmp_path, pool, model=str(ckpt))
+    finally:
+        pool.close()
+    digest = read_checkpoint(ckpt).digest
+    assert r.status == "passed", r.reason
+    assert r.metrics["model"] == {"scored": str(ckpt), "path": str(ckpt.resolve()), "name": "k3-tiny", "digest": digest}
+    config = next(x for x in recs if x.get("type") == "config")
+    assert config["model"]["digest"] == digest
+    assert list(pool.built) == [f"baseline @ {digest}", f"engine_under_test @ {digest}"]  # the run's model unused
+
+
+def test_no_sentinel_is_a_skip_naming_the_training_command(tmp_path, monkeypatch):
+    monkeypatch.setenv(DIR_ENV, str(tmp_path / "nowhere"))
+    r, _ = _gsm8k(tmp_path, EnginePool(SPECS, OPTS), model="sentinel")
+    assert r.status == "skipped"
+    assert f"python -m k3_fastpath.sentinel.train --out {tmp_path / 'nowhere'}" in r.reason and "\n" not in r.reason
+
+
+def test_a_checkpoint_that_does_not_load_is_an_error_naming_the_file(ckpt, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    shard = next(bad.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    r, _ = _gsm8k(tmp_path, EnginePool(SPECS, OPTS), model=str(bad))
+    assert r.status == "error" and shard.name in r.reason, r.reason
+    rec = json.dumps(r.metrics)
+    assert "digest" not in rec  # nothing claimed about a checkpoint that was not read
