@@ -69,3 +69,11 @@ def test_a_time_limit_fits_the_schedule_and_names_the_steps_that_replay_it():
     assert sentinel_train._fitted_steps(plan, 10, 500.0) == 11  # already past the limit: one more step
     lrs = [sentinel_train._lr(plan, s, 475) for s in (0, 9, 10, 474)]
     assert lrs[0] < lrs[1] == plan.lr and lrs[3] == pytest.approx(plan.lr * 0.1, rel=1e-3)
+
+
+def test_profile_logs_where_the_profiled_steps_spend_their_time(tmp_path):
+    lines: list[str] = []
+    plan = sentinel_train.TrainPlan(preset="k3-tiny", steps=7, batch=2, seq_len=96, warmup=1, mrcr_chars=300)
+    rec = sentinel_train.train(plan, tmp_path / "p", "cpu", log=lines.append, profile=True)
+    table = next(x for x in lines if x.startswith("profile of 3 steps"))
+    assert "aten::mm" in table and rec["steps_done"] == 7

@@ -127,6 +127,22 @@ def _fitted_steps(plan: TrainPlan, done: int, elapsed_s: float) -> int:
     return max(done + 1, min(plan.steps, int(plan.time_limit_s * 0.95 / pace)))
 
 
+def _profile(prof, device: str, log):
+    """Start torch.profiler (``prof`` None), or stop it and log its top ops by device (or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if prof is None:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+        prof = profile(activities=acts)
+        prof.__enter__()
+        return prof
+    prof.__exit__(None, None, None)
+    key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    n = PROFILED_STEPS[1] - PROFILED_STEPS[0]
+    log(f"profile of {n} steps, by {key}:\n" + prof.key_averages().table(sort_by=key, row_limit=25))
+    return None
+
+
 def _gate_loads(model) -> tuple[list, list]:
     """Forward hooks that count each MoE gate's routed tokens per expert (for the bias update)."""
     gates, loads = [], []
@@ -146,8 +162,13 @@ def _gate_loads(model) -> tuple[list, list]:
     return gates, loads
 
 
-def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print) -> dict:
-    """Train per ``plan`` and write the checkpoint directory ``out_dir`` (must not exist); returns the record."""
+PROFILED_STEPS = (3, 6)  # ``--profile``: the steps [start, end) torch.profiler records (after warm-up)
+
+
+def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, profile: bool = False) -> dict:
+    """Train per ``plan`` and write the checkpoint directory ``out_dir`` (must not exist); returns the record.
+    ``profile``: record ``PROFILED_STEPS`` with torch.profiler and log the ops that took the most time
+    (where a step's time goes; the training itself is unchanged)."""
     from ..reference.model import load_reference
 
     out = Path(out_dir)
@@ -172,9 +193,12 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print) 
     gates, loads = _gate_loads(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
     curve, t0, done, steps = [], time.monotonic(), 0, plan.steps
+    prof = None
     for step in range(plan.steps):
         if step >= steps:
             break
+        if profile and step in PROFILED_STEPS:
+            prof = _profile(prof, device, log)
         if step == plan.warmup and plan.time_limit_s is not None:
             steps = _fitted_steps(plan, step, time.monotonic() - t0)
             log(f"{step} steps in {time.monotonic() - t0:.1f} s: the schedule is fitted to {steps} steps")
@@ -198,6 +222,8 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print) 
             for gate, c in zip(gates, loads, strict=True):
                 gate.e_score_correction_bias.add_(plan.bias_rate * torch.sign(c.mean() - c))
         done += 1
+        if device.startswith("cuda") and profile and step + 1 in PROFILED_STEPS:
+            torch.cuda.synchronize()
         if step % 10 == 0 or step == steps - 1:
             curve.append({"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)})
             log(f"step {step}: loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)")
@@ -224,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k3_fastpath.sentinel.train", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path, help="checkpoint directory to write (must not exist)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", action="store_true", help="log where steps 3-5 spend their time (torch.profiler)")
     for f in dataclasses.fields(TrainPlan):
         if f.type in ("int", "float", "str", "float | None"):
             p.add_argument("--" + f.name.replace("_", "-"), type=float if "float" in f.type else (int if f.type == "int" else str),
@@ -232,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     over = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainPlan)
             if getattr(args, f.name, None) is not None}
     try:
-        record = train(TrainPlan(**over), args.out, args.device)
+        record = train(TrainPlan(**over), args.out, args.device, profile=args.profile)
     except (ValueError, OSError) as e:
         print(f"sentinel train: {e}", file=sys.stderr)
         return 2
