@@ -27,8 +27,8 @@
 #   tier:NAME k3-verify run --tier scripts/gpu/NAME.yaml (any tier file there, e.g. tier:decode-sweep-s5,
 #             tier:rank-emulation-s5, tier:equivalence-b64); K3_STEP_TIMEOUT applies as for the others
 #   sentinel-train  python -m k3_fastpath.sentinel.train --out /tmp/sentinel, its schedule fitted to 60 s
-#             under K3_STEP_TIMEOUT, K3_TRAIN_PROFILE=1 adds --profile (training.json and the log come back; the checkpoint stays in /tmp for
-#             a later call on the same warm machine)
+#             under K3_STEP_TIMEOUT, K3_TRAIN_PROFILE=1 adds --profile (training.json and the log come
+#             back; the checkpoint stays in /tmp for a later call on the same warm machine)
 #   sentinel-repro  two 20-step sentinel trainings from the same seed: their checkpoint digests must match
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s)
