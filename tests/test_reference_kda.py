@@ -152,7 +152,8 @@ def test_empty_cache_shapes():
 
 
 def test_forward_dispatch(monkeypatch):
-    """T == 1 runs the per-token step, T > 1 the chunked algorithm (no silent fallback either way)."""
+    """T == 1 runs the per-token step, T > 1 the module's chunked algorithm (``kda_chunked`` unless training
+    swapped it; no silent fallback either way)."""
     m = make_module(F64)
     calls = {"step": 0, "chunked": 0}
     step, chunked = kda_mod.kda_recurrent_step, kda_mod.kda_chunked
@@ -164,7 +165,8 @@ def test_forward_dispatch(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(kda_mod, "kda_recurrent_step", count("step", step))
-    monkeypatch.setattr(kda_mod, "kda_chunked", count("chunked", chunked))
+    assert m.chunked is chunked
+    monkeypatch.setattr(m, "chunked", count("chunked", chunked))
     g = gen(2)
     m(rand_x(g, 2, 70))
     assert calls == {"step": 0, "chunked": 1}

@@ -3,6 +3,7 @@ checkpoint (MXFP4 experts, the sentinel tokenizer, training.json) loads through 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -38,6 +39,7 @@ def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
     assert [c["loss"] for c in recs[0]["loss_curve"]] == [c["loss"] for c in recs[1]["loss_curve"]]
     rec = json.loads((tmp_path / "run0" / "training.json").read_text())
     assert rec["checkpoint_digest"] == checkpoint_digest(tmp_path / "run0")  # training.json is not in it
+    assert rec["kda_impl"] == "reference"  # auto on a CPU: fla runs on CUDA only
     assert rec["steps_done"] == 3 and rec["plan"]["preset"] == "k3-tiny" and rec["eval_seeds_excluded"] == [0]
     assert all(torch.isfinite(torch.tensor(c["loss"])) for c in rec["loss_curve"])
     cfg, sd = load_checkpoint(tmp_path / "run0")
@@ -51,6 +53,11 @@ def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
 def test_bad_plans_and_an_existing_output_are_refused(tmp_path):
     with pytest.raises(ValueError, match="steps >= 1"):
         sentinel_train.TrainPlan(steps=0)
+    with pytest.raises(ValueError, match="kda must be one of"):
+        sentinel_train.TrainPlan(kda="triton")
+    with pytest.raises(ValueError, match="kda fla: fla's chunk_kda runs on a CUDA device"):
+        sentinel_train.train(dataclasses.replace(PLAN, kda="fla"), tmp_path / "nofla", "cpu")
+    assert not (tmp_path / "nofla").exists()
     with pytest.raises(ValueError, match="mix names tasks"):
         sentinel_train.TrainPlan(mix=(("poetry", 1.0),))
     (tmp_path / "taken").mkdir()

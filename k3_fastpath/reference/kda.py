@@ -301,6 +301,9 @@ class KimiDeltaAttention(nn.Module):
         self.conv_size = lac.short_conv_kernel_size
         self.lower_bound = lac.gate_lower_bound
         self.chunk_size = chunk_size
+        # the T > 1 recurrence (``kda_chunked``'s contract); training may swap in a fused one
+        # (``sentinel.fla_kda``), the reference model keeps this
+        self.chunked = kda_chunked
         hid, c, d = cfg.hidden_size, lac.projection_dim, lac.head_dim
         f32 = torch.float32
 
@@ -368,7 +371,7 @@ class KimiDeltaAttention(nn.Module):
             o, state = kda_recurrent_step(q[:, 0], k[:, 0], v[:, 0], g_log[:, 0], beta[:, 0], cache_in.state)
             o = o[:, None]
         else:
-            o, state = kda_chunked(q, k, v, g_log, beta, cache_in.state, self.chunk_size)
+            o, state = self.chunked(q, k, v, g_log, beta, cache_in.state, self.chunk_size)
         # 7. gated RMSNorm (FP32 / FP64), rounded to x.dtype for o_proj
         gate = torch.sigmoid(_linear(x, self.g_proj.weight).to(o.dtype)).reshape(bsz, t, h, d)
         y = (self.o_norm(o) * gate).reshape(bsz, t, h * d).to(x.dtype)

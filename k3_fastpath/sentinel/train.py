@@ -10,6 +10,8 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   driver's ``sentinel-repro`` step trains twice and compares);
 - each row: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
   with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only;
+- the KDA recurrence: fla's fused ``chunk_kda`` on CUDA (``fla_kda``; ``--kda reference`` keeps the
+  reference's chunked form), the reference's elsewhere;
 - AdamW (FP32 master weights, BF16 autocast on CUDA), linear warm-up then cosine decay, gradient clip;
 - the router's correction bias balanced without an auxiliary loss (each step ``bias += rate * sign(mean
   load - load)`` per MoE layer, as DeepSeek-V3 / K3 train it).
@@ -50,6 +52,9 @@ EVAL_EXCLUDE = {"gsm8k": 2000, "aime25": 2000, "mrcr": 200}  # eval items per fi
 # training (the tiers score far fewer)
 
 
+KDA_IMPLS = ("auto", "reference", "fla")
+
+
 @dataclass(frozen=True)
 class TrainPlan:
     """Everything a training run depends on (recorded whole in ``training.json``)."""
@@ -68,8 +73,11 @@ class TrainPlan:
     mrcr_needles: tuple[int, ...] = (2, 4)
     mrcr_chars: int = 1500
     time_limit_s: float | None = None
+    kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
 
     def __post_init__(self) -> None:
+        if self.kda not in KDA_IMPLS:
+            raise ValueError(f"kda must be one of {KDA_IMPLS}, got {self.kda!r}")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 16 or not self.lr > 0:
             raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16 and lr > 0: {self}")
         if {t for t, _ in self.mix} - set(tasks.TASKS) or not all(w > 0 for _, w in self.mix):
@@ -143,6 +151,23 @@ def _profile(prof, device: str, log):
     return None
 
 
+def _use_kda(model, choice: str, device: str) -> str:
+    """Set every KDA layer's T > 1 recurrence per ``choice``; returns the one used (``reference``/``fla``).
+    ``fla`` where it cannot run raises ValueError with the reason."""
+    from ..reference.kda import KimiDeltaAttention
+    from .fla_kda import fla_kda_chunked, fla_unavailable_reason
+
+    why = fla_unavailable_reason(device) if choice != "reference" else None
+    if choice == "fla" and why:
+        raise ValueError(f"kda fla: {why}")
+    if choice == "reference" or why:
+        return "reference"
+    for mod in model.modules():
+        if isinstance(mod, KimiDeltaAttention):
+            mod.chunked = fla_kda_chunked
+    return "fla"
+
+
 def _gate_loads(model) -> tuple[list, list]:
     """Forward hooks that count each MoE gate's routed tokens per expert (for the bias update)."""
     gates, loads = [], []
@@ -183,6 +208,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     tcfg = training_config(cfg)
     model = load_reference(tcfg, synthetic_state_dict(tcfg, plan.seed, "stable"), dtype=torch.float32).to(device)
     model.train()
+    kda = _use_kda(model, plan.kda, device)
     tok = build_sentinel_tokenizer(cfg.vocab_size, plan.seed)
     data = Batches(plan, tok)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -227,7 +253,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
         if step % 10 == 0 or step == steps - 1:
             curve.append({"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)})
             log(f"step {step}: loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)")
-    record = {"plan": dataclasses.asdict(plan), "steps_done": done, "steps_scheduled": steps,
+    record = {"plan": dataclasses.asdict(plan), "kda_impl": kda, "steps_done": done, "steps_scheduled": steps,
               "reproduce": f"--steps {steps}" + ("" if steps == plan.steps else " (the time limit's fitted schedule)"), "train_s": round(time.monotonic() - t0, 2),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
               "torch": torch.__version__, "eval_seeds_excluded": list(EVAL_SEEDS), "eval_items_excluded": EVAL_EXCLUDE,
