@@ -218,3 +218,33 @@ def test_thresholds_yaml_defaults_and_overrides(tmp_path) -> None:
         load_thresholds("gsm8k", bad)
     with pytest.raises(ThresholdsError, match="cannot read"):
         load_thresholds("gsm8k", tmp_path / "missing.yaml")
+
+
+def test_min_detectable_drop_is_detected_with_its_power_and_half_of_it_is_not():
+    from verify.evals.stats import min_detectable_drop
+
+    # full agreement: Z^2 / n; that many items flipped one way is significant, half of them is not
+    m = min_detectable_drop([1.0] * 30, [1.0] * 30, alpha=0.05)
+    assert m["mde"] == pytest.approx((1.959964 + 0.841621) ** 2 / 30, rel=1e-5) and m["discordance"] == 0
+    assert not m["detects_target"] and m["items_for_target"] == 157
+    k = round(m["mde"] * 30)
+    assert mcnemar_exact(k, 0) < 0.05 <= mcnemar_exact(k // 2, 0)
+    # with background disagreement q = 10% both ways, a drop of the MDE is caught ~80% of the time
+    n, q = 400, 0.10
+    d = min_detectable_drop([1.0] * int(n * q / 2) + [0.0] * int(n * q / 2) + [1.0] * (n - int(n * q)),
+                            [0.0] * int(n * q / 2) + [1.0] * int(n * q / 2) + [1.0] * (n - int(n * q)), 0.05)
+    assert d["discordance"] == pytest.approx(q) and 0.05 < d["mde"] < 0.06
+    rng = np.random.default_rng(0)
+    hits = 0
+    for _ in range(1000):  # per item: base-only with q/2 + d, fast-only with q/2 (a real drop of d)
+        u = rng.random(n)
+        b, c = int((u < q / 2 + d["mde"]).sum()), int(((u >= q / 2 + d["mde"]) & (u < q + d["mde"])).sum())
+        hits += mcnemar_exact(b, c) < 0.05
+    assert 0.72 < hits / 1000 < 0.88, hits
+
+
+def test_compare_records_the_mde():
+    base = [{"doc_id": i, "doc_hash": "h", "prompt_hash": "p", "scores": [1.0], "extraction_failed": [False],
+             "truncated": [False], "output_tokens": [10]} for i in range(50)]
+    metrics, _ = compare("t", base, [dict(s) for s in base], TH, seed=0)
+    assert metrics["mde"]["items"] == 50 and metrics["mde"]["mde"] == pytest.approx(7.849 / 50, rel=1e-3)

@@ -19,6 +19,9 @@ Gates, thresholds from ``evals/thresholds.yaml`` (each explained there):
    exceed the baseline's by more than ``max_increase`` only if the increase is not significant (exact
    McNemar at ``alpha`` over the responses paired by item and repeat; ``increase_test: mcnemar``), so that at 20 items one response
    that stops early on one side (5 points) is not a failure while a decode loop that misses EOS is.
+
+Every task's metrics also carry ``mde``: the smallest accuracy drop the paired test detects at its
+sample size (``stats.min_detectable_drop``), and whether a 5-point drop is within reach.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from verify.evals.stats import is_binary, mcnemar_exact, paired_bootstrap, paired_counts
+from verify.evals.stats import is_binary, mcnemar_exact, min_detectable_drop, paired_bootstrap, paired_counts
 
 
 def default_thresholds_path() -> Path:
@@ -208,7 +211,8 @@ def compare(task: str, base: Sequence[Mapping[str, Any]], fast: Sequence[Mapping
     b_scores, f_scores = [item_score(s) for s in b_items], [item_score(s) for s in f_items]
     ci = paired_bootstrap(b_scores, f_scores, iters=th.bootstrap_iters, seed=seed, confidence=th.bootstrap_confidence)
     metrics: dict[str, Any] = {"items": len(ids), "baseline": sb.as_dict(), "under_test": sf.as_dict(),
-                               "accuracy_diff": sf.accuracy - sb.accuracy, "bootstrap": ci.as_dict()}
+                               "accuracy_diff": sf.accuracy - sb.accuracy, "bootstrap": ci.as_dict(),
+                               "mde": min_detectable_drop(b_scores, f_scores, th.alpha)}
     binary = is_binary(b_scores) and is_binary(f_scores)
     if binary:
         counts = paired_counts(b_scores, f_scores)
@@ -272,4 +276,5 @@ def headline(per_task: dict[str, Any]) -> dict[str, Any]:
         out[f"{task}:accuracy_diff"] = m["accuracy_diff"]
         out[f"{task}:p_value"] = m["p_value"]  # None for the bootstrap-only (fractional) scores
         out[f"{task}:ci_diff"] = [m["bootstrap"]["lo"], m["bootstrap"]["hi"]]  # paired bootstrap bounds
+        out[f"{task}:mde"] = m["mde"]["mde"]  # the drop detected with 80% power at these items
     return out
