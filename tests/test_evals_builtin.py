@@ -15,6 +15,8 @@ import torch
 pytest.importorskip("lm_eval", reason="needs_eval_extra: scripts/bootstrap --eval")
 pytest.importorskip("transformers", reason="needs_eval_extra: scripts/bootstrap --eval")
 
+from eval_tools import PERMISSIVE, QuietOut  # noqa: E402
+
 from evals.data.make_synthetic import make_all  # noqa: E402
 from verify.bundle import schema  # noqa: E402
 from verify.bundle import verify as verify_module  # noqa: E402
@@ -28,17 +30,6 @@ from verify.engines.base import Completion  # noqa: E402
 from verify.engines.builtin import BuiltinEngine  # noqa: E402
 from verify.evals import rescore  # noqa: E402
 from verify.tiers import load_tier  # noqa: E402
-
-PERMISSIVE = """
-defaults:
-  alpha: 0.05
-  min_relative_accuracy: 0.99
-  max_relative_length_change: 0.10
-  truncation: {max_rate: 1.0, max_increase: 0.02}
-  extraction_failure: {max_rate: 1.0, max_increase: 0.02}
-  increase_test: mcnemar
-  bootstrap: {iters: 1000, confidence: 0.95}
-"""
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +54,6 @@ class _Engines:
     def get(self, role, model_source=None):
         assert model_source is None  # these tests score the run's model
         return self.roles[role]
-
-
-class _Out:
-    def note(self, text: str) -> None:
-        pass
 
 
 class _Mute:
@@ -100,7 +86,7 @@ def _run_bundle(root: Path, plan: list[tuple[str, str, dict]], engines: _Engines
                           config={"preset": "k3-tiny"}, seeds={"global": 0}, env={})
     results = {}
     for cid, fn, params in plan:
-        ctx = CheckContext(check_id=cid, preset="k3-tiny", device="cpu", seed=0, writer=writer, out=_Out(),
+        ctx = CheckContext(check_id=cid, preset="k3-tiny", device="cpu", seed=0, writer=writer, out=QuietOut(),
                            tmp_dir=tmp, budget_s=600, engines=engines)
         r = getattr(eval_checks, fn)(ctx, **params)
         writer.add_result(r)

@@ -12,6 +12,8 @@ import pytest
 pytest.importorskip("lm_eval", reason="needs_eval_extra: scripts/bootstrap --eval")
 pytest.importorskip("transformers", reason="needs_eval_extra: scripts/bootstrap --eval")
 
+from eval_tools import PERMISSIVE, QuietOut  # noqa: E402
+
 from evals.data.make_synthetic import make_all  # noqa: E402
 from k3_fastpath.presets import preset  # noqa: E402
 from k3_fastpath.sentinel.checkpoint import DIR_ENV  # noqa: E402
@@ -23,23 +25,8 @@ from verify.engines import EnginePool  # noqa: E402
 from verify.engines.base import EngineError  # noqa: E402
 from verify.model_source import read_checkpoint  # noqa: E402
 
-PERMISSIVE = """
-defaults:
-  alpha: 0.05
-  min_relative_accuracy: 0.99
-  max_relative_length_change: 0.10
-  truncation: {max_rate: 1.0, max_increase: 0.02}
-  extraction_failure: {max_rate: 1.0, max_increase: 0.02}
-  increase_test: mcnemar
-  bootstrap: {iters: 200, confidence: 0.95}
-"""
 SPECS = {"engine_under_test": "builtin:reference", "baseline": "builtin:reference"}
 OPTS = {"preset": "k3-tiny", "device": "cpu", "seed": 0}
-
-
-class _Out:
-    def note(self, text: str) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +58,7 @@ def _gsm8k(tmp_path: Path, pool, **params):
     writer = BundleWriter(tmp_path / "b", tool_version="0.1.0", argv=["pytest"], tier="t",
                           planned_checks=["evals.gsm8k"], engines=["builtin:reference"],
                           config={"preset": "k3-tiny"}, seeds={"global": 0}, env={})
-    ctx = CheckContext(check_id="evals.gsm8k", preset="k3-tiny", device="cpu", seed=0, writer=writer, out=_Out(),
+    ctx = CheckContext(check_id="evals.gsm8k", preset="k3-tiny", device="cpu", seed=0, writer=writer, out=QuietOut(),
                        tmp_dir=tmp_path, budget_s=600, engines=pool)
     r = eval_checks.gsm8k(ctx, limit=2, max_tokens=6, data_dir=str(data), thresholds=str(tmp_path / "th.yaml"),
                           **params)
