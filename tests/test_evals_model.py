@@ -52,6 +52,7 @@ def test_the_pool_serves_another_checkpoint_once_per_digest_and_servers_refuse(c
 
 
 def _gsm8k(tmp_path: Path, pool, **params):
+    tmp_path.mkdir(exist_ok=True)
     data = tmp_path / "data"
     make_all(data, seed=3, gsm8k=2, aime=1, mrcr=1, mrcr_chars=160, needles=(2,))
     (tmp_path / "th.yaml").write_text(PERMISSIVE)
@@ -65,10 +66,18 @@ def _gsm8k(tmp_path: Path, pool, **params):
     return r, ctx.recorded
 
 
-def test_a_checkpoint_param_is_the_model_scored_and_named(ckpt, tmp_path):
+def test_a_checkpoint_param_is_the_model_scored_and_named(ckpt, tmp_path, monkeypatch):
     pool = EnginePool(SPECS, OPTS)
     try:
         r, recs = _gsm8k(tmp_path, pool, model=str(ckpt))
+        import verify.model_source
+
+        def no_second_read(path):
+            raise AssertionError(f"{path} read again")
+
+        monkeypatch.setattr(verify.model_source, "read_checkpoint", no_second_read)
+        again, _ = _gsm8k(tmp_path / "again", pool, model=str(ckpt))  # the next eval: the run's read, shared
+        assert again.status == "passed" and again.metrics["model"] == r.metrics["model"]
     finally:
         pool.close()
     digest = read_checkpoint(ckpt).digest

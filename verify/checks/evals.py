@@ -101,7 +101,8 @@ def _scored_model(ctx: CheckContext, model: str | None) -> tuple[Any, dict[str, 
     why = missing_reason(root) if model == SENTINEL else None
     if why:
         raise NoDataError(why)
-    source = read_checkpoint(str(root))
+    # read and validated once per run when the run's engine pool holds it (the three evals share it)
+    source = (ctx.engines.checkpoint if ctx.engines is not None else read_checkpoint)(root)
     about: dict[str, Any] = {"scored": model, "path": source.path, "name": source.name, "digest": source.digest}
     training = root / "training.json"
     if training.is_file():  # how it was trained (the sentinel's record: plan, seeds, steps, its digest then)

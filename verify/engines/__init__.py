@@ -18,6 +18,7 @@ runner can hand every engine the same options.
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 from verify.engines.base import (
@@ -123,9 +124,20 @@ class EnginePool:
         self._by_spec: dict[str, Engine] = {}
         self._failed: dict[str, EngineError] = {}
         self.built: dict[str, dict[str, Any]] = {}  # role (or "role @ digest") -> describe() at build time
+        self._checkpoints: dict[str, Any] = {}  # resolved path -> ModelSource read by ``checkpoint``
 
     def manifest_entries(self) -> list[dict[str, Any]]:
         return [describe_spec(spec, role, **self.opts) for role, spec in self.specs.items()]
+
+    def checkpoint(self, path: str | Path) -> Any:
+        """The checkpoint at ``path`` as a ``verify.model_source.ModelSource``, read and validated once per
+        run (every eval scoring it shares the tensors and the engines built on them)."""
+        from verify.model_source import read_checkpoint
+
+        key = str(Path(path).expanduser().resolve())
+        if key not in self._checkpoints:
+            self._checkpoints[key] = read_checkpoint(key)
+        return self._checkpoints[key]
 
     def get(self, role: str, model_source: Any = None) -> Engine:
         """The engine of ``role``; with ``model_source`` (a checkpoint ``verify.model_source.ModelSource``
@@ -141,7 +153,8 @@ class EnginePool:
                                   f"({model_source.path}): score that checkpoint with builtin engines, or serve it "
                                   "and pass it as the run's --checkpoint")
             opts = {**opts, "preset": model_source.preset, "model_source": model_source}
-        key = spec if model_source is None else f"{spec} @ {model_source.digest}"
+        tag = "" if model_source is None else f" @ {model_source.digest}"
+        key = spec + tag
         if key in self._failed:
             raise self._failed[key]
         if key not in self._by_spec:
@@ -156,7 +169,7 @@ class EnginePool:
                 self._failed[key] = err
                 raise err from e
         engine = self._by_spec[key]
-        built_key = role if model_source is None else f"{role} @ {model_source.digest}"
+        built_key = role + tag
         if built_key not in self.built:
             self.built[built_key] = engine.describe()
             self.log(f"engine {built_key}: {self.built[built_key]}")
@@ -172,5 +185,6 @@ class EnginePool:
                 self.log(f"closing engine {spec} failed: {type(e).__name__}: {e}")
                 first = first or e
         self._by_spec.clear()
+        self._checkpoints.clear()
         if first is not None:
             raise first
