@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -129,3 +130,39 @@ def test_cli_bundle_verify_runs_the_eval_rescorer(tmp_path, seed) -> None:
     r = subprocess.run([str(exe), "bundle", "verify", str(root)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "evals.gsm8k: rescore:" in r.stdout and "re-score to [0]" in r.stdout
+
+
+def test_the_mde_is_re_derived_when_claimed_and_older_results_without_it_still_verify(seed) -> None:
+    recs, result = _records(seed)
+    claimed = json.loads(json.dumps(result.metrics))
+    claimed["tasks"]["k3_gsm8k"]["mde"]["mde"] /= 2  # a forger halves the detectable drop
+    found = rescore_eval({CID: recs}, CheckResult(id=CID, status=result.status, reason=result.reason, metrics=claimed))
+    assert len(found) == 1 and found[0].startswith("k3_gsm8k: result says mde.mde="), found
+    claimed = dict(result.metrics, **{"k3_gsm8k:mde": 0.01})
+    found = rescore_eval({CID: recs}, CheckResult(id=CID, status=result.status, reason=result.reason, metrics=claimed))
+    assert len(found) == 1 and found[0].startswith("result says k3_gsm8k:mde=0.01"), found
+    older = json.loads(json.dumps(result.metrics))  # written before the MDE was recorded
+    del older["tasks"]["k3_gsm8k"]["mde"], older["k3_gsm8k:mde"]
+    assert rescore_eval({CID: recs}, CheckResult(id=CID, status=result.status, reason=result.reason, metrics=older)) == []
+
+
+SENTINEL_EVALS = Path(__file__).resolve().parents[1] / "bundles/runs/2026-12-03-h200-session16/sentinel-evals-5adb41a"
+
+
+@pytest.mark.parametrize("check_id,forged", [("evals.gsm8k", "failed"), ("evals.mrcr", "passed")])
+def test_the_h200_sentinel_evals_with_a_flipped_status_fail_verify(tmp_path, check_id, forged) -> None:
+    """The committed sentinel evals (scored with ``model: sentinel``): gsm8k passed, mrcr failed; either
+    status flipped and the bundle re-sealed as a forger would is caught by the rescorer alone."""
+    from test_status_rescore import forge
+
+    from verify.bundle.verify import verify_bundle
+
+    root = tmp_path / "b"
+    shutil.copytree(SENTINEL_EVALS, root)
+    assert verify_bundle(root).ok
+    forge(root, check_id, result={"status": forged, "reason": "forged"})
+    report = verify_bundle(root)
+    assert report.exit_code == 1 and report.problems, report.problems
+    assert all(p.startswith(f"{check_id}: rescore: ") for p in report.problems), report.problems
+    assert any(("records pass every gate" if forged == "failed" else "records fail a gate") in p
+               for p in report.problems), report.problems
