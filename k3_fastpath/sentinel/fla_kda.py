@@ -37,6 +37,9 @@ def fla_kda_chunked(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor
     if state is None:
         state = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float32, device=q.device)
     f32 = torch.float32
+    # fla saves ``initial_state`` for its backward: a copy, because the caller's state is often a cache the
+    # layer then updates in place (``cache.state.copy_``), which would invalidate the saved tensor
     o, final = chunk_kda(q.to(f32), k.to(f32), v.to(f32), g_log.to(f32), beta.to(f32), scale=1.0,
-                         initial_state=state.to(f32), output_final_state=True, chunk_size=64 if chunk_size >= 64 else 32)
+                         initial_state=state.to(f32).clone(), output_final_state=True,
+                         chunk_size=64 if chunk_size >= 64 else 32)
     return o, final.to(state.dtype)
