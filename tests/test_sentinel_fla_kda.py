@@ -1,0 +1,78 @@
+"""The sentinel's training through ``fla_kda_chunked`` on a CPU, with a stand-in for fla's ``chunk_kda``
+that behaves as fla's autograd Function does where it matters here: it saves ``initial_state`` for its
+backward (and recomputes through ``reference.kda.kda_chunked``). The layer updates its cache state in place
+after the recurrence; the wrapper must hand fla a copy, or the backward finds its saved tensor modified (the
+failure of step 0 on the H200, bundles/runs/2026-12-04-h200-session17). fla's own numerics against the
+reference are held on the GPU by tests/test_sentinel_fla_kda_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import pytest
+import torch
+
+from k3_fastpath.reference.kda import kda_chunked
+from k3_fastpath.sentinel import fla_kda
+from k3_fastpath.sentinel import train as sentinel_train
+
+PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=2, batch=2, seq_len=96, warmup=1, mrcr_chars=300)
+
+
+class _ChunkKDA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0):
+        ctx.save_for_backward(q, k, v, g, beta, h0)  # as fla's ChunkKDAFunction saves initial_state
+        with torch.no_grad():
+            return kda_chunked(q, k, v, g, beta, h0)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        saved = [t.detach().requires_grad_(True) for t in ctx.saved_tensors]  # raises if h0 changed in place
+        with torch.enable_grad():
+            o, ht = kda_chunked(*saved)
+        return torch.autograd.grad((o, ht), saved, (do, dht), allow_unused=True)
+
+
+@pytest.fixture
+def fake_fla(monkeypatch):
+    calls = []
+
+    def chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, chunk_size):
+        assert scale == 1.0 and output_final_state
+        calls.append(initial_state)
+        return _ChunkKDA.apply(q, k, v, g, beta, initial_state)
+
+    mods = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.kda")}
+    mods["fla.ops.kda"].chunk_kda = chunk_kda
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(fla_kda, "fla_unavailable_reason", lambda device: None)
+    return calls
+
+
+def test_training_through_the_fla_wrapper_survives_the_cache_update(tmp_path, fake_fla):
+    rec = sentinel_train.train(dataclasses.replace(PLAN, kda="fla"), tmp_path / "fla", "cpu", log=lambda _: None)
+    assert rec["kda_impl"] == "fla" and rec["steps_done"] == 2 and fake_fla
+    ref = sentinel_train.train(dataclasses.replace(PLAN, kda="reference"), tmp_path / "ref", "cpu", log=lambda _: None)
+    # the stand-in computes the reference's recurrence: the same training, step for step
+    for a, b in zip(rec["loss_curve"], ref["loss_curve"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+
+
+def test_the_stand_in_catches_a_state_modified_after_the_call(fake_fla):
+    """The control: without the wrapper's copy, the layer's in-place cache update breaks the backward."""
+    from fla.ops.kda import chunk_kda
+
+    b, t, h, d = 1, 8, 2, 4
+    q, k, v = (torch.randn(b, t, h, d, requires_grad=True) for _ in range(3))
+    g = (-torch.rand(b, t, h, d)).requires_grad_(True)
+    beta = torch.rand(b, t, h).requires_grad_(True)
+    state = torch.zeros(b, h, d, d)
+    o, final = chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=state, output_final_state=True, chunk_size=64)
+    state.copy_(final.detach())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+
