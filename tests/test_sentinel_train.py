@@ -41,6 +41,7 @@ def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
     assert rec["checkpoint_digest"] == checkpoint_digest(tmp_path / "run0")  # training.json is not in it
     assert rec["kda_impl"] == "reference"  # auto on a CPU: fla runs on CUDA only
     assert rec["steps_done"] == 3 and rec["plan"]["preset"] == "k3-tiny" and rec["eval_seeds_excluded"] == [0]
+    assert 0 < rec["first_step_s"] <= rec["train_s"]
     assert all(torch.isfinite(torch.tensor(c["loss"])) for c in rec["loss_curve"])
     cfg, sd = load_checkpoint(tmp_path / "run0")
     assert cfg.expert_format == "mxfp4" and any(k.endswith("weight_packed") for k in sd)
@@ -74,6 +75,8 @@ def test_a_time_limit_fits_the_schedule_and_names_the_steps_that_replay_it():
     assert sentinel_train._fitted_steps(plan, 10, 2.0) == 475  # 0.2 s a step, 95% of 100 s
     assert sentinel_train._fitted_steps(plan, 10, 0.01) == 1000  # never past plan.steps
     assert sentinel_train._fitted_steps(plan, 10, 500.0) == 11  # already past the limit: one more step
+    # a first step of 20 s (compile, autotune) is spent once: 9 more at 0.25 s, 72.75 of the 95 s left -> 291 more
+    assert sentinel_train._fitted_steps(plan, 10, 22.25, first_step_s=20.0) == 301
     lrs = [sentinel_train._lr(plan, s, 475) for s in (0, 9, 10, 474)]
     assert lrs[0] < lrs[1] == plan.lr and lrs[3] == pytest.approx(plan.lr * 0.1, rel=1e-3)
 

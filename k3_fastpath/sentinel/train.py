@@ -127,12 +127,16 @@ def _lr(plan: TrainPlan, step: int, steps: int) -> float:
     return plan.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _fitted_steps(plan: TrainPlan, done: int, elapsed_s: float) -> int:
+def _fitted_steps(plan: TrainPlan, done: int, elapsed_s: float, first_step_s: float | None = None) -> int:
     """With a time limit, the schedule's length once ``done`` steps took ``elapsed_s``: as many steps as the
-    limit holds at that pace (5% kept back), at most ``plan.steps``; the record names it so ``--steps N``
-    without a limit replays the same schedule."""
-    pace = elapsed_s / max(1, done)
-    return max(done + 1, min(plan.steps, int(plan.time_limit_s * 0.95 / pace)))
+    limit holds (5% kept back) at the pace of the steps after the first (``first_step_s``, which compiles and
+    autotunes, is spent once; None: the first step ran at the others' pace), at most ``plan.steps``; the
+    record names it so ``--steps N`` without a limit replays the same schedule."""
+    if first_step_s is None or done < 2:
+        pace = elapsed_s / max(1, done)
+    else:
+        pace = max(elapsed_s - first_step_s, 1e-9) / (done - 1)
+    return max(done + 1, min(plan.steps, done + int((plan.time_limit_s * 0.95 - elapsed_s) / pace)))
 
 
 def _profile(prof, device: str, log):
@@ -219,15 +223,17 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     gates, loads = _gate_loads(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
     curve, t0, done, steps = [], time.monotonic(), 0, plan.steps
-    prof = None
+    prof, first_step_s = None, None
+    log(f"step 0: the first forward and backward ({kda} KDA recurrence) compile and autotune what they launch")
     for step in range(plan.steps):
         if step >= steps:
             break
         if profile and step in PROFILED_STEPS:
             prof = _profile(prof, device, log)
         if step == plan.warmup and plan.time_limit_s is not None:
-            steps = _fitted_steps(plan, step, time.monotonic() - t0)
-            log(f"{step} steps in {time.monotonic() - t0:.1f} s: the schedule is fitted to {steps} steps")
+            steps = _fitted_steps(plan, step, time.monotonic() - t0, first_step_s)
+            first = "" if first_step_s is None else f" (the first {first_step_s:.1f} s)"
+            log(f"{step} steps in {time.monotonic() - t0:.1f} s{first}: the schedule is fitted to {steps} steps")
         if plan.time_limit_s is not None and time.monotonic() - t0 > plan.time_limit_s:
             log(f"time limit {plan.time_limit_s:.0f} s reached after {done} steps")
             break
@@ -248,6 +254,11 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
             for gate, c in zip(gates, loads, strict=True):
                 gate.e_score_correction_bias.add_(plan.bias_rate * torch.sign(c.mean() - c))
         done += 1
+        if first_step_s is None:
+            if device.startswith("cuda"):
+                torch.cuda.synchronize()
+            first_step_s = time.monotonic() - t0
+            log(f"step 0 took {first_step_s:.1f} s")
         if device.startswith("cuda") and profile and step + 1 in PROFILED_STEPS:
             torch.cuda.synchronize()
         if step % 10 == 0 or step == steps - 1:
@@ -255,6 +266,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
             log(f"step {step}: loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)")
     record = {"plan": dataclasses.asdict(plan), "kda_impl": kda, "steps_done": done, "steps_scheduled": steps,
               "reproduce": f"--steps {steps}" + ("" if steps == plan.steps else " (the time limit's fitted schedule)"), "train_s": round(time.monotonic() - t0, 2),
+              "first_step_s": None if first_step_s is None else round(first_step_s, 2),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
               "torch": torch.__version__, "eval_seeds_excluded": list(EVAL_SEEDS), "eval_items_excluded": EVAL_EXCLUDE,
               "loss_curve": curve}

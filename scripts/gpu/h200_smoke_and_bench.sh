@@ -32,6 +32,9 @@
 #   sentinel-repro  two 20-step sentinel trainings from the same seed: their checkpoint digests must match
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s)
+#   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
+#             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz; a later machine
+#             starts from it when the call carries .gpucache/ (ignored by git) holding that file
 #   part:TIER one part of a resumable run of TIER (smoke | standard | full | a .yaml path) into
 #             /tmp/bundles/h200-TIER: `--time-limit` 30 s under K3_STEP_TIMEOUT, `--resume` when that bundle
 #             exists (a later call on the same warm machine, or the bundle carried back in .gpubundles/)
@@ -50,7 +53,11 @@
 set -uo pipefail
 [ $# -eq 0 ] && set -- all
 : "${OUT:?OUT must point at the folder whose files come back}"
-export PYTHONUNBUFFERED=1 K3_KERNEL_CACHE=/tmp/k3cache NCCL_NVLS_ENABLE=0
+export PYTHONUNBUFFERED=1 K3_KERNEL_CACHE=/tmp/k3cache NCCL_NVLS_ENABLE=0 TRITON_CACHE_DIR=/tmp/triton-cache \
+  TRITON_PRINT_AUTOTUNING=${TRITON_PRINT_AUTOTUNING:-1}
+if [ -f .gpucache/triton-cache.tar.gz ] && [ ! -d /tmp/triton-cache ]; then
+  mkdir -p /tmp/triton-cache && tar -C /tmp/triton-cache -xzf .gpucache/triton-cache.tar.gz && echo "triton cache: restored from .gpucache"
+fi
 source .gpuwheels/b/env.sh || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/nvidia-smi.csv"
@@ -116,6 +123,8 @@ for what in "$@"; do
         if [ -f "scripts/gpu/$name.yaml" ]; then
           timeout -s TERM "$T" python3 -m verify.cli run --tier "scripts/gpu/$name.yaml" --output "/tmp/bundles/$stamp-h200-$name" 2>&1 | tee "$OUT/$name.log" || rc=1
         else echo "no tier file scripts/gpu/$name.yaml"; rc=2; fi ;;
+      triton-cache) if [ -d /tmp/triton-cache ]; then tar -C /tmp/triton-cache -czf "$OUT/triton-cache.tar.gz" . && du -h "$OUT/triton-cache.tar.gz"
+        else echo "triton-cache: nothing cached on this machine"; fi ;;
       *) echo "unknown step $s"; rc=2 ;;
     esac
   done
