@@ -48,22 +48,19 @@ DEFAULT_CONTROLS = [{"op": "kda_step", "scale": 1.03}, {"op": "moe_experts", "sc
 
 
 def plant_error(executor: Any, op: str, scale: float) -> None:
-    """Scale op ``op``'s output by ``scale`` in ``executor``'s own op table (before its graphs are captured;
-    other executors keep theirs). The op must return its output tensor."""
-    from k3_fastpath.runtime.fast_ops import OpImpl
+    """Scale op ``op``'s output by ``scale`` in ``executor``'s own op table (``verify.defects.wrap_op``: before
+    its graphs are captured; other executors keep theirs). The op must return its output tensor."""
+    from verify.defects import wrap_op
 
-    if op not in executor.ops:
-        raise ValueError(f"no op {op!r} in the fast step (its ops: {', '.join(sorted(executor.ops))})")
-    impl = executor.ops[op]
+    def make(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def scaled(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*args, **kwargs)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"op {op} returns {type(out).__name__}, not a tensor: it cannot carry a planted error")
+            return out.mul_(scale)
+        return scaled
 
-    def scaled(*args: Any, _fn: Callable[..., Any] = impl.fn, **kwargs: Any) -> Any:
-        out = _fn(*args, **kwargs)
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(f"op {op} returns {type(out).__name__}, not a tensor: it cannot carry a planted error")
-        return out.mul_(scale)
-
-    executor.ops[op] = OpImpl(op, scaled, kernel=impl.kernel, standard_reason=impl.standard_reason,
-                              launch=impl.launch)
+    wrap_op(executor, op, make)
 
 
 def fp64_oracle(model: Any) -> Any:

@@ -34,6 +34,7 @@ __all__ = ["Completion", "Constraint", "ContextLimitError", "Engine", "EngineErr
            "SPEC_HELP", "build_engine", "default_engine_spec", "describe_spec", "parse_spec"]
 
 SPEC_HELP = "builtin:reference | builtin:fast | openai:<base_url> | vllm | vllm+latency_specialized"
+DEFECT_PREFIX = "builtin:fast+defect="  # + a name of verify.defects.DEFECTS: the suite's own sensitivity runs
 BASELINE_DEFAULT = "builtin:reference"
 
 
@@ -42,6 +43,13 @@ def parse_spec(spec: str) -> tuple[str, str]:
     Raises ``EngineError`` with the accepted forms for anything else."""
     s = (spec or "").strip()
     if s in ("builtin:reference", "builtin:fast"):
+        return "builtin", s.split(":", 1)[1]
+    if s.startswith(DEFECT_PREFIX):  # the fast path with a planted defect (verify/defects.py)
+        from verify.defects import DEFECTS
+
+        name = s[len(DEFECT_PREFIX):]
+        if name not in DEFECTS:
+            raise EngineError(f"engine {spec!r}: unknown defect {name!r}; defects: {', '.join(DEFECTS)}")
         return "builtin", s.split(":", 1)[1]
     if s.startswith("openai:"):
         url = s[len("openai:"):]
@@ -96,7 +104,9 @@ def describe_spec(spec: str, role: str, **opts: Any) -> dict[str, Any]:
     kind, arg = parse_spec(spec)
     d: dict[str, Any] = {"role": role, "spec": spec, "kind": kind}
     if kind == "builtin":
-        d["path"] = arg
+        d["path"], _, defect = arg.partition("+defect=")
+        if defect:
+            d["planted_defect"] = defect
     elif kind == "openai":
         d["base_url"] = arg
     else:

@@ -78,9 +78,11 @@ def _load_tokenizer(cfg: Any, checkpoint: Path | None, tokenizer_seed: int) -> t
     return build_tiny_tokenizer(cfg.vocab_size, seed=tokenizer_seed), f"tiny BPE (vocab {cfg.vocab_size}, seed {tokenizer_seed})"
 
 
-def _fast_stepper(model: Any, device: str, max_model_len: int, max_batch: int) -> Any:
+def _fast_stepper(model: Any, device: str, max_model_len: int, max_batch: int, defect: str | None = None
+                  ) -> tuple[Any, Any]:
     """The fast-path ``DecodeExecutor`` over ``model``, every kernel compiled and every bucket's CUDA graph
-    captured before the first request (a compile inside a request would be timed and could not be graphed)."""
+    captured before the first request (a compile inside a request would be timed and could not be graphed),
+    and the ``verify.defects.PlantedDefect`` planted into it before the capture (None without ``defect``)."""
     reason = fast_path_unavailable_reason(device)
     if reason:
         raise EngineError(f"builtin:fast is unavailable here: {reason}; use builtin:reference")
@@ -92,12 +94,17 @@ def _fast_stepper(model: Any, device: str, max_model_len: int, max_batch: int) -
         ex = DecodeExecutor(model, max_len=max_model_len, max_batch=max_batch)
         if ex.model_reason:
             raise EngineError(f"builtin:fast: the model is outside the fast path's envelope: {ex.model_reason}")
+        planted = None
+        if defect:
+            from verify.defects import PlantedDefect
+
+            planted = PlantedDefect(ex, defect)
         ex.warmup_and_capture()
     except EngineError:
         raise
     except Exception as e:
         raise EngineError(f"builtin:fast: DecodeExecutor could not be built: {type(e).__name__}: {e}") from e
-    return ex
+    return ex, planted
 
 
 class BuiltinEngine:
@@ -110,10 +117,14 @@ class BuiltinEngine:
         from k3_fastpath.reference.model import load_reference
         from k3_fastpath.runtime.generator import Generator
 
-        if path not in PATHS:
-            raise EngineError(f"builtin engine path must be one of {', '.join(PATHS)}, got {path!r}")
-        self.name = f"builtin:{path}"
+        spec_path = path
+        path, _, defect = spec_path.partition("+defect=")  # "fast+defect=NAME": verify/defects.py
+        if path not in PATHS or (defect and path != "fast"):
+            raise EngineError(f"builtin engine path must be one of {', '.join(PATHS)} (or fast+defect=NAME), "
+                              f"got {spec_path!r}")
+        self.name = f"builtin:{spec_path}"
         self.path = path
+        self.defect: Any = None  # the PlantedDefect of a fast path built with one
         self.device = str(device)
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise EngineError(f"{self.name}: device {self.device!r} was asked for but torch sees no CUDA device")
@@ -137,7 +148,8 @@ class BuiltinEngine:
         del sd
         if path == "fast":  # decode batches stay within the executor's slot pool (its largest bucket)
             max_batch = min(max_batch, 64)
-            stepper = _fast_stepper(self.model, self.device, self._max_model_len, max_batch)
+            stepper, self.defect = _fast_stepper(self.model, self.device, self._max_model_len, max_batch,
+                                                 defect or None)
         else:
             stepper = self.model
         self.generator = Generator(stepper, cfg.vocab_size, self._max_model_len, device=self.device,
@@ -284,6 +296,7 @@ class BuiltinEngine:
             "xgrammar": xgrammar_version(), "steps": dict(self.generator.steps),
             **({"fast_path_trace": self.generator.stepper.trace.summary()}
                if hasattr(self.generator.stepper, "trace") else {}),
+            **({"planted_defect": self.defect.describe()} if self.defect is not None else {}),
         }
 
     def close(self) -> None:

@@ -1,0 +1,137 @@
+"""Planted defects (verify/defects.py) on a CPU: each one, planted into the fast step emulated with every
+kernel served by its reference (``Envelope(emulate=True)``), changes the logits of 4 teacher-forced steps
+on fresh prompts (the clean executor is bitwise reproducible, so any change is the defect's), leaves the
+clean executor beside it unchanged and counts the calls it changed. On k3-tiny's stable synthetic draw the
+changes are (relative, one run) kda_dt_bias_dropped 0.86, mla_ctx_off_by_one 0.10, mla_scale_nope_only 0.05,
+kda_state_bf16 0.028, moe_no_renormalize 0.024, router_bias_in_weights 0.017, against 0.028 between the
+clean fast step and the BF16 reference: on random weights half of them hide in BF16's own noise, which is
+why the sentinel's evals, not logit distances, are the test of the suite's sensitivity. The engine spec ``builtin:fast+defect=NAME`` is parsed, named in the manifest
+and refused with one line where it cannot be. The GPU runs (the sentinel evals catching each defect) are
+``scripts/gpu/h200_smoke_and_bench.sh sentinel-defects``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3_fastpath.presets import preset
+from k3_fastpath.reference.model import load_reference
+from k3_fastpath.runtime.envelope import Envelope
+from k3_fastpath.runtime.executor import DecodeExecutor
+from k3_fastpath.synthetic import synthetic_state_dict
+from verify.defects import DEFECTS, PlantedDefect
+from verify.engines import EngineError, describe_spec, parse_spec
+
+CFG = preset("k3-tiny").config
+STEPS = 4
+MIN_MOVE = 0.003  # relative logit change from the clean fast step (bitwise reproducible: any change is the defect's; the smallest seen over seeds ~0.009)
+
+
+@pytest.fixture(scope="module")
+def model16():
+    return load_reference(CFG, synthetic_state_dict(CFG, 0, conditioning="stable"), dtype=torch.bfloat16)
+
+
+def _decode(model, ex, ids, lens, tokens):
+    """Logits [steps, B, V] of ``STEPS`` teacher-forced decode steps after a prefill (``ex`` None: the model)."""
+    stepper = ex or model
+    cache = ex.new_cache(ids.shape[0]) if ex else model.new_cache(ids.shape[0], 32)
+    stepper.prefill(ids, lens, cache)
+    active = torch.ones(ids.shape[0], dtype=torch.bool)
+    return torch.stack([stepper.decode(t, cache, active).float() for t in tokens])
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_every_defect_moves_the_fast_steps_logits_and_counts_its_calls(model16, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, CFG.vocab_size, (3, 7), generator=g)
+    lens = torch.tensor([7, 5, 6])
+    tokens = torch.randint(3, CFG.vocab_size, (STEPS, 3), generator=g)
+    clean = _decode(model16, DecodeExecutor(model16, max_len=32, max_batch=4, envelope=Envelope(emulate=True)),
+                    ids, lens, tokens)
+    layers = {"mla_attention": len(CFG.mla_layer_ids), "kda_step": len(CFG.kda_layer_ids),
+              "moe_router": sum(1 for i in range(CFG.num_hidden_layers) if i >= CFG.first_k_dense_replace)}
+    moved = {}
+    for name, d in DEFECTS.items():
+        ex = DecodeExecutor(model16, max_len=32, max_batch=4, envelope=Envelope(emulate=True))
+        planted = PlantedDefect(ex, name)
+        moved[name] = _rel(_decode(model16, ex, ids, lens, tokens), clean)
+        assert planted.calls == STEPS * layers[d.op], (name, planted.calls)
+        assert planted.describe()["op"] == d.op and d.models
+    assert all(v > MIN_MOVE for v in moved.values()), moved
+    # the clean executor was not touched by the planted ones (each executor owns its op table)
+    again = DecodeExecutor(model16, max_len=32, max_batch=4, envelope=Envelope(emulate=True))
+    assert torch.equal(_decode(model16, again, ids, lens, tokens), clean)
+
+
+def test_bad_defects_are_refused(model16):
+    ex = DecodeExecutor(model16, max_len=32, max_batch=4, envelope=Envelope(emulate=True))
+    with pytest.raises(ValueError, match="unknown defect 'nope'; defects: mla_scale_nope_only"):
+        PlantedDefect(ex, "nope")
+
+
+def test_the_engine_spec_names_the_defect():
+    assert parse_spec("builtin:fast+defect=kda_state_bf16") == ("builtin", "fast+defect=kda_state_bf16")
+    d = describe_spec("builtin:fast+defect=kda_state_bf16", "under_test")
+    assert d["path"] == "fast" and d["planted_defect"] == "kda_state_bf16"
+    assert "planted_defect" not in describe_spec("builtin:fast", "under_test")
+    with pytest.raises(EngineError, match=r"unknown defect 'nope'; defects: mla_scale_nope_only, "):
+        parse_spec("builtin:fast+defect=nope")
+
+
+def test_a_defect_engine_on_a_cpu_says_the_fast_path_is_unavailable():
+    from verify.engines.builtin import BuiltinEngine
+
+    with pytest.raises(EngineError, match="builtin:fast is unavailable here"):
+        BuiltinEngine(path="fast+defect=kda_state_bf16", device="cpu")
+    with pytest.raises(EngineError, match="or fast\\+defect=NAME"):
+        BuiltinEngine(path="reference+defect=kda_state_bf16", device="cpu")
+
+
+def _eval_bundle(root, under_test: str, statuses: dict[str, tuple[str, float, float]]):
+    """A finished bundle of eval results only (``statuses``: check -> (status, reference acc, fast acc))."""
+    from verify.bundle.writer import BundleWriter
+    from verify.result import CheckResult
+
+    w = BundleWriter(root, tool_version="0.1.0", argv=["k3-verify", "run"], tier="sentinel-evals",
+                     planned_checks=list(statuses), config={"preset": "k3-tiny", "device": "cuda"}, seeds={},
+                     env={}, engines=[describe_spec(under_test, "engine_under_test"),
+                                      describe_spec("builtin:reference", "baseline")])
+    for check, (status, ref, fast) in statuses.items():
+        task = "k3_" + check.split(".", 1)[1]
+        w.add_result(CheckResult(id=check, status=status, reason="" if status == "passed" else "accuracy drop",
+                                 metrics={f"{task}:baseline_accuracy": ref, f"{task}:under_test_accuracy": fast,
+                                          f"{task}:accuracy_diff": fast - ref, f"{task}:p_value": 0.01},
+                                 duration_s=1.0))
+    w.finalize()
+    return str(root)
+
+
+def test_the_catch_table_says_which_eval_caught_which_defect(tmp_path, capsys):
+    from verify.defects import catch_table, main
+
+    clean = _eval_bundle(tmp_path / "clean", "builtin:fast", {"evals.gsm8k": ("passed", 0.9, 0.9),
+                                                               "evals.mrcr": ("passed", 0.8, 0.8)})
+    scale = _eval_bundle(tmp_path / "scale", "builtin:fast+defect=mla_scale_nope_only",
+                         {"evals.gsm8k": ("passed", 0.9, 0.88), "evals.mrcr": ("failed", 0.8, 0.3)})
+    bf16 = _eval_bundle(tmp_path / "bf16", "builtin:fast+defect=kda_state_bf16",
+                        {"evals.gsm8k": ("passed", 0.9, 0.9), "evals.mrcr": ("passed", 0.8, 0.8)})
+    rows, problems = catch_table(clean, [scale, bf16])
+    assert [(r["defect"], r["task"], r["caught"]) for r in rows] == [
+        ("mla_scale_nope_only", "k3_gsm8k", False), ("mla_scale_nope_only", "k3_mrcr", True),
+        ("kda_state_bf16", "k3_gsm8k", False), ("kda_state_bf16", "k3_mrcr", False)]
+    assert problems == ["kda_state_bf16: no eval caught it"]
+    assert main(["table", clean, scale]) == 0
+    assert "| mla_scale_nope_only | k3_mrcr | failed | 80.0% | 30.0% | -50.0% | 0.01 | yes |" in capsys.readouterr().out
+    assert main(["table", clean, bf16]) == 1
+    # a clean run that failed an eval cannot tell a defect apart; a clean bundle as a defect run is refused
+    capsys.readouterr()
+    weak = _eval_bundle(tmp_path / "weak", "builtin:fast", {"evals.gsm8k": ("failed", 0.1, 0.1)})
+    rows, problems = catch_table(weak, [clean])
+    assert problems == ["clean run: evals.gsm8k failed (it cannot tell a defect apart)",
+                        f"{clean}: its engine under test has no planted defect"]
+    assert main(["list"]) == 0 and capsys.readouterr().out.split() == list(DEFECTS)
+    assert main(["table", clean]) == 2

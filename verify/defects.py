@@ -1,0 +1,230 @@
+"""Planted defects: small, realistic bugs in the fast path's kernels or glue, planted into one executor's own op
+table, so a run can show that the suite catches them (issue #19: the sentinel evals must fail on each while
+the clean fast path passes).
+
+A defect rewrites the arguments of one fast-step op (``k3_fastpath.runtime.fast_ops``: the table the fast
+step calls every op through) or post-processes its output, for every call of that op in every layer; it is
+planted before the executor captures its CUDA graphs, stays CUDA-graph capturable (tensor ops only, no host
+synchronisation) and counts the calls it changed (``PlantedDefect.calls``: eager calls and those captured
+into a graph; a replay runs the captured defect without Python), so a run shows the defect was in the step. ``DEFECTS`` is the catalog; each entry says which bug it
+models. The engine spec ``builtin:fast+defect=NAME`` (``verify.engines``) serves the fast path with one
+defect planted, and every record and manifest entry names it, so a bundle of a planted run can never pass
+for a clean one.
+
+``wrap_op`` is the one way any planted change enters an executor (``equivalence.fp64``'s planted controls,
+which scale an op's output, use it too).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+Args = tuple[Any, ...]
+
+
+def wrap_op(executor: Any, op: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace op ``op`` of ``executor``'s own op table (other executors keep theirs) by ``make(fn)``, where
+    ``fn`` is the op's current implementation; before the executor's graphs are captured."""
+    from k3_fastpath.runtime.fast_ops import OpImpl
+
+    if op not in executor.ops:
+        raise ValueError(f"no op {op!r} in the fast step (its ops: {', '.join(sorted(executor.ops))})")
+    impl = executor.ops[op]
+    executor.ops[op] = OpImpl(op, make(impl.fn), kernel=impl.kernel, standard_reason=impl.standard_reason,
+                              launch=impl.launch)
+
+
+@dataclass(frozen=True)
+class Defect:
+    """One planted bug: ``op`` called with ``rewrite(args, kwargs)``'s arguments (None: unchanged), its output
+    passed through ``after(args, kwargs, out)`` (None: unchanged). ``models``: the real bug it stands for."""
+
+    name: str
+    op: str
+    models: str
+    rewrite: Callable[[Args, dict[str, Any]], tuple[Args, dict[str, Any]]] | None = None
+    after: Callable[[Args, dict[str, Any], Any], Any] | None = None
+
+
+def _replace(args: Args, index: int, value: Any) -> Args:
+    return args[:index] + (value,) + args[index + 1:]
+
+
+# argument positions of the ops the defects touch (fast_ops' table of signatures)
+MLA_W_UK, MLA_CTX_LEN, MLA_SOFTMAX_SCALE = 10, 9, 12
+KDA_DT_BIAS, KDA_STATE = 10, 16
+ROUTER_X, ROUTER_W, ROUTER_BIAS, ROUTER_RENORM, ROUTER_SCALE = 0, 1, 2, 4, 5
+
+
+def _mla_scale_nope_only(args: Args, kw: dict[str, Any]) -> tuple[Args, dict[str, Any]]:
+    q_head_dim, nope = args[0].shape[-1], args[MLA_W_UK].shape[1]
+    return _replace(args, MLA_SOFTMAX_SCALE, args[MLA_SOFTMAX_SCALE] * math.sqrt(q_head_dim / nope)), kw
+
+
+def _mla_ctx_off_by_one(args: Args, kw: dict[str, Any]) -> tuple[Args, dict[str, Any]]:
+    return _replace(args, MLA_CTX_LEN, (args[MLA_CTX_LEN] - 1).clamp_min(1)), kw
+
+
+_ZEROS: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _kda_dt_bias_dropped(args: Args, kw: dict[str, Any]) -> tuple[Args, dict[str, Any]]:
+    bias = args[KDA_DT_BIAS]
+    key = (bias.data_ptr(), bias.device)
+    if key not in _ZEROS:  # made on the first (uncaptured) call; replays reuse it
+        _ZEROS[key] = torch.zeros_like(bias)
+    return _replace(args, KDA_DT_BIAS, _ZEROS[key]), kw
+
+
+def _kda_state_bf16(args: Args, kw: dict[str, Any], out: Any) -> Any:
+    state = args[KDA_STATE]
+    state.copy_(state.to(torch.bfloat16))
+    return out
+
+
+def _moe_no_renormalize(args: Args, kw: dict[str, Any]) -> tuple[Args, dict[str, Any]]:
+    return _replace(args, ROUTER_RENORM, False), kw
+
+
+def _router_bias_in_weights(args: Args, kw: dict[str, Any], out: Any) -> Any:
+    ids, weights = out
+    x, gate_w, bias = args[ROUTER_X], args[ROUTER_W], args[ROUTER_BIAS]
+    idx = ids.long()
+    sel = torch.sigmoid(x.float() @ gate_w.float().t()).gather(1, idx) + bias.float()[idx]
+    if args[ROUTER_RENORM]:
+        sel = sel / sel.sum(-1, keepdim=True)
+    return ids, (sel * args[ROUTER_SCALE]).to(weights.dtype)
+
+
+DEFECTS: dict[str, Defect] = {d.name: d for d in (
+    Defect("mla_scale_nope_only", "mla_attention",
+           "the MLA softmax scale from the 128 nope dims (1/sqrt(128)) instead of the whole q head "
+           "(1/sqrt(192)): the NoPE rope dims taken for absent", rewrite=_mla_scale_nope_only),
+    Defect("mla_ctx_off_by_one", "mla_attention",
+           "a fence-post error in the paged attention's bound: ctx_len = pos, so the token just written "
+           "to the latent cache is not attended", rewrite=_mla_ctx_off_by_one),
+    Defect("kda_dt_bias_dropped", "kda_step",
+           "the KDA decay gate without dt_bias (g = lower_bound * sigmoid(exp(A_log) * a)): a bias add "
+           "lost in a fused kernel", rewrite=_kda_dt_bias_dropped),
+    Defect("kda_state_bf16", "kda_step",
+           "the KDA recurrent state stored in BF16 between steps instead of FP32 (a pool allocated in the "
+           "activation dtype)", after=_kda_state_bf16),
+    Defect("moe_no_renormalize", "moe_router",
+           "the router's top-k weights not renormalised to sum 1 (a dropped norm_topk_prob flag)",
+           rewrite=_moe_no_renormalize),
+    Defect("router_bias_in_weights", "moe_router",
+           "the routing correction bias added into the combine weights as well as the selection (it must "
+           "only steer the selection)", after=_router_bias_in_weights),
+)}
+
+
+class PlantedDefect:
+    """``defect`` planted into ``executor``; ``calls`` counts the calls it changed."""
+
+    def __init__(self, executor: Any, name: str) -> None:
+        if name not in DEFECTS:
+            raise ValueError(f"unknown defect {name!r}; defects: {', '.join(DEFECTS)}")
+        self.defect = d = DEFECTS[name]
+        self.calls = 0
+
+        def make(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def planted(*args: Any, **kwargs: Any) -> Any:
+                self.calls += 1
+                if d.rewrite is not None:
+                    args, kwargs = d.rewrite(args, kwargs)
+                out = fn(*args, **kwargs)
+                return out if d.after is None else d.after(args, kwargs, out)
+            return planted
+
+        wrap_op(executor, d.op, make)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.defect.name, "op": self.defect.op, "models": self.defect.models,
+                "calls": self.calls}
+
+
+# ---------------------------------------------------------------- which eval caught which defect
+def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], list[str]]:
+    """From the clean run's bundle (the fast path against the reference) and one bundle per planted defect
+    (``builtin:fast+defect=NAME`` against the same baseline and items): per defect and eval task, the status,
+    the accuracies of both sides and their difference, and whether that eval caught the defect (failed where
+    the clean run passed). Problems: a clean eval that did not pass (it cannot tell a defect apart), a bundle
+    that is not a defect run, a defect no eval caught."""
+    from verify.bundle.readers import eval_checks, read_bundle
+
+    def engine(data: Any, role: str) -> dict[str, Any]:
+        return next((e for e in data.manifest.get("engines", []) if isinstance(e, dict) and e.get("role") == role), {})
+
+    base = read_bundle(clean)
+    problems, rows = [], []
+    if engine(base, "engine_under_test").get("spec") != "builtin:fast":
+        problems.append(f"{clean}: the clean run's engine under test is "
+                        f"{engine(base, 'engine_under_test').get('spec')!r}, not builtin:fast")
+    clean_ok = {c for c in eval_checks(base) if base.status(c) == "passed"}
+    problems += [f"clean run: {c} {base.status(c)} (it cannot tell a defect apart)"
+                 for c in eval_checks(base) if c not in clean_ok]
+    for path in planted:
+        data = read_bundle(path)
+        name = engine(data, "engine_under_test").get("planted_defect")
+        if not name:
+            problems.append(f"{path}: its engine under test has no planted defect")
+            continue
+        if engine(data, "baseline").get("spec") != engine(base, "baseline").get("spec"):
+            problems.append(f"{name}: baseline {engine(data, 'baseline').get('spec')!r}, the clean run's "
+                            f"{engine(base, 'baseline').get('spec')!r}")
+        caught = []
+        for check in eval_checks(data):
+            r = data.results.get(check)
+            m = r.metrics if r is not None else {}
+            for task in sorted({k.split(":", 1)[0] for k in m if k.endswith(":accuracy_diff")}):
+                row = {"defect": name, "check": check, "task": task, "status": data.status(check),
+                       "baseline": m.get(f"{task}:baseline_accuracy"), "under_test": m.get(f"{task}:under_test_accuracy"),
+                       "diff": m.get(f"{task}:accuracy_diff"), "p_value": m.get(f"{task}:p_value"),
+                       "caught": check in clean_ok and data.status(check) == "failed",
+                       "reason": (r.reason if r is not None else "")[:200]}
+                rows.append(row)
+                caught += [check] if row["caught"] else []
+        if not caught:
+            problems.append(f"{name}: no eval caught it")
+    return rows, problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m verify.defects list`` (the defect names) | ``table CLEAN_BUNDLE DEFECT_BUNDLE...`` (a
+    Markdown table of which eval caught which defect; exit 1 when a defect went uncaught or the clean run
+    failed an eval, 2 on bad input)."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["list"] and len(args) == 1:
+        print(" ".join(DEFECTS))
+        return 0
+    if args[:1] != ["table"] or len(args) < 3:
+        print("usage: python -m verify.defects list | table CLEAN_BUNDLE DEFECT_BUNDLE...", file=sys.stderr)
+        return 2
+    from verify.bundle.schema import BundleError
+
+    try:
+        rows, problems = catch_table(args[1], args[2:])
+    except (BundleError, OSError) as e:
+        print(f"defects table: {e}", file=sys.stderr)
+        return 2
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
+    print("| defect | eval task | status | reference | fast + defect | diff | p | caught |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        p = "-" if r["p_value"] is None else f"{r['p_value']:.3g}"
+        print(f"| {r['defect']} | {r['task']} | {r['status']} | {pct(r['baseline'])} | {pct(r['under_test'])} | "
+              f"{pct(r['diff'])} | {p} | {'yes' if r['caught'] else 'no'} |")
+    for p in problems:
+        print(f"- {p}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
