@@ -13,7 +13,11 @@ Workloads (``Workload``):
   every session, a per-session prefix, new tokens per turn, tool pauses (agentic) and human pauses between
   turns, contexts that grow until they reach ``context_fraction`` of the model's limit or reset. Replayed
   as a ``mooncake_trace`` on the chat endpoint (each turn carries the session's history), timestamps and
-  pauses honoured.
+  pauses honoured. ``subagents`` > 0 adds sub-agent fan-out, which the synthesizer has none of
+  (``add_subagents``): every ``subagent_every``-th turn of a session spawns that many child sessions that
+  start together from the session's shared prefix (its first prompt's full blocks: KV reuse across the
+  children) plus a task of their own, run ``subagent_turns`` turns each, while the parent waits on them
+  (its next turn's pause grows by their scheduled time).
 * ``fixed``: ``requests`` single-turn prompts of exactly ``isl`` tokens asking for ``osl`` tokens.
 Every request sets ``ignore_eos`` and token counts are the server's (``--use-server-token-count``);
 AIPerf's warm-up phase is excluded from the records.
@@ -85,6 +89,9 @@ class Workload:
     osl: int = 16  # tokens asked per request (agentic: the mean)
     isl: int = 128  # fixed
     requests: int = 24  # fixed
+    subagents: int = 0  # agentic: child sessions per fan-out (0: none)
+    subagent_every: int = 4  # agentic: a fan-out after every this many turns of a session
+    subagent_turns: int = 2  # agentic: turns of each child session
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Workload:
@@ -166,7 +173,60 @@ def synthesize_agentic(w: Workload, out: Path, seed: int, max_model_len: int, lo
     found = sorted(out.glob("*/dataset.jsonl"))
     if not found:
         raise AIPerfError(f"aiperf synthesize wrote no dataset.jsonl under {out.name}")
+    if w.subagents:
+        rows = [json.loads(x) for x in found[-1].read_text().splitlines() if x.strip()]
+        rows = add_subagents(rows, w.subagents, w.subagent_every, w.subagent_turns, w.turn_tokens, block)
+        found[-1].write_text("".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows))
     return found[-1]
+
+
+SUBAGENT_MARK = "-sub"  # a child session's id: <parent id>-sub<fan-out>.<child>
+
+
+def add_subagents(rows: list[dict[str, Any]], fanout: int, every: int, turns: int, turn_tokens: int,
+                  block: int) -> list[dict[str, Any]]:
+    """Mooncake trace rows (a session's turns in order: the first with ``timestamp`` ms, later ones with
+    ``delay`` ms) with sub-agent fan-out (module docstring). A child's first turn is the parent's first prompt
+    cut to whole ``block``-token blocks (the same ``hash_ids``: the same text) plus two blocks of its own; its
+    later turns add about ``turn_tokens`` new tokens after the parent's agentic pause. New hash ids start above
+    every id in the trace, so no child block collides with another's."""
+    if fanout < 1 or every < 1 or turns < 1:
+        raise ValueError(f"sub-agents: fanout {fanout}, every {every}, turns {turns} must each be >= 1")
+    sessions: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        sessions.setdefault(r["session_id"], []).append(dict(r))
+    next_id = 1 + max((h for r in rows for h in r["hash_ids"]), default=0)
+    out: list[dict[str, Any]] = []
+    for sid, session in sessions.items():
+        first = session[0]
+        shared = first["hash_ids"][: first["input_length"] // block]
+        clock = float(first.get("timestamp", 0.0))
+        pauses = sorted(float(x.get("delay", 0.0)) for x in session[1:]) or [0.0]
+        gap = pauses[len(pauses) // 2]  # the session's median pause between its own turns
+        children: list[list[dict[str, Any]]] = []
+        for t, turn in enumerate(session):
+            clock += float(turn.get("delay", 0.0))
+            if (t + 1) % every or t + 1 == len(session):  # no fan-out here, nor after the last turn
+                continue
+            for c in range(fanout):
+                child, ids = [], list(shared) + [next_id, next_id + 1]
+                next_id += 2
+                child.append({"session_id": f"{sid}{SUBAGENT_MARK}{t}.{c}", "input_length": len(ids) * block,
+                              "output_length": turn["output_length"], "hash_ids": ids, "timestamp": round(clock, 1),
+                              **({"group_id": first["group_id"]} if "group_id" in first else {})})
+                for _ in range(turns - 1):
+                    n = max(1, -(-turn_tokens // block))
+                    child.append({"session_id": child[0]["session_id"], "input_length": n * block,
+                                  "output_length": turn["output_length"], "hash_ids": list(range(next_id, next_id + n)),
+                                  "delay": gap})
+                    next_id += n
+                children.append(child)
+            # the parent waits on its children (their scheduled pauses)
+            session[t + 1]["delay"] = round(float(session[t + 1].get("delay", 0.0)) + gap * (turns - 1), 1)
+        out += session
+        for child in children:
+            out += child
+    return out
 
 
 def profile(*, url: str, model: str, tokenizer_repo: str, cache: Path, workload: Workload, dataset: Path | None,

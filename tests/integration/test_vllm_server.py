@@ -374,7 +374,8 @@ checks:
   - id: perf.serving
     budget_s: 900
     params:
-      workloads: [{name: agentic, kind: agentic, sessions: 10, osl: 16, turn_tokens: 32}]
+      workloads: [{name: agentic, kind: agentic, sessions: 6, osl: 16, turn_tokens: 32, subagents: 2,
+                   subagent_every: 4}]
       concurrency: [2]
       repeats: 2
       min_requests: 20
@@ -393,6 +394,8 @@ def test_perf_serving_through_aiperf_verifies_compares_and_renders(vllm_server, 
     """Two ``k3-verify run``s of perf.serving against the server: each writes >= 20 per-request records per
     point with P90 interactivity and TTFT, verifies and is re-scored offline; the second compares with the
     first within the noise rule; the render draws the Pareto and CDF plots."""
+    from verify.aiperf import SUBAGENT_MARK
+
     url = f"openai:{vllm_server.base_url}/v1"
     tier = tmp_path / "serving.yaml"
     tier.write_text(SERVING_TIER)
@@ -408,6 +411,7 @@ def test_perf_serving_through_aiperf_verifies_compares_and_renders(vllm_server, 
         assert len(points) == 4 and all(p["metrics"]["succeeded"] >= 20 for p in points)
         assert all(p["metrics"]["ttft_ms_p50"] > 0 and p["metrics"]["itl_ms_p90"] is not None for p in points)
         assert sum(r["kind"] == "request" for r in recs) >= 80
+        assert any(SUBAGENT_MARK in (r.get("session") or "") for r in recs if r["kind"] == "request")  # the fan-out
         v = subprocess.run([*cli, "bundle", "verify", str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert v.returncode == 0, v.stdout + v.stderr
         bundles.append(out)
