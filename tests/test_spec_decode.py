@@ -1,0 +1,80 @@
+"""Speculative decoding on the reference model (k3_fastpath/runtime/spec_decode.py) on a CPU, k3-tiny.
+
+In FP64, greedy speculative decoding emits exactly plain greedy decoding's tokens for any drafter (always
+right, always wrong, right with probability 0.7) and k = 1, 3, 7, and the committed KDA / MLA state equals a
+plain prefill of the same tokens (rejected drafts leave no trace); the synthetic drafter's per-position
+acceptance is about its p. Inputs: fresh random prompts per run (the ``seed`` fixture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3_fastpath.presets import preset
+from k3_fastpath.reference.model import load_reference
+from k3_fastpath.runtime.spec_decode import SyntheticDrafter, speculative_generate
+from k3_fastpath.synthetic import synthetic_state_dict
+
+CFG = preset("k3-tiny").config
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def model64():
+    return load_reference(CFG, synthetic_state_dict(CFG, 0, conditioning="stable"), dtype=torch.float64)
+
+
+def _plain_greedy(model, ids, lens, n):
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + n + 1)
+    logits = model.prefill(ids, lens, cache)[torch.arange(ids.shape[0]), lens - 1]
+    out = [[int(t)] for t in logits.argmax(-1)]
+    for _ in range(n - 1):
+        logits = model.decode(torch.tensor([o[-1] for o in out]), cache)
+        for o, t in zip(out, logits.argmax(-1).tolist(), strict=True):
+            o.append(t)
+    return out
+
+
+def _prompts(seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, CFG.vocab_size, (3, 6), generator=g), torch.tensor([6, 4, 5])
+
+
+@pytest.mark.parametrize("k,p", [(3, 0.7), (1, 0.7), (7, 0.7), (3, 0.0), (3, 1.0)])
+def test_greedy_speculative_decoding_is_plain_greedy_and_commits_only_accepted_tokens(model64, seed, k, p):
+    ids, lens = _prompts(seed)
+    plain = _plain_greedy(model64, ids, lens, NEW)
+    res = speculative_generate(model64, ids, lens, SyntheticDrafter(plain, p, CFG.vocab_size, seed), k, NEW)
+    assert res.tokens == plain, f"seed {seed}"
+    if p == 1.0:
+        assert res.stats.rates() == [1.0] * k  # every draft right: every one accepted
+    # the committed state: a plain prefill of the prompt and the fed tokens the cache says it holds
+    fed = res.cache.lengths - lens
+    ref = model64.new_cache(3, res.cache.max_len)
+    model64.prefill(ids, lens, ref)
+    model64.prefill(torch.tensor([plain[b][:int(fed[b])] + [0] * (int(fed.max()) - int(fed[b])) for b in range(3)]),
+                    fed, ref)
+    assert torch.equal(ref.lengths, res.cache.lengths)
+    for a, b in zip(res.cache.layers, ref.layers, strict=True):
+        for x, y in zip(a.tensors() if hasattr(a, "tensors") else [a.latent], b.tensors() if hasattr(b, "tensors")
+                        else [b.latent], strict=True):
+            assert torch.allclose(x, y, rtol=1e-9, atol=1e-12)
+
+
+def test_the_synthetic_drafters_acceptance_is_about_its_p(seed):
+    model = load_reference(CFG, synthetic_state_dict(CFG, 0, conditioning="stable"), dtype=torch.float32)
+    ids, lens = _prompts(seed)
+    plain = _plain_greedy(model, ids, lens, 60)
+    res = speculative_generate(model, ids, lens, SyntheticDrafter(plain, 0.6, CFG.vocab_size, seed), 3, 60)
+    rates = res.stats.rates()
+    assert res.stats.examined[0] == res.stats.steps > 3 * 60 / 4  # position 0 examined by every verify step
+    assert all(abs(r - 0.6) < 0.2 for r in rates), rates
+    assert 1.0 < res.stats.mean_acceptance_length() < 4.0
+
+
+def test_a_verify_step_holds_at_most_8_rows(model64):
+    ids, lens = _prompts(0)
+    with pytest.raises(ValueError, match="1 \\+ k <= 8 rows"):
+        speculative_generate(model64, ids, lens, SyntheticDrafter([[]] * 3, 0.5, CFG.vocab_size), 8, 4)
+    with pytest.raises(ValueError, match="must lie in \\[0, 1\\]"):
+        SyntheticDrafter([[]], 1.5, CFG.vocab_size)
