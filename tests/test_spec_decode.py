@@ -2,8 +2,10 @@
 
 In FP64, greedy speculative decoding emits exactly plain greedy decoding's tokens for any drafter (always
 right, always wrong, right with probability 0.7) and k = 1, 3, 7, and the committed KDA / MLA state equals a
-plain prefill of the same tokens (rejected drafts leave no trace); the synthetic drafter's per-position
-acceptance is about its p. Inputs: fresh random prompts per run (the ``seed`` fixture)."""
+plain prefill of the same tokens (rejected drafts leave no trace; without the commit's restore of the KDA
+states these fail); the synthetic drafter's per-position acceptance is about its p; the emulated fast
+executor serves every verify position as a fast step with its own plain greedy tokens. Inputs: fresh random
+prompts per run (the ``seed`` fixture)."""
 
 from __future__ import annotations
 
@@ -56,9 +58,11 @@ def test_greedy_speculative_decoding_is_plain_greedy_and_commits_only_accepted_t
                     fed, ref)
     assert torch.equal(ref.lengths, res.cache.lengths)
     for a, b in zip(res.cache.layers, ref.layers, strict=True):
-        for x, y in zip(a.tensors() if hasattr(a, "tensors") else [a.latent], b.tensors() if hasattr(b, "tensors")
-                        else [b.latent], strict=True):
-            assert torch.allclose(x, y, rtol=1e-9, atol=1e-12)
+        if hasattr(a, "tensors"):  # KDA: conv and recurrent state
+            assert all(torch.allclose(x, y, rtol=1e-9, atol=1e-12) for x, y in zip(a.tensors(), b.tensors(), strict=True))
+        else:  # MLA: the latents up to each length (past it: rejected drafts' rows, never attended)
+            for r, n in enumerate(ref.lengths.tolist()):
+                assert torch.allclose(a.latent[r, :n], b.latent[r, :n], rtol=1e-9, atol=1e-12)
 
 
 def test_the_synthetic_drafters_acceptance_is_about_its_p(seed):
@@ -78,3 +82,25 @@ def test_a_verify_step_holds_at_most_8_rows(model64):
         speculative_generate(model64, ids, lens, SyntheticDrafter([[]] * 3, 0.5, CFG.vocab_size), 8, 4)
     with pytest.raises(ValueError, match="must lie in \\[0, 1\\]"):
         SyntheticDrafter([[]], 1.5, CFG.vocab_size)
+
+
+def test_the_fast_step_serves_verify_steps_with_plain_greedys_tokens(seed):
+    """The emulated fast executor (its step's structure, each kernel served by its reference) as the stepper:
+    greedy speculative decoding emits exactly its own plain greedy tokens, every verify position a fast step."""
+    from k3_fastpath.runtime.envelope import Envelope
+    from k3_fastpath.runtime.executor import DecodeExecutor
+
+    m16 = load_reference(CFG, synthetic_state_dict(CFG, 0, conditioning="stable"), dtype=torch.bfloat16)
+    ex = DecodeExecutor(m16, max_len=48, max_batch=4, envelope=Envelope(emulate=True))
+    ids, lens = _prompts(seed)
+    cache = ex.new_cache(3)
+    out = [[int(t)] for t in ex.prefill(ids, lens, cache)[torch.arange(3), lens - 1].argmax(-1)]
+    for _ in range(NEW - 1):
+        for o, t in zip(out, ex.decode(torch.tensor([o[-1] for o in out]), cache).argmax(-1).tolist(), strict=True):
+            o.append(t)
+    steps = len(ex.trace)
+    cache.release()
+    res = speculative_generate(ex, ids, lens, SyntheticDrafter(out, 0.7, CFG.vocab_size, seed), 3, NEW)
+    assert res.tokens == out, f"seed {seed}"
+    fast = [r for r in ex.trace.since(steps) if r.fallback is None]
+    assert len(fast) == 4 * res.verify_steps  # every verify position a fast step (k + 1 = 4 per verify step)

@@ -1,16 +1,20 @@
-"""Speculative decoding on the reference model (the standard path): verify steps of ``1 + k`` tokens per
-request, the acceptance rule of ``spec_sampler``, the state committed after the accepted prefix, and the
-synthetic drafter the perf points use.
+"""Speculative decoding over any decode stepper (the reference ``K3ForCausalLM``, the standard path, or a
+``DecodeExecutor``: the fast path's kernels): verify steps of ``1 + k`` tokens per request, the acceptance
+rule of ``spec_sampler``, the state committed after the accepted prefix, and the synthetic drafter.
 
 One verify step of a request feeds ``[last emitted, d_1 .. d_k]``: row ``i`` of the target's logits scores
 the token after ``d_i`` (row 0 the token after the last emitted one). ``spec_sampler.verify_draft`` keeps
-``a`` drafts and adds one token. The KDA recurrent and conv states and the MLA latents must then be those
-after ``[last emitted, d_1 .. d_a]``: rejected drafts leave no trace. Here the verify step runs on a copy of
-the cache and the accepted ``a + 1`` tokens are then fed to the real cache (``K3ForCausalLM.prefill``
-continues from ``cache.lengths``, with per-request lengths: inactive and finished requests feed 0 tokens and
-keep their state bit for bit); the fast path's verify kernels keep each token's state instead (issue #22).
-Both passes use the prefill's numerics (MLA not absorbed), so greedy speculative decoding equals plain greedy
-decoding up to the prefill-vs-decode rounding: exactly, in FP64 (``tests/test_spec_decode.py``).
+``a`` drafts and adds one token; the KDA recurrent and conv states and the MLA cache must then be those
+after ``[last emitted, d_1 .. d_a]``: rejected drafts leave no trace. ``verify_step`` runs the ``k + 1``
+positions as ``k + 1`` decode steps of the stepper, keeping a copy of every KDA layer's state after each
+(the per-token states a fused verify kernel keeps too); ``commit`` restores each request's state after its
+accepted prefix and sets its length, so the MLA latents written for rejected drafts lie past the length and
+are never attended (the next step overwrites them). Each position is exactly a plain decode step, so
+greedy speculative decoding emits plain greedy decoding's tokens (bitwise, where the stepper's rows do not
+depend on each other: ``tests/test_spec_decode.py``). Cost: ``k + 1`` decode steps per verify step and
+``k + 1`` copies of the KDA states; the fused verify kernels of issue #22 (the KDA recurrence over the
+``k + 1`` tokens in one launch, MLA with causal masking inside the draft, GEMMs at M = B(k + 1)) are what
+make a verify step cost about one decode step.
 
 ``SyntheticDrafter``: proposes the target's own next token (from ``oracle``, the target's continuation of
 each request, e.g. a plain greedy run) with probability ``p`` and another token otherwise, so acceptance is
@@ -61,26 +65,53 @@ class SpecResult:
     verify_steps: int = 0
 
 
-def _copy(model: Any, cache: Any, max_len: int) -> Any:
-    from .cache_pool import copy_cache
+def _kda_tensors(cache: Any) -> list[torch.Tensor]:
+    from ..reference.kda import KDACache
 
-    return copy_cache(model.new_cache(cache.batch, max_len), cache)
+    return [t for layer in cache.layers if isinstance(layer, KDACache)
+            for t in (layer.conv_q, layer.conv_k, layer.conv_v, layer.state)]
+
+
+def verify_step(stepper: Any, cache: Any, feed: torch.Tensor, active: torch.Tensor
+                ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
+    """``feed [B, k + 1]`` decoded position by position on ``cache`` (rows ``active``): the logits
+    ``[B, k + 1, V]`` and, per position, a copy of every KDA tensor of the cache after it (``commit``)."""
+    logits, states = [], []
+    for i in range(feed.shape[1]):
+        logits.append(stepper.decode(feed[:, i].contiguous(), cache, active))
+        states.append([t.clone() for t in _kda_tensors(cache)])
+    return torch.stack(logits, 1), states
+
+
+def commit(cache: Any, start: torch.Tensor, states: list[list[torch.Tensor]], keep: torch.Tensor) -> None:
+    """Each request ``b`` with ``keep[b] > 0`` back to its state after ``keep[b]`` fed tokens (KDA from
+    ``states[keep[b] - 1]``, length ``start[b] + keep[b]``); requests with ``keep[b] == 0`` are untouched."""
+    rows = (keep > 0).nonzero().flatten().tolist()
+    for j, t in enumerate(_kda_tensors(cache)):
+        for b in rows:
+            t[b].copy_(states[int(keep[b]) - 1][j][b])
+    lengths = cache.lengths.clone()
+    lengths[rows] = (start.to(lengths.device) + keep.to(lengths.device))[rows]
+    cache.lengths = lengths
+    if hasattr(cache, "length_bound"):  # a PooledCache: the host-side bound of its lengths
+        cache.length_bound = int(lengths.max())
 
 
 @torch.no_grad()
-def speculative_generate(model: Any, prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, drafter: Any, k: int,
+def speculative_generate(stepper: Any, prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, drafter: Any, k: int,
                          max_new: int, cfg: SamplingConfig = SamplingConfig(),
                          generators: Sequence[torch.Generator | None] | None = None, max_len: int | None = None
                          ) -> SpecResult:
     """``max_new`` tokens per request of right-padded ``prompt_ids [B, T]`` by verify steps of ``1 + k``
-    tokens (module docstring); the first token is sampled from the prefill's last row as in plain decoding."""
+    tokens on ``stepper`` (module docstring); the first token is sampled from the prefill's last row as in
+    plain decoding. A ``DecodeExecutor`` allocates its own cache (``new_cache``), the reference a plain one."""
     if not 1 <= k <= 7:
         raise ValueError(f"k = {k} draft tokens: a verify step holds 1 + k <= 8 rows per request (k in 1..7)")
     bsz = prompt_ids.shape[0]
     gens = list(generators) if generators is not None else [None] * bsz
     max_len = max_len or int(prompt_lens.max()) + max_new + k + 1
-    cache = model.new_cache(bsz, max_len)
-    last = model.prefill(prompt_ids, prompt_lens, cache)[torch.arange(bsz), prompt_lens - 1]
+    cache = stepper.new_cache(bsz) if hasattr(stepper, "warmup_and_capture") else stepper.new_cache(bsz, max_len)
+    last = stepper.prefill(prompt_ids, prompt_lens, cache)[torch.arange(bsz), prompt_lens - 1]
     res = SpecResult([[sample_row(last[b], cfg, gens[b])] for b in range(bsz)], cache)
     dev = prompt_ids.device
     while True:
@@ -93,13 +124,13 @@ def speculative_generate(model: Any, prompt_ids: torch.Tensor, prompt_lens: torc
             if active[b]:
                 drafts[b] = drafter.propose(b, res.tokens[b], k)
                 feed[b] = torch.tensor([res.tokens[b][-1], *drafts[b][0]])
-        lens = torch.tensor([k + 1 if a else 0 for a in active])
-        logits = model.prefill(feed.to(dev), lens, _copy(model, cache, max_len))
+        start = cache.lengths.clone()
+        logits, states = verify_step(stepper, cache, feed.to(dev), torch.tensor(active, device=dev))
         keep = torch.zeros(bsz, dtype=torch.long)
         for b, (draft, probs) in drafts.items():
             v = verify_draft(logits[b], torch.tensor(draft), cfg, gens[b], probs)
             res.stats.add(k, v)
             keep[b] = v.accepted + 1
             res.tokens[b] = (res.tokens[b] + list(v.tokens))[:max_new]
-        model.prefill(feed.to(dev), keep, cache)  # commit: [last emitted, accepted drafts] only
+        commit(cache, start, states, keep)
         res.verify_steps += 1
