@@ -1,6 +1,6 @@
 """The pass/fail rules of the reference, weights, kernels, equivalence and bandwidth-probe checks, as
 functions of their raw records, and ``RULES``: every check id's rule, those kept beside their checks
-(``feature_rules``, ``bench_rules``, ``serving_rules``, ``fp64_rules``) included.
+(``feature_rules``, ``bench_rules``, ``serving_rules``, ``fp64_rules``, ``spec_rules``) included.
 
 Each rule takes a check's records (and, where the check states them, its result's metrics) and returns
 the problems, in the order the check reports them. The check computes its verdict by calling the same
@@ -27,6 +27,7 @@ from verify.checks.feature_rules import (
 from verify.checks.fp64_rules import fp64_problems
 from verify.checks.record_fields import is_timing_path
 from verify.checks.serving_rules import serving_problems
+from verify.checks.spec_rules import spec_decode_problems
 
 F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
 # bf16: decode and prefill round at different places (chunked vs recurrent KDA, plain vs absorbed MLA), and
@@ -381,6 +382,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "perf.bandwidth_probe": bandwidth_probe_problems,
     "equivalence.decode": equivalence_problems,
     "equivalence.fp64": fp64_problems,
+    "equivalence.spec_decode": spec_decode_problems,
     "bench.kernels": bench_kernels_problems,
     "perf.serving": serving_problems,
     "audit.records": audit_problems,

@@ -1,0 +1,97 @@
+"""``equivalence.spec_decode`` on a CPU (the check itself needs an H200): the fast step emulated (every kernel
+served by its reference) on k3-tiny. The clean fast path passes (speculative greedy token-identical to plain
+greedy, the committed state bitwise plain decoding's, every verify position a fast step); a commit that
+leaves the rejected drafts' KDA state behind fails with the reason; the status follows from the records by
+the rule ``bundle verify`` applies, and forged records fail it. Prompts are drawn from the ``seed`` fixture."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from verify.checks.equivalence_spec import spec_decode
+from verify.checks.spec_rules import spec_decode_problems
+from verify.checks.status_rules import rescore
+from verify.context import CheckContext
+from verify.result import CheckResult
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def record(self, stream: str, obj: dict) -> None:
+        self.rows.append(copy.deepcopy(obj))
+
+    def log(self, text: str) -> None:
+        pass
+
+
+def _run(seed: int, tmp_path: Path, **kw) -> tuple[CheckResult, list[dict]]:
+    sink = _Sink()
+    ctx = CheckContext(check_id="equivalence.spec_decode", preset="k3-tiny", device="cpu", seed=seed % 1000,
+                       writer=sink, out=SimpleNamespace(note=lambda *_: None), tmp_dir=tmp_path, budget_s=600)
+    args = {"batches": [1, 3], "ks": [1, 3], "steps": 12, "prompt_len": 6, "emulate": True, "use_graphs": False, **kw}
+    return spec_decode(ctx, **args), sink.rows
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    return _run(0, tmp_path_factory.mktemp("spec"))
+
+
+def test_the_clean_fast_path_passes(clean_run):
+    res, recs = clean_run
+    assert res.status == "passed", res.reason
+    points = [r for r in recs if r["kind"] == "point"]
+    assert [(p["batch"], p["k"]) for p in points] == [(1, 1), (1, 3), (3, 1), (3, 3)]
+    assert all(p["state_max_abs_diff"] == 0.0 and p["latent_max_abs_diff"] == 0.0 for p in points)
+    assert all(p["fast_positions"] == (p["k"] + 1) * p["verify_steps"] > 0 for p in points)
+    accepted = sum(sum(p["acceptance"]["accepted"]) for p in points)
+    examined = sum(sum(p["acceptance"]["examined"]) for p in points)
+    assert 0 < accepted < examined  # drafts were both accepted and rejected
+    assert rescore({"equivalence.spec_decode": recs}, res) == []
+
+
+def test_a_commit_that_keeps_rejected_drafts_state_fails(seed, tmp_path, monkeypatch):
+    from k3_fastpath.runtime import spec_decode as sd
+
+    def leaky_commit(cache, start, states, keep):  # lengths right, the KDA state of every fed draft kept
+        lengths = cache.lengths.clone()
+        rows = (keep > 0).nonzero().flatten()
+        lengths[rows] = (start + keep)[rows]
+        cache.lengths = lengths
+        cache.length_bound = int(lengths.max())
+
+    monkeypatch.setattr(sd, "commit", leaky_commit)
+    res, recs = _run(seed, tmp_path, batches=[3], ks=[3])
+    assert res.status == "failed"
+    assert "speculative tokens differ from plain greedy" in res.reason or "committed state" in res.reason, res.reason
+    assert spec_decode_problems(recs)[0] in res.reason
+
+
+def test_forged_records_fail_the_rule(clean_run):
+    res, recs = clean_run
+    pts = [i for i, r in enumerate(recs) if r["kind"] == "point"]
+    forged = copy.deepcopy(recs)
+    forged[pts[1]]["spec_tokens"][0][5] += 1
+    assert "request 0: speculative tokens differ from plain greedy at token 5" in spec_decode_problems(forged)[0]
+    forged = copy.deepcopy(recs)
+    forged[pts[2]]["state_max_abs_diff"] = 1e-3
+    assert spec_decode_problems(forged) == ["batch 3 k 1: state_max_abs_diff 0.001 > 0.0 (the committed state is "
+                                            "not plain decoding's)"]
+    forged = copy.deepcopy(recs)
+    forged[pts[0]]["fast_positions"] -= 1
+    assert "fast steps and 0 fallbacks for" in spec_decode_problems(forged)[0]
+    assert spec_decode_problems(recs[: pts[3]])[0] == "batch 3 k 3: no record of this planned point"
+    assert spec_decode_problems([]) == ["0 plan records (expected 1)"]
+    flipped = CheckResult(id=res.id, status="failed", reason="x", metrics=res.metrics)
+    assert rescore({"equivalence.spec_decode": recs}, flipped)[0].startswith("status 'failed', but its")
+
+
+def test_bad_parameters_fail_before_anything_runs(tmp_path):
+    res, recs = _run(0, tmp_path, ks=[8])
+    assert res.status == "failed" and "every k in 1..7" in res.reason and recs == []
