@@ -14,32 +14,19 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from check_tools import cpu_context
 
 from k3_fastpath.runtime import fast_ops
 from verify.checks.equivalence_fp64 import fp64, plant_error
 from verify.checks.fp64_rules import CLEAN, fp64_problems, row_error
 from verify.checks.status_rules import rescore
-from verify.context import CheckContext
 from verify.result import CheckResult
 
 CONTROLS = [{"op": "kda_step", "scale": 1.05}, {"op": "moe_experts", "scale": 1.05}]
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def record(self, stream: str, obj: dict) -> None:
-        self.rows.append(copy.deepcopy(obj))
-
-    def log(self, text: str) -> None:
-        pass
-
-
 def _run(seed: int, tmp_path: Path, **kw) -> tuple[CheckResult, list[dict]]:
-    sink = _Sink()
-    ctx = CheckContext(check_id="equivalence.fp64", preset="k3-tiny", device="cpu", seed=seed % 1000, writer=sink,
-                       out=SimpleNamespace(note=lambda *_: None), tmp_dir=tmp_path, budget_s=600)
+    ctx, sink = cpu_context("equivalence.fp64", seed, tmp_path)
     args = {"batches": [8], "contexts": ["short"], "kv_caches": ["bf16"], "steps": 6, "prompt_len": 8,
             "emulate": True, "controls": CONTROLS, **kw}
     return fp64(ctx, **args), sink.rows

@@ -8,32 +8,18 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
+from check_tools import cpu_context
 
 from verify.checks.equivalence_spec import spec_decode
 from verify.checks.spec_rules import spec_decode_problems
 from verify.checks.status_rules import rescore
-from verify.context import CheckContext
 from verify.result import CheckResult
 
 
-class _Sink:
-    def __init__(self) -> None:
-        self.rows: list[dict] = []
-
-    def record(self, stream: str, obj: dict) -> None:
-        self.rows.append(copy.deepcopy(obj))
-
-    def log(self, text: str) -> None:
-        pass
-
-
 def _run(seed: int, tmp_path: Path, **kw) -> tuple[CheckResult, list[dict]]:
-    sink = _Sink()
-    ctx = CheckContext(check_id="equivalence.spec_decode", preset="k3-tiny", device="cpu", seed=seed % 1000,
-                       writer=sink, out=SimpleNamespace(note=lambda *_: None), tmp_dir=tmp_path, budget_s=600)
+    ctx, sink = cpu_context("equivalence.spec_decode", seed, tmp_path)
     args = {"batches": [1, 3], "ks": [1, 3], "steps": 12, "prompt_len": 6, "emulate": True, "use_graphs": False, **kw}
     return spec_decode(ctx, **args), sink.rows
 
