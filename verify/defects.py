@@ -70,12 +70,12 @@ def _mla_ctx_off_by_one(args: Args, kw: dict[str, Any]) -> tuple[Args, dict[str,
     return _replace(args, MLA_CTX_LEN, (args[MLA_CTX_LEN] - 1).clamp_min(1)), kw
 
 
-_ZEROS: dict[tuple[int, torch.device], torch.Tensor] = {}
+_ZEROS: dict[tuple[Any, ...], torch.Tensor] = {}
 
 
 def _kda_dt_bias_dropped(args: Args, kw: dict[str, Any]) -> tuple[Args, dict[str, Any]]:
     bias = args[KDA_DT_BIAS]
-    key = (bias.data_ptr(), bias.device)
+    key = (bias.data_ptr(), bias.device, tuple(bias.shape), bias.dtype)
     if key not in _ZEROS:  # made on the first (uncaptured) call; replays reuse it
         _ZEROS[key] = torch.zeros_like(bias)
     return _replace(args, KDA_DT_BIAS, _ZEROS[key]), kw

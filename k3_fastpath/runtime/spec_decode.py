@@ -86,10 +86,12 @@ def verify_step(stepper: Any, cache: Any, feed: torch.Tensor, active: torch.Tens
 def commit(cache: Any, start: torch.Tensor, states: list[list[torch.Tensor]], keep: torch.Tensor) -> None:
     """Each request ``b`` with ``keep[b] > 0`` back to its state after ``keep[b]`` fed tokens (KDA from
     ``states[keep[b] - 1]``, length ``start[b] + keep[b]``); requests with ``keep[b] == 0`` are untouched."""
-    rows = (keep > 0).nonzero().flatten().tolist()
+    rows = (keep > 0).nonzero().flatten()
+    at = (keep[rows] - 1).to(rows.device)
     for j, t in enumerate(_kda_tensors(cache)):
-        for b in rows:
-            t[b].copy_(states[int(keep[b]) - 1][j][b])
+        kept = torch.stack([s[j] for s in states])  # [k + 1, B, ...]: this tensor after each position
+        t[rows.to(t.device)] = kept[at.to(t.device), rows.to(t.device)]
+    rows = rows.tolist()
     lengths = cache.lengths.clone()
     lengths[rows] = (start.to(lengths.device) + keep.to(lengths.device))[rows]
     cache.lengths = lengths
