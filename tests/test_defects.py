@@ -91,7 +91,8 @@ def test_a_defect_engine_on_a_cpu_says_the_fast_path_is_unavailable():
         BuiltinEngine(path="reference+defect=kda_state_bf16", device="cpu")
 
 
-def _eval_bundle(root, under_test: str, statuses: dict[str, tuple[str, float, float]]):
+def _eval_bundle(root, under_test: str, statuses: dict[str, tuple[str, float, float]],
+                 baseline: str = "builtin:reference"):
     """A finished bundle of eval results only (``statuses``: check -> (status, reference acc, fast acc))."""
     from verify.bundle.writer import BundleWriter
     from verify.result import CheckResult
@@ -99,7 +100,7 @@ def _eval_bundle(root, under_test: str, statuses: dict[str, tuple[str, float, fl
     w = BundleWriter(root, tool_version="0.1.0", argv=["k3-verify", "run"], tier="sentinel-evals",
                      planned_checks=list(statuses), config={"preset": "k3-tiny", "device": "cuda"}, seeds={},
                      env={}, engines=[describe_spec(under_test, "engine_under_test"),
-                                      describe_spec("builtin:reference", "baseline")])
+                                      describe_spec(baseline, "baseline")])
     for check, (status, ref, fast) in statuses.items():
         task = "k3_" + check.split(".", 1)[1]
         w.add_result(CheckResult(id=check, status=status, reason="" if status == "passed" else "accuracy drop",
@@ -125,7 +126,17 @@ def test_the_catch_table_says_which_eval_caught_which_defect(tmp_path, capsys):
         ("kda_state_bf16", "k3_gsm8k", False), ("kda_state_bf16", "k3_mrcr", False)]
     assert problems == ["kda_state_bf16: no eval caught it"]
     assert main(["table", clean, scale]) == 0
-    assert "| mla_scale_nope_only | k3_mrcr | failed | 80.0% | 30.0% | -50.0% | 0.01 | yes |" in capsys.readouterr().out
+    assert ("| mla_scale_nope_only | builtin:reference | k3_mrcr | failed | 80.0% | 30.0% | -50.0% | 0.01 | yes |"
+            in capsys.readouterr().out)
+    # against the clean fast path as the baseline: accepted; against another engine: refused
+    cheap = _eval_bundle(tmp_path / "cheap", "builtin:fast+defect=moe_no_renormalize",
+                         {"evals.gsm8k": ("failed", 0.9, 0.6)}, baseline="builtin:fast")
+    other = _eval_bundle(tmp_path / "other", "builtin:fast+defect=moe_no_renormalize",
+                         {"evals.gsm8k": ("failed", 0.9, 0.6)}, baseline="vllm")
+    rows, problems = catch_table(clean, [cheap, other])
+    assert [(r["against"], r["caught"]) for r in rows] == [("builtin:fast", True), ("vllm", True)]
+    assert problems == ["moe_no_renormalize: baseline 'vllm', neither the clean run's 'builtin:reference' nor the "
+                        "clean fast path"]
     assert main(["table", clean, bf16]) == 1
     # a clean run that failed an eval cannot tell a defect apart; a clean bundle as a defect run is refused
     capsys.readouterr()

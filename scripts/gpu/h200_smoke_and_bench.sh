@@ -33,9 +33,10 @@
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s)
 #   sentinel-defects  the sentinel-evals tier once per planted defect (verify/defects.py; K3_DEFECTS, default
-#             all) with --engine builtin:fast+defect=NAME, each within K3_EVAL_S, then `python -m verify.defects
-#             table` of the last sentinel-evals bundle (the clean run: run that step first) and these
-#             (sentinel-defects.md: which eval caught which defect)
+#             all) with --engine builtin:fast+defect=NAME against K3_DEFECT_BASELINE (default builtin:fast, the
+#             clean fast path; builtin:reference is ~27x slower), each within K3_EVAL_S, then `python -m
+#             verify.defects table` of the last sentinel-evals bundle (the clean run: run that step first) and
+#             these (sentinel-defects.md: which eval caught which defect)
 #   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
 #             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz; a later machine
 #             starts from it when the call carries .gpucache/ (ignored by git) holding that file
@@ -117,7 +118,8 @@ for what in "$@"; do
           for d in ${K3_DEFECTS:-$(python3 -m verify.defects list)}; do
             planted+=("/tmp/bundles/$stamp-h200-sentinel-defect-$d")
             K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
-              --engine "builtin:fast+defect=$d" --output "${planted[-1]}" --time-limit $((E - 20)) 2>&1 | tail -12 | tee -a "$OUT/sentinel-defects.log"
+              --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
+              --output "${planted[-1]}" --time-limit $((E - 20)) 2>&1 | tail -12 | tee -a "$OUT/sentinel-defects.log"
           done
           python3 -m verify.defects table "$clean" "${planted[@]}" 2>&1 | tee "$OUT/sentinel-defects.md" || rc=1
         else echo "sentinel-defects: needs /tmp/sentinel and a sentinel-evals bundle on this machine (run sentinel-train sentinel-evals first)"; rc=2; fi ;;
