@@ -42,16 +42,18 @@ def _prompts(seed):
     return torch.randint(3, CFG.vocab_size, (3, 6), generator=g), torch.tensor([6, 4, 5])
 
 
-@pytest.mark.parametrize("k,p", [(3, 0.7), (1, 0.7), (7, 0.7), (3, 0.0), (3, 1.0)])
+@pytest.mark.parametrize("k,p", [(3, 0.7), (1, 0.7), (7, 0.7), (3, 0.0), (3, 1.0), (7, 1.0)])
 def test_greedy_speculative_decoding_is_plain_greedy_and_commits_only_accepted_tokens(model64, seed, k, p):
     ids, lens = _prompts(seed)
     plain = _plain_greedy(model64, ids, lens, NEW)
     res = speculative_generate(model64, ids, lens, SyntheticDrafter(plain, p, CFG.vocab_size, seed), k, NEW)
     assert res.tokens == plain, f"seed {seed}"
-    if p == 1.0:
-        assert res.stats.rates() == [1.0] * k  # every draft right: every one accepted
-    # the committed state: a plain prefill of the prompt and the fed tokens the cache says it holds
+    if p == 1.0:  # every draft right: every verify step emits k + 1 tokens
+        assert res.verify_steps == -(-(NEW - 1) // (k + 1))
+    # the committed state: a plain prefill of the prompt and every emitted token but the last (k 7 at p 1 ends
+    # with a verify step that accepts more drafts than the request has room for: those are not committed)
     fed = res.cache.lengths - lens
+    assert fed.tolist() == [NEW - 1] * 3
     ref = model64.new_cache(3, res.cache.max_len)
     model64.prefill(ids, lens, ref)
     model64.prefill(torch.tensor([plain[b][:int(fed[b])] + [0] * (int(fed.max()) - int(fed[b])) for b in range(3)]),

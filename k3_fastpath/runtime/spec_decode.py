@@ -49,18 +49,20 @@ class SyntheticDrafter:
         for i in range(k):
             j = len(emitted) + i
             right = self.oracle[b][j] if j < len(self.oracle[b]) else None
-            if right is not None and self.rng.random() < self.p:
+            if right is None:  # past the oracle: any token
+                out.append(self.rng.randrange(self.vocab))
+            elif self.rng.random() < self.p:
                 out.append(right)
-            else:
+            else:  # any token but the right one
                 t = self.rng.randrange(self.vocab - 1)
-                out.append(t + 1 if right is not None and t >= right else t)
+                out.append(t + 1 if t >= right else t)
         return out, None
 
 
 @dataclass
 class SpecResult:
     tokens: list[list[int]]  # per request, the emitted tokens (the first from the prefill's last row)
-    cache: Any = None  # the committed cache: the prompt and every fed token that was accepted
+    cache: Any = None  # the committed cache: the prompt and every emitted token but the last
     stats: AcceptanceStats = field(default_factory=AcceptanceStats)
     verify_steps: int = 0
 
@@ -132,7 +134,8 @@ def speculative_generate(stepper: Any, prompt_ids: torch.Tensor, prompt_lens: to
         for b, (draft, probs) in drafts.items():
             v = verify_draft(logits[b], torch.tensor(draft), cfg, gens[b], probs)
             res.stats.add(k, v)
-            keep[b] = v.accepted + 1
-            res.tokens[b] = (res.tokens[b] + list(v.tokens))[:max_new]
+            new = v.tokens[: max_new - len(res.tokens[b])]  # a request ends at max_new tokens
+            keep[b] = len(new)  # fed: the last emitted token and the accepted drafts that are emitted
+            res.tokens[b] = res.tokens[b] + list(new)
         commit(cache, start, states, keep)
         res.verify_steps += 1
