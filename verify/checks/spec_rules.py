@@ -18,15 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from verify.checks.feature_rules import first_divergence
+
 Records = Sequence[Mapping[str, Any]]
-
-
-def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first index where two token lists differ (a length difference counts), or None."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def spec_decode_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
@@ -53,7 +47,7 @@ def spec_decode_problems(records: Records, metrics: Mapping[str, Any] | None = N
             problems.append(f"{where}: {len(plain)} plain and {len(spec)} speculative requests for batch {batch}")
             continue
         for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
-            m = first_mismatch(a, b)
+            m = first_divergence(a, b)
             if m is not None or len(a) != plan.get("steps"):
                 problems.append(f"{where}: request {i}: speculative tokens differ from plain greedy at token {m} "
                                 f"(of {len(a)}, {plan.get('steps')} planned)")
