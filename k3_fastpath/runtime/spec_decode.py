@@ -70,30 +70,34 @@ class SpecResult:
 def _kda_tensors(cache: Any) -> list[torch.Tensor]:
     from ..reference.kda import KDACache
 
-    return [t for layer in cache.layers if isinstance(layer, KDACache)
-            for t in (layer.conv_q, layer.conv_k, layer.conv_v, layer.state)]
+    return [t for layer in cache.layers if isinstance(layer, KDACache) for t in layer.tensors()]
 
 
 def verify_step(stepper: Any, cache: Any, feed: torch.Tensor, active: torch.Tensor
                 ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
     """``feed [B, k + 1]`` decoded position by position on ``cache`` (rows ``active``): the logits
-    ``[B, k + 1, V]`` and, per position, a copy of every KDA tensor of the cache after it (``commit``)."""
+    ``[B, k + 1, V]`` and, after each of the first ``k`` positions, a copy of every KDA tensor of the cache
+    (``commit``; after the last position the cache itself holds it)."""
     logits, states = [], []
     for i in range(feed.shape[1]):
         logits.append(stepper.decode(feed[:, i].contiguous(), cache, active))
-        states.append([t.clone() for t in _kda_tensors(cache)])
+        if i + 1 < feed.shape[1]:
+            states.append([t.clone() for t in _kda_tensors(cache)])
     return torch.stack(logits, 1), states
 
 
 def commit(cache: Any, start: torch.Tensor, states: list[list[torch.Tensor]], keep: torch.Tensor) -> None:
     """Each request ``b`` with ``keep[b] > 0`` back to its state after ``keep[b]`` fed tokens (KDA from
-    ``states[keep[b] - 1]``, length ``start[b] + keep[b]``); requests with ``keep[b] == 0`` are untouched."""
-    rows = (keep > 0).nonzero().flatten()
-    at = (keep[rows] - 1).to(rows.device)
-    for j, t in enumerate(_kda_tensors(cache)):
-        kept = torch.stack([s[j] for s in states])  # [k + 1, B, ...]: this tensor after each position
-        t[rows.to(t.device)] = kept[at.to(t.device), rows.to(t.device)]
-    rows = rows.tolist()
+    ``states[keep[b] - 1]``, or the cache's own after all ``k + 1``; length ``start[b] + keep[b]``);
+    requests with ``keep[b] == 0`` are untouched."""
+    tensors = _kda_tensors(cache)
+    for n in range(1, len(states) + 1):
+        group = (keep == n).nonzero().flatten()
+        if len(group):
+            for t, kept in zip(tensors, states[n - 1], strict=True):
+                idx = group.to(t.device)
+                t[idx] = kept[idx]
+    rows = (keep > 0).nonzero().flatten().tolist()
     lengths = cache.lengths.clone()
     lengths[rows] = (start.to(lengths.device) + keep.to(lengths.device))[rows]
     cache.lengths = lengths
