@@ -34,7 +34,14 @@ __all__ = ["Completion", "Constraint", "ContextLimitError", "Engine", "EngineErr
            "SPEC_HELP", "build_engine", "default_engine_spec", "describe_spec", "parse_spec"]
 
 SPEC_HELP = "builtin:reference | builtin:fast | openai:<base_url> | vllm | vllm+latency_specialized"
-DEFECT_PREFIX = "builtin:fast+defect="  # + a name of verify.defects.DEFECTS: the suite's own sensitivity runs
+DEFECT_MARK = "+defect="  # builtin:fast+defect=NAME (a name of verify.defects.DEFECTS): the suite's sensitivity runs
+DEFECT_PREFIX = "builtin:fast" + DEFECT_MARK
+
+
+def split_defect(path: str) -> tuple[str, str | None]:
+    """A builtin engine's path argument -> (path, planted defect name or None): ``fast+defect=X`` -> (fast, X)."""
+    path, _, defect = path.partition(DEFECT_MARK)
+    return path, defect or None
 BASELINE_DEFAULT = "builtin:reference"
 
 
@@ -104,7 +111,7 @@ def describe_spec(spec: str, role: str, **opts: Any) -> dict[str, Any]:
     kind, arg = parse_spec(spec)
     d: dict[str, Any] = {"role": role, "spec": spec, "kind": kind}
     if kind == "builtin":
-        d["path"], _, defect = arg.partition("+defect=")
+        d["path"], defect = split_defect(arg)
         if defect:
             d["planted_defect"] = defect
     elif kind == "openai":

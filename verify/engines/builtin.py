@@ -116,9 +116,10 @@ class BuiltinEngine:
                  conditioning: str = "stable") -> None:
         from k3_fastpath.reference.model import load_reference
         from k3_fastpath.runtime.generator import Generator
+        from verify.engines import split_defect
 
         spec_path = path
-        path, _, defect = spec_path.partition("+defect=")  # "fast+defect=NAME": verify/defects.py
+        path, defect = split_defect(spec_path)  # "fast+defect=NAME": verify/defects.py
         if path not in PATHS or (defect and path != "fast"):
             raise EngineError(f"builtin engine path must be one of {', '.join(PATHS)} (or fast+defect=NAME), "
                               f"got {spec_path!r}")
@@ -148,8 +149,7 @@ class BuiltinEngine:
         del sd
         if path == "fast":  # decode batches stay within the executor's slot pool (its largest bucket)
             max_batch = min(max_batch, 64)
-            stepper, self.defect = _fast_stepper(self.model, self.device, self._max_model_len, max_batch,
-                                                 defect or None)
+            stepper, self.defect = _fast_stepper(self.model, self.device, self._max_model_len, max_batch, defect)
         else:
             stepper = self.model
         self.generator = Generator(stepper, cfg.vocab_size, self._max_model_len, device=self.device,
