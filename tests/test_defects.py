@@ -87,7 +87,7 @@ def test_a_defect_engine_on_a_cpu_says_the_fast_path_is_unavailable():
 
     with pytest.raises(EngineError, match="builtin:fast is unavailable here"):
         BuiltinEngine(path="fast+defect=kda_state_bf16", device="cpu")
-    with pytest.raises(EngineError, match="or fast\\+defect=NAME"):
+    with pytest.raises(EngineError, match="goes into the fast path \\(builtin:fast\\+defect=NAME\\)"):
         BuiltinEngine(path="reference+defect=kda_state_bf16", device="cpu")
 
 

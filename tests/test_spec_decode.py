@@ -73,7 +73,8 @@ def test_the_synthetic_drafters_acceptance_is_about_its_p(seed):
     plain = _plain_greedy(model, ids, lens, 60)
     res = speculative_generate(model, ids, lens, SyntheticDrafter(plain, 0.6, CFG.vocab_size, seed), 3, 60)
     rates = res.stats.rates()
-    assert res.stats.examined[0] == res.stats.steps > 3 * 60 / 4  # position 0 examined by every verify step
+    # position 0 examined by every verify step but a request's last, which has no token left to draft
+    assert res.stats.steps - 3 <= res.stats.examined[0] <= res.stats.steps and res.stats.steps > 3 * 60 / 4
     assert all(abs(r - 0.6) < 0.2 for r in rates), rates
     assert 1.0 < res.stats.mean_acceptance_length() < 4.0
 
@@ -105,4 +106,6 @@ def test_the_fast_step_serves_verify_steps_with_plain_greedys_tokens(seed):
     res = speculative_generate(ex, ids, lens, SyntheticDrafter(out, 0.7, CFG.vocab_size, seed), 3, NEW)
     assert res.tokens == out, f"seed {seed}"
     fast = [r for r in ex.trace.since(steps) if r.fallback is None]
-    assert len(fast) == 4 * res.verify_steps  # every verify position a fast step (k + 1 = 4 per verify step)
+    # every verify position a fast step: k + 1 = 4 per verify step but the last ones (drafts capped by the
+    # tokens left to emit)
+    assert len(fast) == res.positions and 4 * (res.verify_steps - 2) < res.positions <= 4 * res.verify_steps

@@ -13,7 +13,15 @@ cache) -> logits [B, T, V]`` and ``decode(tokens [B], cache, active [B]) -> logi
 - sampling per request (``sampler.py``: own seeded generator, FP32 logits), stop tokens, an optional
   per-request token constraint (a grammar: bitmask before sampling, advanced after), an optional stop
   callback (stop strings live on the text side);
-- log-probabilities: the log-softmax of the raw FP32 logits at every generated position.
+- log-probabilities: the log-softmax of the raw FP32 logits at every generated position;
+- speculative decoding (``spec``: a ``spec_decode.Speculation``): after the first token, verify steps of
+  the last emitted token and up to ``k`` drafts per request (at most ``max_tokens - emitted - 1``, so no
+  position passes the request's context), the acceptance rule of ``spec_sampler.verify_draft`` (the
+  grammar's bitmask for each verify row: the matcher advanced along the draft, then rolled back), the
+  emitted tokens taken one by one as plain decoding takes them (stop tokens, grammar, ``stop_when``,
+  ``max_tokens``, log-probabilities of each token's own row), and the state committed after the tokens
+  kept. Acceptance is counted per request (``GenerationOutput.acceptance``) and per generator
+  (``Generator.acceptance``).
 """
 
 from __future__ import annotations
@@ -43,6 +51,9 @@ class TokenConstraint(Protocol):
     def is_terminated(self) -> bool:
         """True once the grammar accepted a stop token (the output is complete)."""
 
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding's drafts)."""
+
 
 @dataclass
 class GenerationRequest:
@@ -64,6 +75,7 @@ class GenerationOutput:
     prompt_len: int
     logprobs: list[dict[int, float]] | None = None
     stop_token: int | None = None  # the stop token that ended it (not in token_ids)
+    acceptance: dict | None = None  # speculative decoding: this request's AcceptanceStats.record()
 
 
 class Stepper(Protocol):
@@ -111,13 +123,14 @@ class _Row:
         self.generator = None if req.sampling.greedy else request_generator(req.seed, device)
         self.finish: str | None = None if req.max_tokens > 0 else "length"
         self.stop_token: int | None = None
+        self.stats: Any = None  # AcceptanceStats under speculative decoding
 
 
 class Generator:
     """Serves ``GenerationRequest`` batches on ``stepper`` within ``max_model_len`` positions."""
 
     def __init__(self, stepper: Stepper, vocab_size: int, max_model_len: int, device: str | torch.device = "cpu",
-                 cache_kwargs: dict[str, Any] | None = None, max_batch: int = 256) -> None:
+                 cache_kwargs: dict[str, Any] | None = None, max_batch: int = 256, spec: Any = None) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.stepper = stepper
@@ -127,6 +140,13 @@ class Generator:
         self.cache_kwargs = dict(cache_kwargs or {})
         self.max_batch = max(1, int(max_batch))
         self.steps = {"prefill_calls": 0, "prefill_tokens": 0, "decode_calls": 0}
+        self.spec = spec
+        self.acceptance: Any = None
+        if spec is not None:
+            from .spec_sampler import AcceptanceStats
+
+            self.steps["verify_steps"] = 0
+            self.acceptance = AcceptanceStats()
 
     # ------------------------------------------------------------------ helpers
     def _check_ids(self, ids: Sequence[int]) -> None:
@@ -158,28 +178,47 @@ class Generator:
         _release(cache)
         return last[0].to("cpu")
 
+    def _check_requests(self, requests: list[GenerationRequest]) -> None:
+        for r in requests:
+            self._check_ids(r.prompt_ids)
+            check_fits(len(r.prompt_ids), r.max_tokens, self.max_model_len)
+            if r.logprobs < 0:
+                raise ValueError(f"logprobs must be >= 0, got {r.logprobs}")
+
     @torch.no_grad()
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
         """Run the requests to completion; outputs in request order. Nothing runs if any request is rejected.
 
         Requests for at most one token need only their prompt's prefill: identical prompts among them are
         prefilled once (a sampling test sends the same prompt thousands of times). The others run in
-        batches of at most ``max_batch`` rows: one prefill, then one decode step per token.
+        batches of at most ``max_batch`` rows: one prefill, then one decode (or verify) step per step.
         """
-        for r in requests:
-            self._check_ids(r.prompt_ids)
-            check_fits(len(r.prompt_ids), r.max_tokens, self.max_model_len)
-            if r.logprobs < 0:
-                raise ValueError(f"logprobs must be >= 0, got {r.logprobs}")
+        self._check_requests(requests)
         rows = [_Row(r, self.device) for r in requests]
         single = [row for row in rows if row.req.max_tokens <= 1]
         multi = [row for row in rows if row.req.max_tokens > 1]
         self._run_single(single)
         for i in range(0, len(multi), self.max_batch):
             self._run_batch(multi[i: i + self.max_batch])
-        return [GenerationOutput(token_ids=row.tokens, finish_reason=row.finish or "length",
-                                 prompt_len=len(row.req.prompt_ids), logprobs=row.logprobs,
-                                 stop_token=row.stop_token) for row in rows]
+        return [self._output(row) for row in rows]
+
+    @torch.no_grad()
+    def run_batch(self, requests: list[GenerationRequest], keep_cache: bool = False
+                  ) -> tuple[list[GenerationOutput], Any]:
+        """The requests as one batch (at most ``max_batch``): one prefill and their decode or verify steps;
+        with ``keep_cache`` the cache comes back unreleased (the state after the last step), else None."""
+        self._check_requests(requests)
+        if not 1 <= len(requests) <= self.max_batch:
+            raise ValueError(f"run_batch takes 1..{self.max_batch} requests, got {len(requests)}")
+        rows = [_Row(r, self.device) for r in requests]
+        cache = self._run_batch(rows, keep_cache)
+        return [self._output(row) for row in rows], cache
+
+    def _output(self, row: _Row) -> GenerationOutput:
+        return GenerationOutput(token_ids=row.tokens, finish_reason=row.finish or "length",
+                                prompt_len=len(row.req.prompt_ids), logprobs=row.logprobs,
+                                stop_token=row.stop_token,
+                                acceptance=None if row.stats is None else row.stats.record())
 
     def _run_single(self, rows: list[_Row]) -> None:
         todo = [row for row in rows if row.finish is None]
@@ -197,14 +236,24 @@ class Generator:
         for row in todo:
             self._step_row(row, last[unique[tuple(row.req.prompt_ids)]], words)
 
-    def _run_batch(self, rows: list[_Row]) -> None:
+    def _run_batch(self, rows: list[_Row], keep_cache: bool = False) -> Any:
         max_len = max(len(row.req.prompt_ids) + row.req.max_tokens for row in rows)
         cache, logits = self._prefill([list(row.req.prompt_ids) for row in rows], max_len)
         words = bitmask_words(self.vocab_size)
         try:
-            self._decode_loop(rows, cache, logits, words)
-        finally:
+            if self.spec is None:
+                self._decode_loop(rows, cache, logits, words)
+            else:
+                from .spec_decode import spec_loop
+
+                spec_loop(self, rows, cache, logits, words)
+        except BaseException:
             _release(cache)
+            raise
+        if keep_cache:
+            return cache
+        _release(cache)
+        return None
 
     def _decode_loop(self, rows: list[_Row], cache: Any, logits: torch.Tensor, words: int) -> None:
         while True:
@@ -226,6 +275,12 @@ class Generator:
             bitmask = torch.zeros(words, dtype=torch.int32)
             req.constraint.fill_bitmask(bitmask)
         tok = sample_row(logits, req.sampling, row.generator, bitmask)
+        self._take(row, tok, logits)
+        return tok
+
+    def _take(self, row: _Row, tok: int, logits: torch.Tensor) -> None:
+        """``tok`` (chosen from ``logits``, within the grammar's bitmask) becomes ``row``'s next token."""
+        req = row.req
         if row.logprobs is not None:
             row.logprobs.append(_top_logprobs(logprobs_of(logits), req.logprobs, tok))
         if req.constraint is not None and not req.constraint.accept_token(tok):
@@ -234,7 +289,7 @@ class Generator:
             row.finish, row.stop_token = "stop", tok
             if row.logprobs is not None:
                 row.logprobs.pop()  # the stop token is not part of the output
-            return tok
+            return
         row.tokens.append(tok)
         if req.constraint is not None and req.constraint.is_terminated():
             row.finish = "stop"
@@ -242,4 +297,3 @@ class Generator:
             row.finish = "stop"
         elif len(row.tokens) >= req.max_tokens:
             row.finish = "length"
-        return tok

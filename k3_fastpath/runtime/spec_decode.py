@@ -1,25 +1,37 @@
 """Speculative decoding over any decode stepper (the reference ``K3ForCausalLM``, the standard path, or a
-``DecodeExecutor``: the fast path's kernels): verify steps of ``1 + k`` tokens per request, the acceptance
-rule of ``spec_sampler``, the state committed after the accepted prefix, and the synthetic drafter.
+``DecodeExecutor``: the fast path's kernels): the verify step, the state committed after the accepted
+prefix, the drafters, and ``SpecConfig`` (what ``Generator(spec=...)`` and an engine's ``+spec=`` run).
 
-One verify step of a request feeds ``[last emitted, d_1 .. d_k]``: row ``i`` of the target's logits scores
-the token after ``d_i`` (row 0 the token after the last emitted one). ``spec_sampler.verify_draft`` keeps
-``a`` drafts and adds one token; the KDA recurrent and conv states and the MLA cache must then be those
-after ``[last emitted, d_1 .. d_a]``: rejected drafts leave no trace. ``verify_step`` runs the ``k + 1``
-positions as ``k + 1`` decode steps of the stepper, keeping a copy of every KDA layer's state after each
-(the per-token states a fused verify kernel keeps too); ``commit`` restores each request's state after its
-accepted prefix and sets its length, so the MLA latents written for rejected drafts lie past the length and
-are never attended (the next step overwrites them). Each position is exactly a plain decode step, so
-greedy speculative decoding emits plain greedy decoding's tokens (bitwise, where the stepper's rows do not
-depend on each other: ``tests/test_spec_decode.py``). Cost: ``k + 1`` decode steps per verify step and
-``k + 1`` copies of the KDA states; the fused verify kernels of issue #22 (the KDA recurrence over the
-``k + 1`` tokens in one launch, MLA with causal masking inside the draft, GEMMs at M = B(k + 1)) are what
-make a verify step cost about one decode step.
+One verify step of a request feeds ``[last emitted, d_1 .. d_n]`` (``n <= k`` drafts): row ``i`` of the
+target's logits scores the token after ``d_i`` (row 0 the token after the last emitted one).
+``spec_sampler.verify_draft`` keeps ``a`` drafts and adds one token; the KDA recurrent and conv states
+and the MLA cache must then be those after ``[last emitted, d_1 .. d_a]``: rejected drafts leave no trace.
+``verify_step`` runs the positions as decode steps of the stepper (column ``i`` for the requests with at
+least ``i`` drafts), keeping a copy of every KDA layer's state after each (the per-token states a fused
+verify kernel keeps too); ``commit`` restores each request's state after its kept tokens and sets its
+length, so the MLA latents written for rejected drafts lie past the length and are never attended (the
+next step overwrites them). Each position is exactly a plain decode step, so greedy speculative decoding
+emits plain greedy decoding's tokens (bitwise, where the stepper's rows do not depend on each other:
+``tests/test_spec_decode.py``). Cost: ``n + 1`` decode steps per verify step and ``n`` copies of the KDA
+states; the fused verify kernels of issue #22 (the KDA recurrence over the ``k + 1`` tokens in one launch,
+MLA with causal masking inside the draft, GEMMs at M = B(k + 1)) are what make a verify step cost about
+one decode step.
 
-``SyntheticDrafter``: proposes the target's own next token (from ``oracle``, the target's continuation of
-each request, e.g. a plain greedy run) with probability ``p`` and another token otherwise, so acceptance is
-controlled (per position about ``p``; the first rejection ends a step). K3's next-token (MTP) layer is the
-other drafter the issue names; no preset here has one (no ``num_nextn_predict_layers``).
+Drafters (``propose(b, prompt, emitted, k) -> (tokens, probs | None)``: request ``b``'s at most ``k``
+drafts after its prompt and emitted tokens, with the distributions they were drawn from, None when
+deterministic):
+
+- ``NgramDrafter`` (``ngram``, vLLM's prompt-lookup method): the longest suffix of the context of
+  ``ngram_max`` down to ``ngram_min`` tokens that occurred earlier; its most recent earlier occurrence's
+  next tokens are the draft (none when no suffix recurs). Independent of the target, so two engines with
+  the same prompts and drafter draft from the same rule, and acceptance measures the target alone;
+- ``SyntheticDrafter``: proposes the target's own next token (from ``oracle``, the target's continuation of
+  each request, e.g. a plain greedy run) with probability ``p`` and another token otherwise, so acceptance
+  is controlled (per position about ``p``; the first rejection ends a step): for ``equivalence.spec_decode``
+  and perf points at chosen acceptance lengths.
+
+K3's next-token (MTP) layer is the other drafter the issue names: ``SpecConfig.drafter`` refuses ``mtp``
+with the reason (no preset here has ``num_nextn_predict_layers``; the loader skips ``*.mtp*`` tensors).
 """
 
 from __future__ import annotations
@@ -31,8 +43,76 @@ from typing import Any
 
 import torch
 
-from .sampler import SamplingConfig, sample_row
-from .spec_sampler import AcceptanceStats, verify_draft
+from .sampler import SamplingConfig
+from .spec_sampler import AcceptanceStats
+
+MAX_DRAFT_TOKENS = 7  # a verify step holds at most 1 + 7 rows per request (vLLM's K3 specialized decode too)
+METHODS = ("ngram", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding as a generator or engine serves it: ``method`` with ``k`` drafts per step.
+
+    ``parse("ngram:3")`` / ``parse("ngram:3:min=2,max=4")``: the ``+spec=`` value of an engine spec."""
+
+    method: str = "ngram"
+    k: int = 3
+    ngram_min: int = 1
+    ngram_max: int = 3
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r}: one of {', '.join(METHODS)}")
+        if not 1 <= self.k <= MAX_DRAFT_TOKENS:
+            raise ValueError(f"k = {self.k} draft tokens: a verify step holds 1 + k <= {MAX_DRAFT_TOKENS + 1} rows "
+                             f"per request (k in 1..{MAX_DRAFT_TOKENS})")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"ngram sizes min {self.ngram_min} / max {self.ngram_max}: need 1 <= min <= max")
+
+    @classmethod
+    def parse(cls, text: str) -> SpecConfig:
+        method, _, rest = text.partition(":")
+        k, _, opts = rest.partition(":")
+        if not k.isdigit():
+            raise ValueError(f"speculative config {text!r}: METHOD:K[:min=N,max=N], e.g. ngram:3")
+        kw: dict[str, int] = {}
+        for item in filter(None, opts.split(",")):
+            key, eq, val = item.partition("=")
+            if key not in ("min", "max") or not eq or not val.isdigit():
+                raise ValueError(f"speculative config {text!r}: unknown option {item!r} (min=N, max=N)")
+            kw[f"ngram_{key}"] = int(val)
+        return cls(method, int(k), **kw)
+
+    def describe(self) -> str:
+        extra = f":min={self.ngram_min},max={self.ngram_max}" if self.method == "ngram" else ""
+        return f"{self.method}:{self.k}{extra}"
+
+    def drafter(self, model_cfg: Any) -> Any:
+        """The drafter for a model of config ``model_cfg``; ``ValueError`` when it has none of this kind."""
+        if self.method == "ngram":
+            return NgramDrafter(self.ngram_min, self.ngram_max)
+        layers = int(getattr(model_cfg, "num_nextn_predict_layers", 0) or 0)
+        raise ValueError(f"speculative method mtp: {getattr(model_cfg, 'name', 'the model')} has "
+                         f"{layers} next-token (MTP) layers; this path serves no MTP drafter (the loader skips "
+                         "*.mtp* tensors): use ngram")
+
+
+class NgramDrafter:
+    """Prompt lookup (module docstring): deterministic, the same drafts for the same context."""
+
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 3) -> None:
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, b: int, prompt: Sequence[int], emitted: Sequence[int], k: int
+                ) -> tuple[list[int], torch.Tensor | None]:
+        ctx = list(prompt) + list(emitted)
+        for n in range(min(self.ngram_max, len(ctx) - 1), self.ngram_min - 1, -1):
+            suffix = ctx[-n:]
+            for start in range(len(ctx) - n - 1, -1, -1):  # most recent earlier occurrence first
+                if ctx[start: start + n] == suffix:
+                    return ctx[start + n: start + n + k], None
+        return [], None
 
 
 class SyntheticDrafter:
@@ -44,7 +124,8 @@ class SyntheticDrafter:
             raise ValueError(f"acceptance probability p must lie in [0, 1], got {p}")
         self.oracle, self.p, self.vocab, self.rng = [list(o) for o in oracle], p, vocab_size, random.Random(seed)
 
-    def propose(self, b: int, emitted: Sequence[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+    def propose(self, b: int, prompt: Sequence[int], emitted: Sequence[int], k: int
+                ) -> tuple[list[int], torch.Tensor | None]:
         out = []
         for i in range(k):
             j = len(emitted) + i
@@ -59,14 +140,6 @@ class SyntheticDrafter:
         return out, None
 
 
-@dataclass
-class SpecResult:
-    tokens: list[list[int]]  # per request, the emitted tokens (the first from the prefill's last row)
-    cache: Any = None  # the committed cache: the prompt and every emitted token but the last
-    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
-    verify_steps: int = 0
-
-
 def _kda_tensors(cache: Any) -> list[torch.Tensor]:
     from ..reference.kda import KDACache
 
@@ -75,20 +148,23 @@ def _kda_tensors(cache: Any) -> list[torch.Tensor]:
 
 def verify_step(stepper: Any, cache: Any, feed: torch.Tensor, active: torch.Tensor
                 ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-    """``feed [B, k + 1]`` decoded position by position on ``cache`` (rows ``active``): the logits
-    ``[B, k + 1, V]`` and, after each of the first ``k`` positions, a copy of every KDA tensor of the cache
-    (``commit``; after the last position the cache itself holds it)."""
+    """``feed [B, n + 1]`` decoded column by column on ``cache``, column ``i`` for the rows ``active[:, i]``
+    (``active [B]``: the same rows every column): the logits ``[B, n + 1, V]`` (0 where inactive) and,
+    after each of the first ``n`` columns, a copy of every KDA tensor of the cache (``commit``; after the
+    last column the cache itself holds it)."""
+    cols = feed.shape[1]
+    act = active.reshape(-1, 1).expand(-1, cols) if active.dim() == 1 else active
     logits, states = [], []
-    for i in range(feed.shape[1]):
-        logits.append(stepper.decode(feed[:, i].contiguous(), cache, active))
-        if i + 1 < feed.shape[1]:
+    for i in range(cols):
+        logits.append(stepper.decode(feed[:, i].contiguous(), cache, act[:, i].contiguous()))
+        if i + 1 < cols:
             states.append([t.clone() for t in _kda_tensors(cache)])
     return torch.stack(logits, 1), states
 
 
 def commit(cache: Any, start: torch.Tensor, states: list[list[torch.Tensor]], keep: torch.Tensor) -> None:
     """Each request ``b`` with ``keep[b] > 0`` back to its state after ``keep[b]`` fed tokens (KDA from
-    ``states[keep[b] - 1]``, or the cache's own after all ``k + 1``; length ``start[b] + keep[b]``);
+    ``states[keep[b] - 1]``, or the cache's own after all ``n + 1``; length ``start[b] + keep[b]``);
     requests with ``keep[b] == 0`` are untouched."""
     tensors = _kda_tensors(cache)
     for n in range(1, len(states) + 1):
@@ -105,41 +181,117 @@ def commit(cache: Any, start: torch.Tensor, states: list[list[torch.Tensor]], ke
         cache.length_bound = int(lengths.max())
 
 
+@dataclass
+class SpecResult:
+    tokens: list[list[int]]  # per request, the emitted tokens (the first from the prefill's last row)
+    cache: Any = None  # the committed cache: the prompt and every emitted token but the last
+    stats: AcceptanceStats = field(default_factory=AcceptanceStats)
+    verify_steps: int = 0
+    positions: int = 0  # decode steps the verify steps ran (one per column: at most k + 1 per verify step)
+
+
 @torch.no_grad()
 def speculative_generate(stepper: Any, prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, drafter: Any, k: int,
-                         max_new: int, cfg: SamplingConfig = SamplingConfig(),
-                         generators: Sequence[torch.Generator | None] | None = None, max_len: int | None = None
+                         max_new: int, cfg: SamplingConfig = SamplingConfig(), seeds: Sequence[int] | None = None
                          ) -> SpecResult:
     """``max_new`` tokens per request of right-padded ``prompt_ids [B, T]`` by verify steps of ``1 + k``
-    tokens on ``stepper`` (module docstring); the first token is sampled from the prefill's last row as in
-    plain decoding. A ``DecodeExecutor`` allocates its own cache (``new_cache``), the reference a plain one."""
-    if not 1 <= k <= 7:
-        raise ValueError(f"k = {k} draft tokens: a verify step holds 1 + k <= 8 rows per request (k in 1..7)")
+    tokens on ``stepper``: ``Generator(spec=...)``'s loop (stop tokens ignored), keeping the committed
+    cache for inspection; the first token is sampled from the prefill's last row as in plain decoding."""
+    from .generator import GenerationRequest, Generator
+
+    SpecConfig("ngram", k)  # validates k
     bsz = prompt_ids.shape[0]
-    gens = list(generators) if generators is not None else [None] * bsz
-    max_len = max_len or int(prompt_lens.max()) + max_new + k + 1
-    cache = stepper.new_cache(bsz) if hasattr(stepper, "warmup_and_capture") else stepper.new_cache(bsz, max_len)
-    last = stepper.prefill(prompt_ids, prompt_lens, cache)[torch.arange(bsz), prompt_lens - 1]
-    res = SpecResult([[sample_row(last[b], cfg, gens[b])] for b in range(bsz)], cache)
+    seeds = list(seeds) if seeds is not None else [0] * bsz
     dev = prompt_ids.device
+    gen = Generator(stepper, _vocab(stepper), int(prompt_lens.max()) + max_new, device=dev, max_batch=bsz,
+                    spec=Speculation(drafter, k))
+    reqs = [GenerationRequest(prompt_ids=prompt_ids[b, : int(prompt_lens[b])].tolist(), max_tokens=max_new,
+                              sampling=cfg, seed=seeds[b], ignore_stop_tokens=True) for b in range(bsz)]
+    outs, cache = gen.run_batch(reqs, keep_cache=True)
+    return SpecResult([o.token_ids for o in outs], cache, gen.acceptance, gen.steps["verify_steps"],
+                      gen.steps["decode_calls"])
+
+
+def _vocab(stepper: Any) -> int:
+    cfg = getattr(stepper, "cfg", None) or stepper.model.cfg
+    return int(cfg.vocab_size)
+
+
+@dataclass
+class Speculation:
+    """What a ``Generator`` drafts with: a drafter object and at most ``k`` drafts per verify step."""
+
+    drafter: Any
+    k: int
+    label: str = ""
+
+    @classmethod
+    def from_config(cls, spec: SpecConfig, model_cfg: Any) -> Speculation:
+        return cls(spec.drafter(model_cfg), spec.k, spec.describe())
+
+
+def _draft_bitmasks(constraint: Any, draft: list[int], words: int) -> torch.Tensor:
+    """The grammar's bitmask for each of the ``len(draft) + 1`` verify rows: the matcher advanced along the
+    draft (row ``i`` after drafts ``0..i-1``) and rolled back. Rows after a draft token the grammar rejects
+    (or after it terminated) allow everything: verify_draft rejects that token at its own row, so they are
+    never examined."""
+    masks = torch.full((len(draft) + 1, words), -1, dtype=torch.int32)
+    advanced = 0
+    for i in range(len(draft) + 1):
+        if constraint.is_terminated():
+            break
+        constraint.fill_bitmask(masks[i])
+        if i == len(draft) or not constraint.accept_token(draft[i]):
+            break
+        advanced += 1
+    if advanced:
+        constraint.rollback(advanced)
+    return masks
+
+
+def spec_loop(gen: Any, rows: list[Any], cache: Any, logits: torch.Tensor, words: int) -> None:
+    """``Generator``'s decode loop under speculative decoding (``gen.spec``; the generator's docstring)."""
+    from .spec_sampler import verify_draft
+
+    spec = gen.spec
+    for i, row in enumerate(rows):  # the first token: the prefill's last row, as plain decoding
+        row.stats = AcceptanceStats()
+        if row.finish is None:
+            gen._step_row(row, logits[i], words)
+    dev = gen.device
     while True:
-        active = [len(t) < max_new for t in res.tokens]
-        if not any(active):
-            return res
-        feed = torch.zeros(bsz, k + 1, dtype=torch.long)
+        live = [i for i, row in enumerate(rows) if row.finish is None]
+        if not live:
+            return
         drafts: dict[int, tuple[list[int], torch.Tensor | None]] = {}
-        for b in range(bsz):
-            if active[b]:
-                drafts[b] = drafter.propose(b, res.tokens[b], k)
-                feed[b] = torch.tensor([res.tokens[b][-1], *drafts[b][0]])
+        for i in live:
+            row = rows[i]
+            budget = min(spec.k, row.req.max_tokens - len(row.tokens) - 1)
+            d, q = spec.drafter.propose(i, row.req.prompt_ids, row.tokens, budget) if budget > 0 else ([], None)
+            drafts[i] = (list(d)[:budget], None if q is None else q[: min(len(d), budget)])
+        cols = 1 + max(len(d) for d, _ in drafts.values())
+        feed = torch.zeros(len(rows), cols, dtype=torch.long)
+        active = torch.zeros(len(rows), cols, dtype=torch.bool)
+        for i, (d, _) in drafts.items():
+            last = rows[i].stop_token if rows[i].stop_token is not None else rows[i].tokens[-1]
+            feed[i, : len(d) + 1] = torch.tensor([last, *d])
+            active[i, : len(d) + 1] = True
         start = cache.lengths.clone()
-        logits, states = verify_step(stepper, cache, feed.to(dev), torch.tensor(active, device=dev))
-        keep = torch.zeros(bsz, dtype=torch.long)
-        for b, (draft, probs) in drafts.items():
-            v = verify_draft(logits[b], torch.tensor(draft), cfg, gens[b], probs)
-            res.stats.add(k, v)
-            new = v.tokens[: max_new - len(res.tokens[b])]  # a request ends at max_new tokens
-            keep[b] = len(new)  # fed: the last emitted token and the accepted drafts that are emitted
-            res.tokens[b] = res.tokens[b] + list(new)
+        out, states = verify_step(gen.stepper, cache, feed.to(dev), active.to(dev))
+        out = out.float()
+        gen.steps["verify_steps"] += 1
+        gen.steps["decode_calls"] += cols
+        keep = torch.zeros(len(rows), dtype=torch.long)
+        for i, (d, q) in drafts.items():
+            row = rows[i]
+            masks = None if row.req.constraint is None else _draft_bitmasks(row.req.constraint, d, words)
+            v = verify_draft(out[i, : len(d) + 1], torch.tensor(d, dtype=torch.long), row.req.sampling,
+                             row.generator, q, masks)
+            row.stats.add(len(d), v)
+            gen.acceptance.add(len(d), v)
+            for j, tok in enumerate(v.tokens):
+                gen._take(row, int(tok), out[i, j])
+                keep[i] = j + 1  # fed tokens whose state stays: the last emitted one and the kept drafts
+                if row.finish is not None:
+                    break
         commit(cache, start, states, keep)
-        res.verify_steps += 1

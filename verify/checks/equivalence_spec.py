@@ -106,7 +106,7 @@ def spec_decode(ctx: CheckContext, batches: list[int] = [1, 8], ks: list[int] = 
         finally:
             ex.close()
         row = {"kind": "point", "batch": batch, "k": k, "plain_tokens": plain, "spec_tokens": res.tokens,
-               "verify_steps": res.verify_steps,
+               "verify_steps": res.verify_steps, "positions": res.positions,
                "fast_positions": sum(1 for r in spec_steps if r.fallback is None and r.kind == "decode"),
                "fallback_positions": sum(1 for r in spec_steps if r.fallback is not None and r.kind == "decode"),
                "state_max_abs_diff": kda, "latent_max_abs_diff": mla, "acceptance": res.stats.record(),

@@ -3,14 +3,15 @@ applies it again).
 
 Records: one ``plan`` (``points`` [[batch, k], ...], ``steps``, ``p``, ``state_tol``, ``emulated``), then per
 point a ``point`` record (or ``not_run`` with the reason): the plain greedy tokens and the speculative ones
-per request, ``verify_steps``, the fast steps and fallbacks the trace counted while the verify steps ran,
-the largest differences between the committed KDA state / MLA latents and those of plain decoding of the
+per request, ``verify_steps`` and ``positions`` (the decode steps they ran: one per verify row, at most
+``k + 1`` per verify step, fewer where the drafts were capped by the tokens left to emit), the fast steps
+and fallbacks the trace counted while the verify steps ran, the largest differences between the committed KDA state / MLA latents and those of plain decoding of the
 same tokens, and the acceptance counts per draft position.
 
 A point passes when the speculative tokens are the plain tokens (request by request, every token), both
-state differences are within ``state_tol``, every verify position ran as a fast step (``(k + 1)`` per verify
-step per point, no fallback) and at least one verify step ran. The check passes when every planned point
-passes.
+state differences are within ``state_tol``, every verify position ran as a fast step (``positions`` fast
+steps, no fallback, ``verify_steps <= positions <= (k + 1) verify_steps``) and at least one verify step
+ran. The check passes when every planned point passes.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def spec_decode_problems(records: Records, metrics: Mapping[str, Any] | None = N
         steps = r.get("verify_steps")
         if not isinstance(steps, int) or steps < 1:
             problems.append(f"{where}: {steps!r} verify steps ran")
-        elif r.get("fast_positions") != (k + 1) * steps or r.get("fallback_positions") != 0:
+        elif (not isinstance(r.get("positions"), int) or not steps <= r["positions"] <= (k + 1) * steps
+              or r.get("fast_positions") != r["positions"] or r.get("fallback_positions") != 0):
             problems.append(f"{where}: {r.get('fast_positions')} fast steps and {r.get('fallback_positions')} "
-                            f"fallbacks for {steps} verify steps of {k + 1} positions")
+                            f"fallbacks for {steps} verify steps of {r.get('positions')!r} positions "
+                            f"(at most {k + 1} each)")
         acc = r.get("acceptance") or {}
         if not acc.get("steps") or len(acc.get("accepted") or []) != k:
             problems.append(f"{where}: no acceptance counts for {k} draft positions")

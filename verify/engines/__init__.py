@@ -6,6 +6,8 @@
 |---|---|
 | ``builtin:reference`` | k3_fastpath's generator on the PyTorch reference (the standard path), in process |
 | ``builtin:fast`` | the same generator on the fast-path executor (an sm_90 GPU with the CuTe DSL) |
+| ``builtin:<path>+spec=ngram:K`` | either, with speculative decoding (``K`` drafts per verify step) |
+| ``builtin:fast+defect=NAME`` | the fast path with a planted numerics defect (``verify/defects.py``) |
 | ``openai:<base_url>`` | an OpenAI-compatible server that is already running (``openai.OpenAIEngine``) |
 | ``vllm`` / ``vllm+latency_specialized`` | ``vllm serve`` launched by the suite, without / with the switch |
 |  | (``vllm_server.launch_vllm``; needs ``model_dir``) |
@@ -31,17 +33,66 @@ from verify.engines.base import (
 )
 
 __all__ = ["Completion", "Constraint", "ContextLimitError", "Engine", "EngineError", "SamplingParams",
-           "SPEC_HELP", "build_engine", "default_engine_spec", "describe_spec", "parse_spec"]
+           "SPEC_HELP", "build_engine", "default_engine_spec", "describe_spec", "parse_spec", "split_builtin",
+           "with_speculation"]
 
-SPEC_HELP = "builtin:reference | builtin:fast | openai:<base_url> | vllm | vllm+latency_specialized"
-DEFECT_MARK = "+defect="  # builtin:fast+defect=NAME (a name of verify.defects.DEFECTS): the suite's sensitivity runs
-DEFECT_PREFIX = "builtin:fast" + DEFECT_MARK
+SPEC_HELP = ("builtin:reference | builtin:fast | builtin:<path>+spec=ngram:K | openai:<base_url> | vllm | "
+             "vllm+latency_specialized")
+# builtin:<path>[+defect=NAME][+spec=METHOD:K]: a planted defect (a name of verify.defects.DEFECTS, fast path
+# only: the suite's sensitivity runs) and speculative decoding (k3_fastpath.runtime.spec_decode.SpecConfig)
+BUILTIN_OPTIONS = ("defect", "spec")
+BUILTIN_PATHS = ("reference", "fast")
 
 
-def split_defect(path: str) -> tuple[str, str | None]:
-    """A builtin engine's path argument -> (path, planted defect name or None): ``fast+defect=X`` -> (fast, X)."""
-    path, _, defect = path.partition(DEFECT_MARK)
-    return path, defect or None
+def split_builtin(arg: str) -> tuple[str, dict[str, str]]:
+    """A builtin engine's argument -> (path, options): ``fast+defect=X+spec=ngram:3`` -> ("fast", {"defect":
+    "X", "spec": "ngram:3"}). ``EngineError`` for an unknown path or option, a repeated or empty one, a
+    defect on the reference path or an unknown defect, or a speculative config ``SpecConfig`` refuses."""
+    path, *items = arg.split("+")
+    if path not in BUILTIN_PATHS:
+        raise EngineError(f"unknown engine builtin:{arg}: the builtin path must be one of "
+                          f"{', '.join(BUILTIN_PATHS)}, got {path!r}; engines: {SPEC_HELP}")
+    opts: dict[str, str] = {}
+    for item in items:
+        key, eq, val = item.partition("=")
+        if key not in BUILTIN_OPTIONS or not eq or not val or key in opts:
+            raise EngineError(f"builtin:{arg}: option {item!r} is not one of "
+                              f"{', '.join(o + '=VALUE' for o in BUILTIN_OPTIONS)} (each at most once)")
+        opts[key] = val
+    if "defect" in opts:
+        from verify.defects import DEFECTS
+
+        if path != "fast":
+            raise EngineError(f"builtin:{arg}: a planted defect goes into the fast path (builtin:fast+defect=NAME)")
+        if opts["defect"] not in DEFECTS:
+            raise EngineError(f"engine builtin:{arg}: unknown defect {opts['defect']!r}; defects: {', '.join(DEFECTS)}")
+    if "spec" in opts:
+        from k3_fastpath.runtime.spec_decode import SpecConfig
+
+        try:
+            SpecConfig.parse(opts["spec"])
+        except ValueError as e:
+            raise EngineError(f"builtin:{arg}: {e}") from None
+    return path, opts
+
+
+def with_speculation(spec: str, speculative: str) -> str:
+    """The engine spec ``spec`` under speculative decoding ``speculative`` (``ngram:3``): a builtin engine with
+    ``+spec=``; any other engine serves what it was launched with (``EngineError``)."""
+    kind, arg = parse_spec(spec)
+    if kind != "builtin":
+        raise EngineError(f"{spec} decodes as it was launched: start the server with its own speculative config "
+                          "(vLLM: --speculative-config) and pass it as openai:URL; speculative variants are built "
+                          "for builtin engines")
+    path, opts = split_builtin(arg)
+    if opts.get("spec", speculative) != speculative:
+        raise EngineError(f"{spec} already decodes with +spec={opts['spec']}, not {speculative}")
+    opts["spec"] = speculative
+    out = f"builtin:{path}" + "".join(f"+{k}={opts[k]}" for k in BUILTIN_OPTIONS if k in opts)
+    parse_spec(out)
+    return out
+
+
 BASELINE_DEFAULT = "builtin:reference"
 
 
@@ -49,15 +100,10 @@ def parse_spec(spec: str) -> tuple[str, str]:
     """``spec`` -> (kind, argument): ("builtin", "fast"), ("openai", url), ("vllm", "" | "latency_specialized").
     Raises ``EngineError`` with the accepted forms for anything else."""
     s = (spec or "").strip()
-    if s in ("builtin:reference", "builtin:fast"):
-        return "builtin", s.split(":", 1)[1]
-    if s.startswith(DEFECT_PREFIX):  # the fast path with a planted defect (verify/defects.py)
-        from verify.defects import DEFECTS
-
-        name = s[len(DEFECT_PREFIX):]
-        if name not in DEFECTS:
-            raise EngineError(f"engine {spec!r}: unknown defect {name!r}; defects: {', '.join(DEFECTS)}")
-        return "builtin", s.split(":", 1)[1]
+    if s.startswith("builtin:"):
+        arg = s[len("builtin:"):]
+        split_builtin(arg)
+        return "builtin", arg
     if s.startswith("openai:"):
         url = s[len("openai:"):]
         if not url.startswith(("http://", "https://")):
@@ -111,9 +157,11 @@ def describe_spec(spec: str, role: str, **opts: Any) -> dict[str, Any]:
     kind, arg = parse_spec(spec)
     d: dict[str, Any] = {"role": role, "spec": spec, "kind": kind}
     if kind == "builtin":
-        d["path"], defect = split_defect(arg)
-        if defect:
-            d["planted_defect"] = defect
+        d["path"], options = split_builtin(arg)
+        if "defect" in options:
+            d["planted_defect"] = options["defect"]
+        if "spec" in options:
+            d["speculative"] = options["spec"]
     elif kind == "openai":
         d["base_url"] = arg
     else:

@@ -9,6 +9,9 @@
   a checkpoint directory (``k3_fastpath.weights.load_checkpoint``), in FP32 on a CPU and BF16 on CUDA
   unless ``dtype`` says otherwise; inside ``k3-verify run`` the runner hands over the run's
   ``model_source`` and a checkpoint's tensors come from it (read once, the digest the bundle records);
+- speculative decoding (``path`` with ``+spec=ngram:K``, ``k3_fastpath.runtime.spec_decode``): every
+  request of more than one token runs verify steps of up to ``K`` drafts on the stepper; each
+  completion's ``extra["acceptance"]`` holds its per-position acceptance counts;
 - the stepper: ``path="reference"`` runs the PyTorch reference (``K3ForCausalLM``, the standard path);
   ``path="fast"`` runs the fast-path ``DecodeExecutor`` (``k3_fastpath/runtime/executor.py``), which needs
   the CuTe DSL and an sm_90 GPU: anywhere else it raises ``EngineError`` saying what is missing;
@@ -29,8 +32,6 @@ from typing import Any
 import torch
 
 from verify.engines.base import Completion, Constraint, ContextLimitError, EngineError, SamplingParams
-
-PATHS = ("reference", "fast")
 
 
 def fast_path_unavailable_reason(device: str) -> str | None:
@@ -116,13 +117,11 @@ class BuiltinEngine:
                  conditioning: str = "stable") -> None:
         from k3_fastpath.reference.model import load_reference
         from k3_fastpath.runtime.generator import Generator
-        from verify.engines import split_defect
+        from verify.engines import split_builtin
 
         spec_path = path
-        path, defect = split_defect(spec_path)  # "fast+defect=NAME": verify/defects.py
-        if path not in PATHS or (defect and path != "fast"):
-            raise EngineError(f"builtin engine path must be one of {', '.join(PATHS)} (or fast+defect=NAME), "
-                              f"got {spec_path!r}")
+        path, opts = split_builtin(spec_path)  # "fast+defect=NAME" (verify/defects.py), "+spec=ngram:3"
+        defect = opts.get("defect")
         self.name = f"builtin:{spec_path}"
         self.path = path
         self.defect: Any = None  # the PlantedDefect of a fast path built with one
@@ -152,8 +151,16 @@ class BuiltinEngine:
             stepper, self.defect = _fast_stepper(self.model, self.device, self._max_model_len, max_batch, defect)
         else:
             stepper = self.model
+        self.speculation: Any = None
+        if "spec" in opts:
+            from k3_fastpath.runtime.spec_decode import SpecConfig, Speculation
+
+            try:
+                self.speculation = Speculation.from_config(SpecConfig.parse(opts["spec"]), cfg)
+            except ValueError as e:
+                raise EngineError(f"{self.name}: {e}") from None
         self.generator = Generator(stepper, cfg.vocab_size, self._max_model_len, device=self.device,
-                                   max_batch=max_batch)
+                                   max_batch=max_batch, spec=self.speculation)
         self.tokenizer_seed = tokenizer_seed
         self._tokenizer: Any = None
         self._tokenizer_desc: str | None = None
@@ -258,6 +265,8 @@ class BuiltinEngine:
             extra["stop_token"] = out.stop_token
         if req.constraint is not None:
             extra["grammar_terminated"] = req.constraint.is_terminated()
+        if out.acceptance is not None:
+            extra["acceptance"] = out.acceptance
         return Completion(text=text, token_ids=list(out.token_ids), finish_reason=out.finish_reason,
                           prompt_tokens=out.prompt_len, logprobs=out.logprobs, extra=extra)
 
@@ -297,6 +306,8 @@ class BuiltinEngine:
             **({"fast_path_trace": self.generator.stepper.trace.summary()}
                if hasattr(self.generator.stepper, "trace") else {}),
             **({"planted_defect": self.defect.describe()} if self.defect is not None else {}),
+            **({"speculative": self.speculation.label, "acceptance": self.generator.acceptance.record()}
+               if self.speculation is not None else {}),
         }
 
     def close(self) -> None:

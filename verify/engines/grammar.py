@@ -4,7 +4,9 @@ A ``Constraint`` (JSON schema, regex, or a choice among strings) is compiled onc
 xgrammar ``CompiledGrammar`` over the tokenizer's vocabulary (byte-level tokens, so any string the
 grammar accepts is reachable). Each request then gets its own ``GrammarConstraint``, the generator's
 ``TokenConstraint``: before every sampling step it fills the packed bitmask of the tokens that keep the
-output a prefix of some accepted string, after it the matcher advances by the chosen token.
+output a prefix of some accepted string, after it the matcher advances by the chosen token. Under
+speculative decoding the generator advances it along a draft for each verify row's bitmask and rolls it
+back (``rollback``) before taking the tokens the verify step emits.
 
 Stop tokens (the engine's EOS) are allowed by the bitmask only where the grammar accepts the output as
 complete, and the request ends when the matcher accepts one (``is_terminated``). So a constrained
@@ -62,19 +64,19 @@ class GrammarConstraint:
     def __init__(self, matcher: Any, constraint: Constraint) -> None:
         self.matcher = matcher
         self.constraint = constraint
-        self.rejected: list[int] = []
 
     def fill_bitmask(self, bitmask: torch.Tensor) -> None:
         self.matcher.fill_next_token_bitmask(bitmask.view(1, -1))
 
     def accept_token(self, token: int) -> bool:
-        ok = bool(self.matcher.accept_token(int(token)))
-        if not ok:
-            self.rejected.append(int(token))
-        return ok
+        return bool(self.matcher.accept_token(int(token)))
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (the matcher keeps every step: unlimited rollback)."""
+        self.matcher.rollback(int(num_tokens))
 
 
 class GrammarCompiler:
