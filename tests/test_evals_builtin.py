@@ -51,7 +51,7 @@ class _Engines:
     def __init__(self, under_test, baseline) -> None:
         self.roles = {"engine_under_test": under_test, "baseline": baseline}
 
-    def get(self, role, model_source=None):
+    def get(self, role, model_source=None, speculative=None):
         assert model_source is None  # these tests score the run's model
         return self.roles[role]
 

@@ -54,7 +54,7 @@ class _Engines:
     def __init__(self, eut, base) -> None:
         self.roles = {"engine_under_test": eut, "baseline": base}
 
-    def get(self, role, model_source=None):
+    def get(self, role, model_source=None, speculative=None):
         assert model_source is None  # these tests score the run's model
         return self.roles[role]
 

@@ -48,10 +48,13 @@ def test_ngram_drafter_proposes_what_followed_the_latest_earlier_match():
     with pytest.raises(ValueError, match="1 \\+ k <= 8 rows"):
         SpecConfig("ngram", 8)
     assert SpecConfig.parse("ngram:5:min=2,max=4") == SpecConfig("ngram", 5, 2, 4)
-    with pytest.raises(ValueError, match="METHOD:K"):
+    with pytest.raises(ValueError, match="METHOD:K\\[:OPTIONS\\]"):
         SpecConfig.parse("ngram")
     with pytest.raises(ValueError, match="0 next-token \\(MTP\\) layers"):
-        SpecConfig("mtp", 3).drafter(CFG)
+        SpecConfig("mtp", 3).drafter(type("M", (), {"cfg": CFG})())
+    assert SpecConfig.parse("synthetic:2:p=0.5") == SpecConfig("synthetic", 2, p=0.5)
+    with pytest.raises(ValueError, match="option 'p=0.5' is not one of min=N, max=N for ngram"):
+        SpecConfig.parse("ngram:2:p=0.5")
 
 
 @pytest.mark.parametrize("k", [1, 3, 7])
@@ -80,13 +83,37 @@ def test_greedy_speculative_generation_is_plain_greedy(model64, seed, k):
     assert gen.acceptance.steps < sum(len(o.token_ids) + (o.stop_token is not None) - 1 for o in spec)
 
 
+def test_the_draft_model_drafters_greedy_acceptance_is_its_p(model64, seed):
+    """On the reference target the synthetic drafter drafts the target's own tokens: every kept draft is
+    accepted (p 1: all of them), corrupted ones are rejected, so the per-position rate is about p; its
+    corruptions depend on (seed, prompt, position) only: the same drafts in any batch."""
+    from k3_fastpath.runtime.spec_decode import DraftModelDrafter
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, CFG.vocab_size, (5,), generator=g).tolist() for _ in range(4)]
+    reqs = [GenerationRequest(prompt_ids=p, max_tokens=30, ignore_stop_tokens=True) for p in prompts]
+    plain = Generator(model64, CFG.vocab_size, 64).generate(reqs)
+    full = Generator(model64, CFG.vocab_size, 64, spec=Speculation(DraftModelDrafter(model64, 1.0, seed), 3))
+    assert [o.token_ids for o in full.generate(reqs)] == [o.token_ids for o in plain]
+    assert full.acceptance.accepted == full.acceptance.examined  # every examined draft accepted
+    half = Generator(model64, CFG.vocab_size, 64, spec=Speculation(DraftModelDrafter(model64, 0.5, seed), 3))
+    outs = half.generate(reqs)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert 0.2 < half.acceptance.rates()[0] < 0.8, half.acceptance.record()
+    alone = Generator(model64, CFG.vocab_size, 64, spec=Speculation(DraftModelDrafter(model64, 0.5, seed), 3))
+    assert alone.generate(reqs[2:3])[0].acceptance == outs[2].acceptance  # batch-independent drafts
+
+
 def test_sampled_speculative_generation_is_reproducible_and_stays_in_the_filters(model64, seed):
+    from k3_fastpath.runtime.spec_decode import DraftModelDrafter
+
     prompts = _repeating_prompts(seed)
     cfg = SamplingConfig(temperature=0.8, top_k=5)
     reqs = [GenerationRequest(prompt_ids=p, max_tokens=16, sampling=cfg, seed=seed + i) for i, p in enumerate(prompts)]
-    gen = Generator(model64, CFG.vocab_size, 64, spec=Speculation(NgramDrafter(1, 3), 3))
+    gen = Generator(model64, CFG.vocab_size, 64, spec=Speculation(DraftModelDrafter(model64, 0.8, seed), 3))
     a, b = gen.generate(reqs), gen.generate(reqs)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert sum(gen.acceptance.accepted) > 0 and sum(gen.acceptance.examined) > sum(gen.acceptance.accepted)
     # every emitted token is among the top 5 of its context (prefix recomputed by a plain forward)
     for p, o in zip(prompts, a, strict=True):
         ctx = list(p)

@@ -64,21 +64,22 @@ class CheckContext:
     def artifact_path(self, name: str) -> Path:
         return self.writer.artifact_path(f"{self.check_id}/{name}")
 
-    def engine_under_test(self, model_source: Any = None):
+    def engine_under_test(self, model_source: Any = None, speculative: str | None = None):
         """The engine the run verifies (``--engine``), built on first use and shared by every check;
-        ``model_source``: the same engine serving that checkpoint instead of the run's model."""
-        return self._engine("engine_under_test", model_source)
+        ``model_source``: the same engine serving that checkpoint instead of the run's model;
+        ``speculative``: the same engine under speculative decoding (``EnginePool.get``)."""
+        return self._engine("engine_under_test", model_source, speculative)
 
-    def baseline_engine(self, model_source: Any = None):
+    def baseline_engine(self, model_source: Any = None, speculative: str | None = None):
         """The engine the engine under test is compared against (``--baseline-engine``)."""
-        return self._engine("baseline", model_source)
+        return self._engine("baseline", model_source, speculative)
 
-    def _engine(self, role: str, model_source: Any = None):
+    def _engine(self, role: str, model_source: Any = None, speculative: str | None = None):
         if self.engines is None:
             from verify.engines.base import EngineError
 
             raise EngineError(f"{self.check_id}: this run was started without engines")
-        return self.engines.get(role, model_source)
+        return self.engines.get(role, model_source, speculative)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started

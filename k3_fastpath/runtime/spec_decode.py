@@ -19,12 +19,14 @@ one decode step.
 
 Drafters (``propose(b, prompt, emitted, k) -> (tokens, probs | None)``: request ``b``'s at most ``k``
 drafts after its prompt and emitted tokens, with the distributions they were drawn from, None when
-deterministic):
+deterministic; ``SpecConfig.method`` names them):
 
 - ``NgramDrafter`` (``ngram``, vLLM's prompt-lookup method): the longest suffix of the context of
   ``ngram_max`` down to ``ngram_min`` tokens that occurred earlier; its most recent earlier occurrence's
   next tokens are the draft (none when no suffix recurs). Independent of the target, so two engines with
   the same prompts and drafter draft from the same rule, and acceptance measures the target alone;
+- ``DraftModelDrafter`` (``synthetic``): the reference model's own greedy continuation, each token kept
+  with probability ``p`` (controlled acceptance at any engine, for the acceptance and sampling checks);
 - ``SyntheticDrafter``: proposes the target's own next token (from ``oracle``, the target's continuation of
   each request, e.g. a plain greedy run) with probability ``p`` and another token otherwise, so acceptance
   is controlled (per position about ``p``; the first rejection ends a step): for ``equivalence.spec_decode``
@@ -47,19 +49,21 @@ from .sampler import SamplingConfig
 from .spec_sampler import AcceptanceStats
 
 MAX_DRAFT_TOKENS = 7  # a verify step holds at most 1 + 7 rows per request (vLLM's K3 specialized decode too)
-METHODS = ("ngram", "mtp")
+METHODS = ("ngram", "synthetic", "mtp")
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding as a generator or engine serves it: ``method`` with ``k`` drafts per step.
 
-    ``parse("ngram:3")`` / ``parse("ngram:3:min=2,max=4")``: the ``+spec=`` value of an engine spec."""
+    ``parse("ngram:3")``, ``parse("ngram:3:min=2,max=4")``, ``parse("synthetic:3:p=0.8")``: the ``+spec=``
+    value of an engine spec."""
 
     method: str = "ngram"
     k: int = 3
     ngram_min: int = 1
     ngram_max: int = 3
+    p: float = 0.8  # synthetic: the probability each draft token is the draft model's own
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -69,33 +73,110 @@ class SpecConfig:
                              f"per request (k in 1..{MAX_DRAFT_TOKENS})")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"ngram sizes min {self.ngram_min} / max {self.ngram_max}: need 1 <= min <= max")
+        if not 0.0 <= self.p <= 1.0:
+            raise ValueError(f"synthetic acceptance p {self.p} must lie in [0, 1]")
 
     @classmethod
     def parse(cls, text: str) -> SpecConfig:
         method, _, rest = text.partition(":")
         k, _, opts = rest.partition(":")
         if not k.isdigit():
-            raise ValueError(f"speculative config {text!r}: METHOD:K[:min=N,max=N], e.g. ngram:3")
-        kw: dict[str, int] = {}
+            raise ValueError(f"speculative config {text!r}: METHOD:K[:OPTIONS], e.g. ngram:3, ngram:3:min=1,max=3 "
+                             "or synthetic:3:p=0.8")
+        names = {"ngram": ("min", "max"), "synthetic": ("p",)}.get(method, ())
+        kw: dict[str, Any] = {}
         for item in filter(None, opts.split(",")):
             key, eq, val = item.partition("=")
-            if key not in ("min", "max") or not eq or not val.isdigit():
-                raise ValueError(f"speculative config {text!r}: unknown option {item!r} (min=N, max=N)")
-            kw[f"ngram_{key}"] = int(val)
+            try:
+                if key not in names or not eq:
+                    raise ValueError
+                kw["p" if key == "p" else f"ngram_{key}"] = float(val) if key == "p" else int(val)
+            except ValueError:
+                raise ValueError(f"speculative config {text!r}: option {item!r} is not one of "
+                                 f"{', '.join(n + '=N' for n in names) or 'none'} for {method}") from None
         return cls(method, int(k), **kw)
 
     def describe(self) -> str:
-        extra = f":min={self.ngram_min},max={self.ngram_max}" if self.method == "ngram" else ""
-        return f"{self.method}:{self.k}{extra}"
+        extra = {"ngram": f":min={self.ngram_min},max={self.ngram_max}", "synthetic": f":p={self.p:g}"}
+        return f"{self.method}:{self.k}{extra.get(self.method, '')}"
 
-    def drafter(self, model_cfg: Any) -> Any:
-        """The drafter for a model of config ``model_cfg``; ``ValueError`` when it has none of this kind."""
+    def drafter(self, model: Any, seed: int = 0) -> Any:
+        """The drafter for the reference ``K3ForCausalLM`` ``model`` (the synthetic drafter's draft model);
+        ``ValueError`` when there is none of this kind."""
         if self.method == "ngram":
             return NgramDrafter(self.ngram_min, self.ngram_max)
-        layers = int(getattr(model_cfg, "num_nextn_predict_layers", 0) or 0)
-        raise ValueError(f"speculative method mtp: {getattr(model_cfg, 'name', 'the model')} has "
+        if self.method == "synthetic":
+            return DraftModelDrafter(model, self.p, seed)
+        layers = int(getattr(model.cfg, "num_nextn_predict_layers", 0) or 0)
+        raise ValueError(f"speculative method mtp: {getattr(model.cfg, 'name', 'the model')} has "
                          f"{layers} next-token (MTP) layers; this path serves no MTP drafter (the loader skips "
-                         "*.mtp* tensors): use ngram")
+                         "*.mtp* tensors): use ngram or synthetic")
+
+
+class DraftModelDrafter:
+    """The synthetic drafter at an engine: the reference model (``model``, the standard path on the engine's
+    own weights) drafts its greedy continuation of the request, and each draft token is kept with
+    probability ``p``, else replaced by another token. The draw for draft position ``j`` of a request is a
+    function of (seed, prompt, j) only, so two engines with the same prompts get the same corruptions and
+    the same drafts wherever their outputs agree. On the reference engine the drafts are the target's own
+    tokens (greedy acceptance per position exactly the kept ones: about ``p``); on the fast path they are
+    the reference's, so acceptance also measures how far the fast path's verify rows agree with it.
+    Stateless: each verify step prefills every live request's context on ``model`` in one batch
+    (``propose_batch``, which the generator calls when a drafter has it); the cost grows with the context: a
+    check's drafter, not a production one."""
+
+    def __init__(self, model: Any, p: float, seed: int = 0) -> None:
+        self.model, self.p, self.seed = model, p, seed
+        self.vocab = int(model.cfg.vocab_size)
+
+    def _rng(self, prompt: Sequence[int], j: int) -> random.Random:
+        import hashlib
+
+        h = hashlib.blake2b(repr((self.seed, tuple(prompt), j)).encode(), digest_size=8).digest()
+        return random.Random(int.from_bytes(h, "little"))
+
+    def _keep_or_replace(self, prompt: Sequence[int], j: int, tok: int) -> int:
+        rng = self._rng(prompt, j)
+        if rng.random() < self.p:
+            return tok
+        t = rng.randrange(self.vocab - 1)  # any token but the draft model's
+        return t + 1 if t >= tok else t
+
+    def propose(self, b: int, prompt: Sequence[int], emitted: Sequence[int], k: int
+                ) -> tuple[list[int], torch.Tensor | None]:
+        return self.propose_batch([(b, prompt, emitted, k)])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, asks: Sequence[tuple[int, Sequence[int], Sequence[int], int]]
+                      ) -> list[tuple[list[int], torch.Tensor | None]]:
+        """``propose`` for many requests at once: one right-padded prefill of their contexts on the draft
+        model and ``max k - 1`` batched greedy decode steps."""
+        rows = [i for i, (_, _, _, k) in enumerate(asks) if k > 0]
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in asks]
+        if not rows:
+            return out
+        ctxs = [list(asks[i][1]) + list(asks[i][2]) for i in rows]
+        kmax = max(asks[i][3] for i in rows)
+        dev = next(self.model.parameters()).device
+        ids = torch.zeros(len(rows), max(len(c) for c in ctxs), dtype=torch.long)
+        for r, c in enumerate(ctxs):
+            ids[r, : len(c)] = torch.tensor(c)
+        lens = torch.tensor([len(c) for c in ctxs])
+        cache = self.model.new_cache(len(rows), int(lens.max()) + kmax)
+        logits = self.model.prefill(ids.to(dev), lens.to(dev), cache)[torch.arange(len(rows)), (lens - 1).to(dev)]
+        drafts: list[list[int]] = [[] for _ in rows]
+        for i in range(kmax):
+            best = logits.float().argmax(-1).tolist()
+            for r, a in enumerate(rows):
+                _, prompt, emitted, k = asks[a]
+                if i < k:
+                    drafts[r].append(self._keep_or_replace(prompt, len(emitted) + i, int(best[r])))
+            if i + 1 < kmax:
+                feed = torch.tensor([d[-1] if d else 0 for d in drafts], device=dev)
+                logits = self.model.decode(feed, cache)
+        for r, a in enumerate(rows):
+            out[a] = (drafts[r], None)
+        return out
 
 
 class NgramDrafter:
@@ -226,8 +307,8 @@ class Speculation:
     label: str = ""
 
     @classmethod
-    def from_config(cls, spec: SpecConfig, model_cfg: Any) -> Speculation:
-        return cls(spec.drafter(model_cfg), spec.k, spec.describe())
+    def from_config(cls, spec: SpecConfig, model: Any, seed: int = 0) -> Speculation:
+        return cls(spec.drafter(model, seed), spec.k, spec.describe())
 
 
 def _draft_bitmasks(constraint: Any, draft: list[int], words: int) -> torch.Tensor:
@@ -263,11 +344,14 @@ def spec_loop(gen: Any, rows: list[Any], cache: Any, logits: torch.Tensor, words
         live = [i for i, row in enumerate(rows) if row.finish is None]
         if not live:
             return
+        asks = [(i, rows[i].req.prompt_ids, rows[i].tokens,
+                 min(spec.k, rows[i].req.max_tokens - len(rows[i].tokens) - 1)) for i in live]
+        if hasattr(spec.drafter, "propose_batch"):  # a draft model: one batched forward for every request
+            proposed = spec.drafter.propose_batch(asks)
+        else:
+            proposed = [spec.drafter.propose(*a) if a[3] > 0 else ([], None) for a in asks]
         drafts: dict[int, tuple[list[int], torch.Tensor | None]] = {}
-        for i in live:
-            row = rows[i]
-            budget = min(spec.k, row.req.max_tokens - len(row.tokens) - 1)
-            d, q = spec.drafter.propose(i, row.req.prompt_ids, row.tokens, budget) if budget > 0 else ([], None)
+        for (i, _, _, budget), (d, q) in zip(asks, proposed, strict=True):
             drafts[i] = (list(d)[:budget], None if q is None else q[: min(len(d), budget)])
         cols = 1 + max(len(d) for d, _ in drafts.values())
         feed = torch.zeros(len(rows), cols, dtype=torch.long)

@@ -232,13 +232,18 @@ def full_context_problems(records: Records, metrics: Mapping[str, Any] | None = 
 def structured_output_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
     """features.structured_output: every sample's text validated again against its case's constraint
     (``validate_output``, jsonschema / regex / choice) and its finish reason; a sample whose
-    recorded ``valid`` disagrees with its text is a problem of its own."""
+    recorded ``valid`` disagrees with its text is a problem of its own; under speculative decoding at least
+    one draft examined."""
 
     spec_of = {c["name"]: c for c in CASES}
     samples = [r for r in records if r.get("kind") == "sample"]
     if not samples:
         return ["no structured-output case ran (empty cases or temperatures)"]
     problems = []
+    speculative = next((r.get("speculative") for r in records if r.get("kind") == "engines"), None)
+    if speculative and not sum(sum((r.get("acceptance") or {}).get("examined") or []) for r in samples):
+        problems.append(f"under speculative decoding ({speculative}) no sample had a draft examined: the verify "
+                        "steps did not run")
     for r in samples:
         case = spec_of.get(r.get("case"))
         if case is None or case["kind"] != r.get("constraint"):

@@ -7,6 +7,10 @@ pattern strings, booleans), regexes and choices, greedy (chat) and sampled (comp
 Every output must be complete (``finish_reason == "stop"``) and validate: ``jsonschema`` for schemas,
 ``re.fullmatch`` for regexes, membership for choices. One invalid output fails the check.
 
+With ``speculative`` (``ngram:3``, ``synthetic:3:p=0.8``) both engines decode speculatively
+(``ctx.engine_under_test(speculative=...)``): every speculated token must pass the grammar too, and the
+samples record their acceptance counts (at least one draft must have been examined).
+
 ``features.temperature_sampling``: for every temperature x filter cell (top-k / top-p off and on), ``samples``
 one-token requests without a seed go to the engine under test; their token counts are compared with the
 reference distribution, computed here in float64 from the baseline's raw log-probabilities
@@ -42,14 +46,17 @@ from verify.engines.base import Constraint, ContextLimitError, EngineError, Samp
 # ---------------------------------------------------------------------------------------------- engines
 
 
-def _engines(ctx: CheckContext) -> tuple[Any, Any, dict[str, Any]]:
-    eut = ctx.engine_under_test()
-    base = ctx.baseline_engine()
+def _engines(ctx: CheckContext, speculative: str | None = None) -> tuple[Any, Any, dict[str, Any]]:
+    eut = ctx.engine_under_test(speculative=speculative)
+    base = ctx.baseline_engine(speculative=speculative)
     info = {"engine_under_test": eut.name, "baseline": base.name, "same_engine": eut is base}
+    if speculative:
+        info["speculative"] = speculative
     if eut is base:
         info["note"] = (f"the engine under test is the baseline itself ({eut.name}): this run checks the "
                         "feature on the reference path; fast path vs reference needs --engine on an sm_90 GPU")
-    ctx.record({"kind": "engines", "engine_under_test": eut.describe(), "baseline": base.describe()})
+    ctx.record({"kind": "engines", "engine_under_test": eut.describe(), "baseline": base.describe(),
+                **({"speculative": speculative} if speculative else {})})
     return eut, base, info
 
 
@@ -67,7 +74,7 @@ def _prompt_ids(seed: int, n: int, vocab: int, low: int = 3) -> list[int]:
        "JSON-schema / regex / choice constrained outputs all validate (100%), engine under test and baseline",
        imports=("jsonschema", "xgrammar"))
 def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0], samples: int = 2,
-                      max_tokens: int = 256, cases: list[str] | None = None) -> Any:
+                      max_tokens: int = 256, cases: list[str] | None = None, speculative: str | None = None) -> Any:
     try:
         import jsonschema  # noqa: F401
     except ImportError:
@@ -78,7 +85,7 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
     if cases is not None and len(chosen) != len(set(cases)):
         unknown = sorted(set(cases) - {c["name"] for c in chosen})
         raise ValueError(f"unknown structured-output cases {unknown}; known: {[c['name'] for c in CASES]}")
-    eut, base, info = _engines(ctx)
+    eut, base, info = _engines(ctx, speculative)
     totals: dict[str, dict[str, int]] = {}
     greedy: dict[str, dict[str, str]] = {}
     for role, engine in _roles(eut, base):
@@ -104,7 +111,8 @@ def structured_output(ctx: CheckContext, temperatures: list[float] = [0.0, 1.0],
                     ctx.record({"kind": "sample", "role": role, "engine": engine.name, "case": case["name"],
                                 "constraint": case["kind"], "temperature": t, "mode": mode, "text": c.text,
                                 "tokens": len(c.token_ids), "finish_reason": c.finish_reason,
-                                "valid": why is None, "error": why})
+                                "valid": why is None, "error": why,
+                                **({"acceptance": c.extra.get("acceptance")} if speculative else {})})
                     if t == 0.0:
                         greedy.setdefault(case["name"], {})[role] = c.text
     problems = feature_rules.structured_output_problems(ctx.recorded)

@@ -1,5 +1,9 @@
-"""``equivalence.spec_decode``'s pass/fail rule as a function of its records (no torch: ``bundle verify``
-applies it again).
+"""The pass/fail rules of the speculative-decoding checks as functions of their records (``bundle verify``
+applies them again): ``equivalence.spec_decode`` (below), ``features.spec_acceptance`` and
+``features.spec_sampling`` (``spec_acceptance_problems``, ``spec_sampling_problems``; their records are
+described in ``verify/checks/spec_features.py``).
+
+``equivalence.spec_decode``.
 
 Records: one ``plan`` (``points`` [[batch, k], ...], ``steps``, ``p``, ``state_tol``, ``emulated``), then per
 point a ``point`` record (or ``not_run`` with the reason): the plain greedy tokens and the speculative ones
@@ -16,6 +20,7 @@ ran. The check passes when every planned point passes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,4 +73,186 @@ def spec_decode_problems(records: Records, metrics: Mapping[str, Any] | None = N
         acc = r.get("acceptance") or {}
         if not acc.get("steps") or len(acc.get("accepted") or []) != k:
             problems.append(f"{where}: no acceptance counts for {k} draft positions")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- features
+def _position_sums(requests: Records) -> tuple[list[int], list[int]]:
+    examined: list[int] = []
+    accepted: list[int] = []
+    for r in requests:
+        for i, (e, a) in enumerate(zip(r.get("examined") or [], r.get("accepted") or [], strict=False)):
+            while len(examined) <= i:
+                examined.append(0)
+                accepted.append(0)
+            examined[i] += int(e)
+            accepted[i] += int(a)
+    return examined, accepted
+
+
+def _z_quantile(q: float) -> float:
+    """The standard normal's ``q`` quantile (bisection on erf: no scipy)."""
+    import math
+
+    lo, hi = -10.0, 10.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if 0.5 * (1.0 + math.erf(mid / math.sqrt(2.0))) < q:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def acceptance_comparison(records: Records) -> dict[str, Any]:
+    """Per draft position, each role's acceptance (summed over its requests) and the one-sided test of the
+    engine under test accepting less than the baseline: drop = baseline rate - engine rate, se the pooled
+    two-proportion standard error, ``z_crit`` at ``alpha / positions`` (Bonferroni), the minimum drop
+    detectable with 80% power at these counts; the mean acceptance length (1 + accepted per verify step)."""
+    import math
+
+    plan = next((r for r in records if r.get("kind") == "plan"), {})
+    reqs = [r for r in records if r.get("kind") == "request"]
+    by_role = {role: [r for r in reqs if r.get("role") == role] for role in ("engine_under_test", "baseline")}
+    if not by_role["baseline"] and plan.get("same_engine"):
+        by_role["baseline"] = by_role["engine_under_test"]
+    sums = {role: _position_sums(rs) for role, rs in by_role.items()}
+    steps = {role: sum(int(r.get("steps") or 0) for r in rs) for role, rs in by_role.items()}
+    n_pos = max((len(s[0]) for s in sums.values()), default=0)
+    alpha = float(plan.get("alpha", 0.01))
+    z_crit = _z_quantile(1.0 - alpha / max(n_pos, 1))
+    z_power = _z_quantile(0.8)
+    positions = []
+    for i in range(n_pos):
+        (ee, ea), (be, ba) = [(s[0][i] if i < len(s[0]) else 0, s[1][i] if i < len(s[1]) else 0)
+                              for s in (sums["engine_under_test"], sums["baseline"])]
+        row: dict[str, Any] = {"position": i, "engine_examined": ee, "engine_accepted": ea, "baseline_examined": be,
+                               "baseline_accepted": ba}
+        if ee and be:
+            re_, rb = ea / ee, ba / be
+            pooled = (ea + ba) / (ee + be)
+            se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / ee + 1 / be))
+            row.update(engine_rate=re_, baseline_rate=rb, drop=rb - re_, se=se, z=(rb - re_) / se,
+                       min_detectable_drop=(z_crit + z_power) * se)
+        positions.append(row)
+    mal = {role: (1.0 + sum(sums[role][1]) / steps[role]) if steps[role] else None for role in sums}
+    return {"positions": positions, "z_crit": z_crit, "mean_acceptance_length": mal,
+            "verify_steps": steps}
+
+
+def spec_acceptance_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    """features.spec_acceptance: the same drafter and prompts on both engines (greedy); fails where the
+    engine under test accepts less than the baseline at some draft position by more than ``margin`` and
+    significantly (``acceptance_comparison``), or where there is nothing to compare: a role without
+    requests, or a baseline position 0 examined fewer than ``min_examined`` times or never accepted."""
+    plans = [r for r in records if r.get("kind") == "plan"]
+    if len(plans) != 1:
+        return [f"{len(plans)} plan records (expected 1)"]
+    plan = plans[0]
+    reqs = [r for r in records if r.get("kind") == "request"]
+    want = plan.get("prompts")
+    problems = []
+    for role in ("engine_under_test",) + (() if plan.get("same_engine") else ("baseline",)):
+        got = sum(1 for r in reqs if r.get("role") == role)
+        if got != want:
+            problems.append(f"{role}: {got} requests recorded, {want} planned")
+    cmp = acceptance_comparison(records)
+    pos = cmp["positions"]
+    min_examined = int(plan.get("min_examined", 1))
+    if not pos or pos[0]["baseline_examined"] < min_examined:
+        problems.append(f"the baseline examined position 0 {pos[0]['baseline_examined'] if pos else 0} times "
+                        f"(< {min_examined}): too few drafts to compare acceptance")
+    elif not pos[0]["baseline_accepted"]:
+        problems.append("the baseline accepted no draft: acceptance has nothing to compare (a drafter that "
+                        "matches the model, e.g. synthetic with p > 0)")
+    margin = float(plan.get("margin", 0.05))
+    for row in pos:
+        if "drop" in row and row["drop"] > margin and row["z"] > cmp["z_crit"]:
+            problems.append(f"position {row['position']}: the engine under test accepts {row['engine_rate']:.3f} "
+                            f"({row['engine_accepted']}/{row['engine_examined']}), the baseline "
+                            f"{row['baseline_rate']:.3f} ({row['baseline_accepted']}/{row['baseline_examined']}): "
+                            f"drop {row['drop']:.3f} > margin {margin} (z {row['z']:.1f} > {cmp['z_crit']:.2f})")
+    return problems
+
+
+def token_interval(logprobs: Sequence[float], token: int, temperature: float, top_k: int, top_p: float,
+                   logit_tol: float, mass_tol: float) -> tuple[float, float, bool]:
+    """``token``'s interval under the reference sampling distribution (``feature_rules.reference_distribution``
+    of the log-probabilities at ``temperature`` after top-k / top-p), tokens ordered by falling probability
+    (ties by id): (F(before token), p(token), whether the token lies within a tolerance of a filter's
+    boundary)."""
+    import numpy as np
+
+    from verify.checks.feature_rules import reference_distribution
+
+    p, amb = reference_distribution(np.array(logprobs, dtype=np.float64), temperature, top_k, top_p, logit_tol,
+                                    mass_tol)
+    order = np.lexsort((np.arange(len(p)), -p))
+    rank = int(np.nonzero(order == token)[0][0])
+    return float(p[order[:rank]].sum()), float(p[token]), bool(amb[token])
+
+
+def pit_test(sequences: Sequence[Mapping[str, Any]], bins: int) -> dict[str, Any]:
+    """The randomized probability integral transform of every tested token, ``u = lo + U p`` (``lo``, ``p``
+    its interval, ``U`` its recorded uniform draw): uniform on [0, 1) exactly when the tokens follow the
+    reference distribution, independently from token to token (each given its context). A G-test of the
+    ``bins`` equal-width counts against uniform; tokens near a filter boundary (``ambiguous``) are left
+    out, tokens of probability 0 are ``forbidden``."""
+    import numpy as np
+
+    from verify.checks.feature_rules import g_test
+
+    counts = np.zeros(bins, dtype=np.int64)
+    forbidden = ambiguous = 0
+    for s in sequences:
+        for lo, pt, u, amb in zip(s["lo"], s["p"], s["U"], s["ambiguous"], strict=True):
+            if amb:
+                ambiguous += 1
+            elif pt <= 0.0:
+                forbidden += 1
+            else:
+                counts[min(int((lo + u * pt) * bins), bins - 1)] += 1
+    n = int(counts.sum())
+    g, df, pval = g_test(counts.astype(np.float64), np.full(bins, n / bins)) if n else (0.0, 0, 1.0)
+    return {"tested": n, "forbidden": forbidden, "ambiguous": ambiguous, "counts": counts.tolist(), "G": g,
+            "df": df, "p_value": pval}
+
+
+def spec_sampling_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
+    """features.spec_sampling: per (temperature, filter) cell, ``pit_test`` of the recorded tokens redone
+    from their recorded intervals and draws, at ``alpha / cells``: its p-value and counts as recorded, no
+    token the filters remove, at least ``min_tokens`` tested; over the whole check, drafts examined and both
+    accepted and rejected (each branch of the verify rule ran)."""
+    plans = [r for r in records if r.get("kind") == "plan"]
+    if len(plans) != 1:
+        return [f"{len(plans)} plan records (expected 1)"]
+    plan = plans[0]
+    cells = [r for r in records if r.get("kind") == "cell"]
+    if len(cells) != len(plan.get("cells") or []) or not cells:
+        return [f"{len(cells)} cells recorded, {len(plan.get('cells') or [])} planned"]
+    alpha_cell = float(plan["alpha"]) / len(cells)
+    problems = []
+    examined = accepted = 0
+    for i, r in enumerate(cells):
+        where = f"T={r.get('temperature')} top_k={r.get('top_k')} top_p={r.get('top_p')}"
+        seqs = [s for s in records if s.get("kind") == "sequence" and s.get("cell") == i]
+        if len(seqs) != plan.get("samples"):
+            problems.append(f"{where}: {len(seqs)} sequences recorded, {plan.get('samples')} planned")
+        t = pit_test(seqs, int(plan["bins"]))
+        if t["counts"] != r.get("counts") or not math.isclose(t["p_value"], r.get("p_value", -1.0), rel_tol=1e-6,
+                                                                abs_tol=1e-12):
+            problems.append(f"{where}: the cell records counts {r.get('counts')}, p={r.get('p_value')}; its tokens "
+                            f"give {t['counts']}, p={t['p_value']:.6g}")
+        if t["forbidden"]:
+            problems.append(f"{where}: {t['forbidden']} tokens the filters remove")
+        if t["tested"] < int(plan.get("min_tokens", 1)):
+            problems.append(f"{where}: {t['tested']} tokens tested (< {plan.get('min_tokens')})")
+        elif t["p_value"] < alpha_cell:
+            problems.append(f"{where}: sampled tokens differ from the reference distribution (randomized PIT "
+                            f"G={t['G']:.1f}, df={t['df']}, p={t['p_value']:.2g} < {alpha_cell:.2g})")
+        examined += sum(int(s.get("examined") or 0) for s in seqs)
+        accepted += sum(int(s.get("accepted") or 0) for s in seqs)
+    if not accepted or examined <= accepted:
+        problems.append(f"drafts examined {examined} times, accepted {accepted}: both branches of the verify rule "
+                        "(accept, and the residual draw after a rejection) must run")
     return problems

@@ -204,14 +204,17 @@ class EnginePool:
             self._checkpoints[key] = read_checkpoint(key)
         return self._checkpoints[key]
 
-    def get(self, role: str, model_source: Any = None) -> Engine:
+    def get(self, role: str, model_source: Any = None, speculative: str | None = None) -> Engine:
         """The engine of ``role``; with ``model_source`` (a checkpoint ``verify.model_source.ModelSource``
         other than the run's, e.g. the sentinel the evals score) the same spec serving that checkpoint,
         built once per spec and checkpoint digest. Only builtin engines take another model: a server
-        serves what it was launched on."""
+        serves what it was launched on. With ``speculative`` (``ngram:3``, ``synthetic:3:p=0.8``): the same
+        spec under speculative decoding (``with_speculation``), built once per spec."""
         if role not in self.specs:
             raise EngineError(f"this run has no {role} engine")
         spec, opts = self.specs[role], self.opts
+        if speculative:
+            spec = with_speculation(spec, speculative)
         if model_source is not None:
             if parse_spec(spec)[0] != "builtin":
                 raise EngineError(f"{spec} serves the model it was launched on, not {model_source.name} "

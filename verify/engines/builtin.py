@@ -156,7 +156,7 @@ class BuiltinEngine:
             from k3_fastpath.runtime.spec_decode import SpecConfig, Speculation
 
             try:
-                self.speculation = Speculation.from_config(SpecConfig.parse(opts["spec"]), cfg)
+                self.speculation = Speculation.from_config(SpecConfig.parse(opts["spec"]), self.model, self.seed)
             except ValueError as e:
                 raise EngineError(f"{self.name}: {e}") from None
         self.generator = Generator(stepper, cfg.vocab_size, self._max_model_len, device=self.device,
@@ -289,6 +289,30 @@ class BuiltinEngine:
         except ValueError as e:
             raise EngineError(f"{self.name}: {e}") from None
         return dict(enumerate(logprobs_of(logits).tolist()))
+
+    @torch.no_grad()
+    def sequence_logprobs(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Per sequence, FP32 ``[len(ids), V]``: row ``i`` the log-softmax of the next-token logits after
+        ``ids[: i + 1]``, from forwards of the engine's reference model over whole sequences (teacher
+        forcing; sequences of one length share a forward)."""
+        from k3_fastpath.runtime.generator import check_fits
+        from k3_fastpath.runtime.sampler import logprobs_of
+
+        self._check_open()
+        for ids in seqs:
+            check_fits(len(ids), 0, self.max_model_len)
+        out: list[torch.Tensor | None] = [None] * len(seqs)
+        by_len: dict[int, list[int]] = {}
+        for i, ids in enumerate(seqs):
+            by_len.setdefault(len(ids), []).append(i)
+        for idx in by_len.values():
+            for c in range(0, len(idx), 64):
+                chunk = idx[c: c + 64]
+                x = torch.tensor([list(map(int, seqs[i])) for i in chunk], device=self.device)
+                lp = logprobs_of(self.model(x).float()).to("cpu")
+                for j, i in enumerate(chunk):
+                    out[i] = lp[j]
+        return out  # type: ignore[return-value]
 
     def describe(self) -> dict[str, Any]:
         from verify.engines.grammar import xgrammar_version

@@ -1,0 +1,144 @@
+"""Serving features under speculative decoding, through engines: ``ctx.engine_under_test(speculative=...)``
+against ``ctx.baseline_engine(speculative=...)`` (``builtin:<path>+spec=METHOD:K``; on a CPU both are
+``builtin:reference``, which the metrics say: ``same_engine``). ``features.structured_output`` takes the same
+``speculative`` parameter (grammars inside speculated tokens).
+
+``features.spec_acceptance``: the acceptance-length gate. Greedy requests from seeded random prompts on
+both engines with the same drafter (default ``synthetic:3:p=0.8``: the reference model's own greedy
+continuation, each draft token kept with probability 0.8 by a draw that depends on the prompt and position
+only), one ``request`` record per request and role (its emitted tokens, verify steps, and per draft
+position how often it was examined and accepted). ``spec_rules.spec_acceptance_problems`` fails where the
+engine under test accepts less than the baseline at a position by more than ``margin`` and significantly
+(one-sided two-proportion z-test, Bonferroni over positions at ``alpha``), and records the minimum drop
+detectable with 80% power at these counts. A verify kernel whose rows after the first are wrong keeps
+emitting the right tokens (rejection corrects them) while acceptance collapses: this is the check that sees it.
+
+``features.spec_sampling``: temperature sampling under speculative decoding follows the target's
+distribution. Per (temperature, filter) cell, ``samples`` requests of ``max_tokens`` tokens without a seed
+(every token after the first comes from a verify step: accepted drafts, the residual draw after a rejection,
+bonus tokens); each token is scored against the baseline's own distribution of its context (the plain
+baseline's teacher-forced log-probabilities of the whole sequence, ``softmax(logits / T)`` after top-k /
+top-p): its interval ``[F(before), F(before) + p]`` with tokens ordered by falling probability and a
+recorded uniform draw ``U`` give the randomized probability integral transform ``u = lo + U p``, which is
+uniform and independent from token to token exactly when the emitted tokens follow the distribution
+(Rosenblatt). The ``u`` of all tokens go into ``bins`` equal bins, G-tested against uniform at
+``alpha / cells``; a bias towards the draft (the correction drawn from ``p`` instead of the residual) piles
+up ``u`` near 0. ``spec_rules.spec_sampling_problems`` redoes the test from each token's recorded interval
+and draw, and requires the verify rule to have run (drafts accepted and rejected). The intervals come from
+the baseline's full distribution at every position, which is not recorded (V floats per token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from verify.checks.registry import check
+from verify.checks.spec_rules import (
+    acceptance_comparison,
+    pit_test,
+    spec_acceptance_problems,
+    spec_sampling_problems,
+    token_interval,
+)
+from verify.context import CheckContext
+from verify.engines.base import SamplingParams
+
+
+def _spec_engines(ctx: CheckContext, speculative: str) -> tuple[Any, Any, dict[str, Any]]:
+    eut = ctx.engine_under_test(speculative=speculative)
+    base = ctx.baseline_engine(speculative=speculative)
+    info = {"engine_under_test": eut.name, "baseline": base.name, "same_engine": eut is base,
+            "speculative": speculative}
+    ctx.record({"kind": "engines", "engine_under_test": eut.describe(), "baseline": base.describe(),
+                "speculative": speculative})
+    return eut, base, info
+
+
+def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(3, vocab, size=length)] for _ in range(n)]
+
+
+@check("features.spec_acceptance",
+       "speculative decoding's per-position acceptance: engine under test not below the baseline (same drafter, "
+       "same prompts)")
+def spec_acceptance(ctx: CheckContext, speculative: str = "synthetic:3:p=0.8", prompts: int = 16,
+                    prompt_len: int = 12, max_tokens: int = 32, margin: float = 0.05, alpha: float = 0.01,
+                    min_examined: int = 50) -> Any:
+    """The check (module docstring)."""
+    if prompts < 1 or max_tokens < 2 or not 0 < alpha < 1 or margin < 0:
+        raise ValueError("spec_acceptance needs prompts >= 1, max_tokens >= 2, 0 < alpha < 1, margin >= 0")
+    eut, base, info = _spec_engines(ctx, speculative)
+    ctx.record({"kind": "plan", "prompts": prompts, "prompt_len": prompt_len, "max_tokens": max_tokens,
+                "margin": margin, "alpha": alpha, "min_examined": min_examined, "speculative": speculative,
+                "same_engine": eut is base})
+    ids = _prompts(ctx.seed + 7, prompts, prompt_len, eut.vocab_size)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for role, engine in [("engine_under_test", eut)] + ([] if eut is base else [("baseline", base)]):
+        for i, c in enumerate(engine.generate(ids, params)):
+            acc = c.extra.get("acceptance") or {}
+            ctx.record({"kind": "request", "role": role, "prompt": i, "tokens": c.token_ids,
+                        "steps": acc.get("steps"), "examined": acc.get("examined"), "accepted": acc.get("accepted")})
+    cmp = acceptance_comparison(ctx.recorded)
+    metrics = dict(info, positions=cmp["positions"], mean_acceptance_length=cmp["mean_acceptance_length"],
+                   margin=margin, alpha=alpha, test="one-sided two-proportion z-test per draft position, "
+                   "Bonferroni", min_detectable_drop=[p.get("min_detectable_drop") for p in cmp["positions"]])
+    return ctx.verdict(spec_acceptance_problems(ctx.recorded), metrics)
+
+
+DEFAULT_CELLS = [{"temperature": 1.0, "top_k": 0, "top_p": 1.0}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}]
+
+
+@check("features.spec_sampling",
+       "under speculative decoding every sampled token follows softmax(logits/T) with top-k/top-p given its "
+       "context (randomized PIT, G-test)")
+def spec_sampling(ctx: CheckContext, speculative: str = "synthetic:3:p=1.0", cells: list[dict] | None = None,
+                  samples: int = 300, max_tokens: int = 8, prompt_len: int = 8, bins: int = 20, alpha: float = 1e-3,
+                  min_tokens: int = 200, logit_tol: float = 0.05, mass_tol: float = 0.005) -> Any:
+    """The check (module docstring)."""
+    cells = DEFAULT_CELLS if cells is None else [dict(c) for c in cells]
+    if not cells or samples < 1 or max_tokens < 2 or any(float(c.get("temperature", 0)) <= 0 for c in cells):
+        raise ValueError("spec_sampling needs cells with temperature > 0, samples >= 1 and max_tokens >= 2")
+    eut, base, info = _spec_engines(ctx, speculative)
+    plain = ctx.baseline_engine()  # the reference distributions: the baseline without speculative decoding
+    if not hasattr(plain, "sequence_logprobs"):
+        from verify.engines.base import EngineError
+
+        raise EngineError(f"features.spec_sampling scores every position with the baseline's teacher-forced "
+                          f"log-probabilities; {plain.name} has none (use a builtin baseline)")
+    if eut is base:
+        logit_tol, mass_tol = 1e-6, 1e-6
+    prompt = _prompts(ctx.seed + 211, 1, prompt_len, eut.vocab_size)[0]
+    ctx.record({"kind": "plan", "cells": cells, "samples": samples, "max_tokens": max_tokens, "prompt": prompt,
+                "bins": bins, "alpha": alpha, "min_tokens": min_tokens, "logit_tol": logit_tol,
+                "mass_tol": mass_tol, "speculative": speculative, "reference_engine": plain.name})
+    rng = np.random.default_rng(ctx.seed + 223)
+    worst = 1.0
+    for i, cell in enumerate(cells):
+        t, k, tp = float(cell["temperature"]), int(cell.get("top_k", 0)), float(cell.get("top_p", 1.0))
+        params = SamplingParams(max_tokens=max_tokens, temperature=t, top_k=k, top_p=tp, seed=None, ignore_eos=True)
+        seqs = []
+        outs = eut.generate([prompt] * samples, params)
+        scored = plain.sequence_logprobs([prompt + list(c.token_ids) for c in outs])
+        for c, full in zip(outs, scored, strict=True):
+            lp = full[len(prompt) - 1: -1]
+            iv = [token_interval(lp[j].tolist(), tok, t, k, tp, logit_tol, mass_tol)
+                  for j, tok in enumerate(c.token_ids)]
+            acc = c.extra.get("acceptance") or {}
+            seqs.append({"kind": "sequence", "cell": i, "tokens": list(c.token_ids), "lo": [x[0] for x in iv],
+                         "p": [x[1] for x in iv], "ambiguous": [x[2] for x in iv],
+                         "U": rng.random(len(iv)).tolist(), "examined": sum(acc.get("examined") or []),
+                         "accepted": sum(acc.get("accepted") or [])})
+        for s in seqs:
+            ctx.record(s)
+        res = pit_test(seqs, bins)
+        worst = min(worst, res["p_value"])
+        ctx.record({"kind": "cell", "temperature": t, "top_k": k, "top_p": tp, **res,
+                    "examined": sum(s["examined"] for s in seqs), "accepted": sum(s["accepted"] for s in seqs),
+                    "alpha_per_test": alpha / len(cells)})
+    metrics = dict(info, cells=len(cells), samples_per_cell=samples, tokens_per_sample=max_tokens,
+                   alpha_family=alpha, alpha_per_test=alpha / len(cells), min_p_value=worst,
+                   reference_engine=plain.name, test=f"randomized PIT of every token, {bins} bins, G-test")
+    return ctx.verdict(spec_sampling_problems(ctx.recorded), metrics)
