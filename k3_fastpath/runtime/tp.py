@@ -7,7 +7,9 @@ rank's share: column-parallel projections (q/k/v/g/b/f_b of KDA, q_b/kv_b/g of M
 every expert's w1/w3 rows) produce the rank's heads or channels, row-parallel ones (the o_projs, the MLP
 down projections, every expert's w2 columns) produce partial sums, replicated ones (MLA q_a/kv_a, the
 router, the LatentMoE latent projections and norms, every AttnRes/RMSNorm weight) run whole on every rank.
-The MLA latent cache is replicated (every rank computes the same latent); KDA state holds the rank's heads.
+The MLA latent cache is replicated (every rank computes the same latent), or with ``dcp`` split by token
+across the ranks (``tp_dcp.py``: each rank attends over its share, partials merged by LSE); KDA state holds
+the rank's heads.
 
 Where partial sums meet (``TPModel._run``):
 
@@ -39,6 +41,7 @@ from ..config import K3Config
 from ..manifest import HEAD_VEC, tensor_specs
 from ..reference.common import compute_dtype
 from .tp_comm import Communicator, TorchComm
+from .tp_dcp import dcp_mla_forward
 
 
 # ---------------------------------------------------------------------------------------------- sharding
@@ -106,12 +109,13 @@ class TPModel:
     vocabulary on every rank, padded / inactive rows exactly 0.
     """
 
-    def __init__(self, cfg: K3Config, model: Any, comm: Communicator) -> None:
+    def __init__(self, cfg: K3Config, model: Any, comm: Communicator, dcp: bool = False) -> None:
         if model.cfg != rank_config(cfg, comm.world):
             raise ValueError(f"model config {model.cfg.name!r} is not rank_config({cfg.name!r}, {comm.world})")
         self.cfg = cfg
         self.model = model
         self.comm = comm
+        self.dcp = bool(dcp)  # decode context parallelism over the TP ranks (tp_dcp.py)
         self.vocab_per_rank = cfg.vocab_size // comm.world
 
     @property
@@ -124,8 +128,18 @@ class TPModel:
 
     def new_cache(self, batch: int, max_len: int, kv_dtype: torch.dtype | None = None, device=None,
                   kv_scale: float | None = None):
-        """The rank's caches: KDA state of its heads, the (replicated) MLA latents."""
-        return self.model.new_cache(batch, max_len, kv_dtype=kv_dtype, device=device, kv_scale=kv_scale)
+        """The rank's caches: KDA state of its heads, the MLA latents (replicated; with ``dcp`` the rank's
+        token share, ``tp_dcp.local_rows`` rows)."""
+        cache = self.model.new_cache(batch, max_len, kv_dtype=kv_dtype, device=device, kv_scale=kv_scale)
+        if self.dcp:
+            from ..reference.mla import MLACache
+            from .tp_dcp import local_rows
+
+            rows = local_rows(max_len, self.comm.world)
+            cache.layers = [MLACache.empty(self.model.cfg, batch, rows, layer.latent.dtype, layer.latent.device,
+                                           scale=float(layer.scale)) if isinstance(layer, MLACache) else layer
+                            for layer in cache.layers]
+        return cache
 
     # ------------------------------------------------------------------ pieces
     def _embed_partial(self, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -197,6 +211,8 @@ class TPModel:
             blocks = block_buf[:nb]
             if layer.is_kda:
                 a = layer.self_attn(x_in, cache=cache.layers[i], lengths=lengths)
+            elif self.dcp:
+                a = dcp_mla_forward(layer.self_attn, x_in, cache.layers[i], start_pos, lengths, comm)
             else:
                 a = layer.self_attn(x_in, cache.layers[i], start_pos, lengths, mode=mla_mode)
             prefix, h = comm.reduce_add_mix_norm(a, stream, blocks, layer.mlp_res_proj.weight,
@@ -225,14 +241,16 @@ class TPModel:
 
 
 def build_tp_model(cfg: K3Config, state_dict: dict[str, torch.Tensor], comm: Communicator,
-                   dtype: torch.dtype = torch.bfloat16, device: Any = None) -> TPModel:
-    """A ``TPModel`` for ``comm``'s rank from the FULL state dict (each rank cuts its own share)."""
-    return TPModel(cfg, rank_model(cfg, state_dict, comm.world, comm.rank, dtype, device), comm)
+                   dtype: torch.dtype = torch.bfloat16, device: Any = None, dcp: bool = False) -> TPModel:
+    """A ``TPModel`` for ``comm``'s rank from the FULL state dict (each rank cuts its own share); ``dcp``:
+    the MLA caches split by token across the ranks (``tp_dcp``)."""
+    return TPModel(cfg, rank_model(cfg, state_dict, comm.world, comm.rank, dtype, device), comm, dcp)
 
 
 # ---------------------------------------------------------------------------------------------- test worker
 def equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch: int, prompt_len: int,
-                       steps: int, dtype_name: str = "float64", comm_kind: str = "unfused") -> dict[str, Any]:
+                       steps: int, dtype_name: str = "float64", comm_kind: str = "unfused", dcp: bool = False
+                       ) -> dict[str, Any]:
     """One rank of a TP run on the seeded synthetic weights: a ragged prefill then ``steps`` greedy decode
     steps driven by the TP logits. Returns the prompt, the tokens fed and every logit (on the CPU), so the
     caller can replay the same inputs through the TP1 reference. CPU ranks (gloo) use ``TorchComm``; CUDA
@@ -252,7 +270,7 @@ def equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch
         device: Any = torch.device("cuda", torch.cuda.current_device())
     else:
         comm, device = TorchComm(), None
-    model = build_tp_model(cfg, synthetic_state_dict(cfg, seed), comm, dtype=dtype, device=device)
+    model = build_tp_model(cfg, synthetic_state_dict(cfg, seed), comm, dtype=dtype, device=device, dcp=dcp)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=g)
     lengths = torch.randint(1, prompt_len + 1, (batch,), generator=g)
@@ -266,5 +284,7 @@ def equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch
         logits = model.decode(tok, cache).cpu()
         decoded.append(logits)
         tok = logits.argmax(-1)
+    mla = [layer.latent for layer in cache.layers if hasattr(layer, "latent")]
     return {"rank": rank, "comm": comm.name, "ids": ids, "lengths": lengths, "prefill": prefill,
-            "fed": torch.stack(fed), "decode": torch.stack(decoded)}
+            "fed": torch.stack(fed), "decode": torch.stack(decoded), "cache_lengths": cache.lengths.cpu(),
+            "mla_latents": [lat.cpu() for lat in mla]}
