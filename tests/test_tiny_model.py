@@ -43,6 +43,28 @@ def test_hf_config_and_weights_agree(tmp_path):
         assert w[k].dtype == ref[k].dtype and w[k].equal(ref[k]), k
     assert w["model.layers.0.self_attn.k_proj.weight"].shape == (spec.num_key_value_heads * spec.head_dim,
                                                                  spec.hidden_size)
-    # the scale the docstring promises: lm_head rows ~ N(0, logit_std^2 / hidden)
-    std = float(w["lm_head.weight"].float().std()) * spec.hidden_size ** 0.5
+    # the scale the docstring promises: lm_head rows ~ N(0, logit_std^2 / hidden) (channel 0: the suppression)
+    std = float(w["lm_head.weight"][:, 1:].float().std()) * spec.hidden_size ** 0.5
     assert abs(std - spec.logit_std) < 0.1
+
+
+def test_partial_byte_tokens_are_never_sampled(tmp_path, seed):
+    """Tokens that decode alone to an incomplete UTF-8 byte get far below the others at every position (a
+    server would hold the stream behind them); without the suppression they hold real probability."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verify.engines.tiny_model import partial_byte_ids
+
+    bad = partial_byte_ids(512, 0)
+    assert len(bad) == 128
+    ids = torch.randint(3, 512, (4, 24), generator=torch.Generator().manual_seed(seed))
+    for spec, most in [(TinyLlamaSpec(), 1e-9), (TinyLlamaSpec(partial_byte_logit=0.0), None)]:
+        model = AutoModelForCausalLM.from_pretrained(str(make_tiny_llama(tmp_path / str(most), spec)),
+                                                     torch_dtype=torch.float32)
+        with torch.no_grad():
+            p = torch.softmax(model(ids).logits.float(), -1)[..., bad].sum(-1)
+        if most is None:
+            assert float(p.mean()) > 0.05  # the control: a quarter of the vocabulary, real mass
+        else:
+            assert float(p.max()) < most, f"seed {seed}: partial-byte mass {float(p.max())}"

