@@ -8,7 +8,10 @@ Parts (each runs on its own, a failing part is reported and the others still run
 1. ``numerics``: k3-mini, BF16, seeded weights drawn on the GPUs (measure/device_synthetic.py). Two NCCL
    ranks run the TP model (runtime/tp.py) with the unfused (NCCL + PyTorch ops) and the fused (symmetric
    memory one-shot + Triton epilogue) communicator, and the TP fast step (runtime/tp_fast.py, CUDA graphs):
-   a prefill of 4 x 16 tokens then 8 teacher-forced decode steps. GPU 0 then runs TP1 (the reference model on the same weights) in BF16 and FP32 on the same tokens.
+   a prefill of 4 x 16 tokens then 8 teacher-forced decode steps; and the TP model with decode context
+   parallelism (``dcp``: runtime/tp_dcp.py, the MLA latents split by token, partials merged by LSE; short
+   contexts only: 32K and 128K need the long-context cache fill of verify/checks/context_fill.py, not wired
+   here). GPU 0 then runs TP1 (the reference model on the same weights) in BF16 and FP32 on the same tokens.
    Pass rule (BF16 bounds): err(TP2 BF16 vs TP1 FP32) <= 2 x err(TP1 BF16 vs TP1 FP32) + 1e-2 (max |logit
    diff| relative to max |logit|), argmax agreement reported;
 2. ``allreduce``: all-reduce + residual + AttnRes mix + RMSNorm at hidden 7168, 9 sources, batch 1..64:
@@ -42,6 +45,7 @@ import torch  # noqa: E402
 PROMPT = (4, 16)
 DECODE_STEPS = 8
 STEP_BATCHES = (1, 8, 64)
+KINDS = ("unfused", "fused", "fast", "dcp")  # the TP2 runs the numerics part holds to the TP1 FP32 oracle
 STEP_CONTEXT = 1024
 
 
@@ -85,6 +89,7 @@ def numerics_worker(rank: int, world: int, preset: str, seed: int) -> dict:
     ids, fed = _tokens(cfg, seed)
     comms = {kind: make_comm(kind) for kind in ("unfused", "fused")}
     out = {kind: _run(TPModel(cfg, model, comms[kind]), ids, fed) for kind in comms}
+    out["dcp"] = _run(TPModel(cfg, model, comms["unfused"], dcp=True), ids, fed)  # MLA latents split by token
     fast = TPFastDecoder(cfg, model, comms["fused"], max_batch=PROMPT[0], max_len=PROMPT[1] + DECODE_STEPS + 1)
     out["fast"] = _run_fast(TPModel(cfg, model, comms["unfused"]), fast, ids, fed)
     return out
@@ -112,7 +117,7 @@ def numerics(preset: str, seed: int) -> dict:
     base = rel(ref["bf16"])
     out = {"tp1_bf16_vs_fp32": base, "ranks_identical": all(torch.equal(r0[k], r1[k]) for k in r0)}
     problems = [] if out["ranks_identical"] else ["the two ranks' gathered logits differ"]
-    for kind in ("unfused", "fused", "fast"):
+    for kind in KINDS:
         err = rel(r0[kind])
         agree = float((r0[kind].argmax(-1) == oracle.argmax(-1)).float().mean())
         out[f"tp2_{kind}_vs_fp32"] = err
@@ -211,7 +216,7 @@ def main() -> int:
     elif num:
         print(f"numerics (max |logit err| / max |logit| vs TP1 FP32; argmax agreement): TP1 BF16 "
               f"{num['tp1_bf16_vs_fp32']:.4f} ({num['tp1_bf16_argmax_agreement']:.2f})")
-        for kind in ("unfused", "fused", "fast"):
+        for kind in KINDS:
             print(f"  TP2 {kind:8s} {num[f'tp2_{kind}_vs_fp32']:.4f} ({num[f'tp2_{kind}_argmax_agreement']:.2f})")
         print(f"  problems: {num['problems'] or 'none'}")
     ar = report.get("allreduce")
