@@ -204,6 +204,29 @@ def test_too_few_requests_fail(tmp_path):
     assert serving_problems([]) == ["no plan record"]
 
 
+def test_responses_that_arrive_in_one_chunk_fail_where_the_plan_asks(tmp_path):
+    """A point whose requests came in one burst (TTFT == latency: the stream was coalesced) measured no
+    inter-token latency: with ``max_burst_share`` in the plan (what the check writes) it is a problem; a
+    plan written before the rule existed is not judged on it (the committed bundles keep verifying)."""
+    def records(burst: int, share):
+        plan = {"kind": "plan", "roles": ["engine_under_test"], "workloads": ["w"], "concurrency": [1],
+                "repeats": 1, "min_requests": 20, "max_error_rate": 0.0, "min_speedup": None, "noise_floor": 0.05,
+                "gpus": None, **({} if share is None else {"max_burst_share": share})}
+        reqs = [{**r, "role": "engine_under_test", "workload": "w", "concurrency": 1, "repeat": 0}
+                for r in _requests(random.Random(2), 24, 5.0)]
+        for r in reqs[:burst]:
+            r["latency_ms"] = r["ttft_ms"]
+            r["gaps_ms"] = [0.0] * len(r["gaps_ms"])
+        return [plan, *reqs, {"kind": "point", "role": "engine_under_test", "workload": "w", "concurrency": 1,
+                              "repeat": 0, "metrics": point_metrics(reqs, None)}]
+
+    assert serving_problems(records(2, 0.1)) == []
+    assert serving_problems(records(6, 0.1)) == ["engine_under_test w c=1 repeat 0: 6 of 24 requests arrived in one "
+                                                 "chunk (> 10%): the stream was not measured token by token "
+                                                 "(client or server coalescing)"]
+    assert serving_problems(records(24, None)) == []
+
+
 def test_compare_two_runs_within_noise_and_a_regression(tmp_path):
     a = write_serving_bundle(tmp_path / "a", seed=1)
     b = write_serving_bundle(tmp_path / "b", seed=2)

@@ -41,7 +41,8 @@ def _server(ctx: CheckContext, role: str) -> Any:
 def serving(ctx: CheckContext, workloads: list[dict] = DEFAULT_WORKLOADS, concurrency: list[int] = [1, 4, 16],
             repeats: int = 2, warmup_requests: int = 2, min_requests: int = 20, max_error_rate: float = 0.0,
             min_speedup: float | None = None, noise_floor: float = 0.05, gpus: int | None = None,
-            request_timeout_s: float = 300.0, point_timeout_s: float = 600.0, client_workers: int | None = None) -> Any:
+            request_timeout_s: float = 300.0, point_timeout_s: float = 600.0, client_workers: int | None = None,
+            max_burst_share: float = 0.1) -> Any:
     from verify import aiperf
 
     loads = [aiperf.Workload.from_dict(dict(w)) for w in workloads]
@@ -53,6 +54,7 @@ def serving(ctx: CheckContext, workloads: list[dict] = DEFAULT_WORKLOADS, concur
     plan = {"kind": "plan", "roles": list(ROLES), "workloads": [w.name for w in loads],
             "concurrency": [int(c) for c in concurrency], "repeats": int(repeats), "min_requests": int(min_requests),
             "max_error_rate": float(max_error_rate), "min_speedup": min_speedup, "noise_floor": float(noise_floor),
+            "max_burst_share": float(max_burst_share),
             "gpus": gpus, "decode_only": False, "client_workers": client_workers, "driver": f"aiperf {aiperf.AIPERF_VERSION}",
             "servers": {r: {"url": s.base_url, "model": s.model, "name": s.name} for r, s in servers.items()},
             "workload_specs": [dict(w.__dict__) for w in loads]}

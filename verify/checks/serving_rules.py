@@ -23,7 +23,8 @@ request's end; request throughput, output tokens/s (and per GPU) divide by it.
 
 ``serving_problems`` recomputes every point and comparison from the requests and the plan, and judges:
 every planned point ran with at least ``min_requests`` successful requests and an error rate at most
-``max_error_rate``; with ``min_speedup``, the engine under test's P90 interactivity is at least
+``max_error_rate``, and (plans with ``max_burst_share``) at most that share of its multi-token requests
+arrived in one chunk (``burst_problem``: otherwise streaming was not measured); with ``min_speedup``, the engine under test's P90 interactivity is at least
 ``min_speedup`` times the baseline's, less the noise.
 """
 
@@ -135,6 +136,27 @@ def _mismatch(where: str, recorded: Mapping[str, Any], want: Mapping[str, Any]) 
     return problems
 
 
+def burst_requests(requests: Sequence[Mapping[str, Any]]) -> tuple[int, int]:
+    """(successful multi-token requests whose whole output arrived in one chunk -- latency == TTFT, no
+    inter-token latency to measure --, successful multi-token requests)."""
+    multi = [r for r in requests if r.get("error") is None and isinstance(r.get("output_tokens"), int)
+             and r["output_tokens"] > 1 and _num(r.get("ttft_ms")) and _num(r.get("latency_ms"))]
+    return sum(1 for r in multi if r["latency_ms"] - r["ttft_ms"] <= 1e-6), len(multi)
+
+
+def burst_problem(plan: Mapping[str, Any], requests: Sequence[Mapping[str, Any]]) -> str | None:
+    """With the plan's ``max_burst_share`` (plans written before it have none: not judged): a point whose
+    share of one-burst requests exceeds it did not measure streaming (its ITL percentiles sit on zeros)."""
+    limit = plan.get("max_burst_share")
+    if limit is None:
+        return None
+    burst, multi = burst_requests(requests)
+    if multi and burst / multi > limit:
+        return (f"{burst} of {multi} requests arrived in one chunk (> {limit:.0%}): the stream was not measured "
+                "token by token (client or server coalescing)")
+    return None
+
+
 def point_problem(plan: Mapping[str, Any], m: Mapping[str, Any]) -> str | None:
     """Why a point's metrics do not count (too few successful requests, too many errors), or None."""
     if m["succeeded"] < plan["min_requests"] or not m["requests"]:
@@ -187,7 +209,7 @@ def serving_problems(records: Records, metrics: Mapping[str, Any] | None = None)
                         continue
                     want = point_metrics(requests.get(k, []), gpus)
                     problems += _mismatch(where, p.get("metrics") or {}, want)
-                    why = point_problem(plan, want)
+                    why = point_problem(plan, want) or burst_problem(plan, requests.get(k, []))
                     if why:
                         problems.append(f"{where}: {why}")
                     recomputed[k] = want
