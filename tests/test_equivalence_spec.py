@@ -86,20 +86,7 @@ def test_bad_parameters_fail_before_anything_runs(tmp_path):
 def test_a_flipped_status_in_a_written_bundle_fails_verify(clean_run, tmp_path):
     """The clean run's result and records in a bundle written by ``BundleWriter`` verify; the status flipped to
     failed in results.jsonl and re-sealed, ``bundle verify`` re-derives 'passed' from the records and refuses."""
-    from test_status_rescore import forge
-
-    from verify.bundle.verify import verify_bundle
-    from verify.bundle.writer import BundleWriter
+    from test_status_rescore import assert_a_flipped_status_fails_verify
 
     res, recs = clean_run
-    root = tmp_path / "b"
-    w = BundleWriter(root, tool_version="0.1.0", argv=["k3-verify", "run"], tier="spec", planned_checks=[res.id],
-                     engines=[], config={"preset": "k3-tiny", "device": "cpu"}, seeds={}, env={})
-    for r in recs:
-        w.record(res.id, r)
-    w.add_result(res)
-    w.finalize()
-    assert verify_bundle(root).ok, verify_bundle(root).problems
-    forge(root, res.id, result={"status": "failed", "reason": "forged"})
-    problems = [p for p in verify_bundle(root).problems if res.id in p]
-    assert any("records give 'passed'" in p for p in problems), verify_bundle(root).problems
+    assert_a_flipped_status_fails_verify(tmp_path / "b", res, recs)

@@ -16,8 +16,9 @@ pytest.importorskip("transformers", reason="needs_eval_extra: scripts/bootstrap 
 pytest.importorskip("xgrammar", reason="needs_eval_extra: scripts/bootstrap --eval")
 pytest.importorskip("jsonschema", reason="needs_eval_extra: scripts/bootstrap --eval")
 
+from check_harness import check_context  # noqa: E402
+
 from verify.checks import feature_rules, features  # noqa: E402
-from verify.context import CheckContext  # noqa: E402
 from verify.engines.base import SamplingParams  # noqa: E402
 from verify.engines.builtin import BuiltinEngine  # noqa: E402
 
@@ -31,25 +32,6 @@ def engine():
     e.close()
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def record(self, stream: str, obj: dict) -> None:
-        import json
-
-        json.dumps(obj, allow_nan=False)  # records must be strict JSON
-        self.records.append(obj)
-
-    def log(self, text: str) -> None:
-        pass
-
-
-class _Out:
-    def note(self, text: str) -> None:
-        pass
-
-
 class _Engines:
     def __init__(self, eut, base) -> None:
         self.roles = {"engine_under_test": eut, "baseline": base}
@@ -60,9 +42,7 @@ class _Engines:
 
 
 def _run(check: str, eut, base, seed: int, **params):
-    w = _Writer()
-    ctx = CheckContext(check_id=f"features.{check}", preset="k3-tiny", device="cpu", seed=seed, writer=w, out=_Out(),
-                       tmp_dir=Path("."), budget_s=600, engines=_Engines(eut, base))
+    ctx, w = check_context(f"features.{check}", seed, _Engines(eut, base))
     return getattr(features, check)(ctx, **params), w.records
 
 

@@ -8,37 +8,18 @@ from __future__ import annotations
 
 import copy
 import random
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="needs_eval_extra: scripts/bootstrap --eval")
 
+from check_harness import check_context  # noqa: E402
+
 from verify.checks import spec_features, spec_rules  # noqa: E402
-from verify.context import CheckContext  # noqa: E402
 from verify.engines import build_engine, with_speculation  # noqa: E402
 
 MAX_LEN = 96
-
-
-class _Writer:
-    def __init__(self) -> None:
-        self.records: list[dict] = []
-
-    def record(self, stream: str, obj: dict) -> None:
-        import json
-
-        json.dumps(obj, allow_nan=False)  # records must be strict JSON
-        self.records.append(obj)
-
-    def log(self, text: str) -> None:
-        pass
-
-
-class _Out:
-    def note(self, text: str) -> None:
-        pass
 
 
 class _Pool:
@@ -66,9 +47,7 @@ def pool():
 
 
 def _run(check: str, pool, seed: int, **params):
-    w = _Writer()
-    ctx = CheckContext(check_id=f"features.{check}", preset="k3-tiny", device="cpu", seed=seed, writer=w, out=_Out(),
-                       tmp_dir=Path("."), budget_s=600, engines=pool)
+    ctx, w = check_context(f"features.{check}", seed, pool)
     return getattr(spec_features, check)(ctx, **params), w.records
 
 
@@ -183,9 +162,7 @@ def test_structured_output_under_speculative_decoding_records_its_drafts(pool, s
     pytest.importorskip("jsonschema", reason="needs_eval_extra")
     from verify.checks import feature_rules, features
 
-    w = _Writer()
-    ctx = CheckContext(check_id="features.structured_output", preset="k3-tiny", device="cpu", seed=seed, writer=w,
-                       out=_Out(), tmp_dir=Path("."), budget_s=600, engines=pool)
+    ctx, w = check_context("features.structured_output", seed, pool)
     res = features.structured_output(ctx, cases=["date", "prefixes"], temperatures=[0.0, 1.0], samples=1,
                                      max_tokens=40, speculative="synthetic:3:p=0.8")
     assert res.status == "passed", res.reason
@@ -203,20 +180,7 @@ def test_structured_output_under_speculative_decoding_records_its_drafts(pool, s
 def test_a_flipped_status_in_a_written_bundle_fails_verify(which, request, tmp_path):
     """The passing run's result and records in a bundle written by ``BundleWriter`` verify; its status flipped
     to failed in results.jsonl and re-sealed, ``bundle verify`` re-derives 'passed' from the records."""
-    from test_status_rescore import forge
-
-    from verify.bundle.verify import verify_bundle
-    from verify.bundle.writer import BundleWriter
+    from test_status_rescore import assert_a_flipped_status_fails_verify
 
     res, recs, _ = request.getfixturevalue(which)
-    root = tmp_path / "b"
-    w = BundleWriter(root, tool_version="0.1.0", argv=["k3-verify", "run"], tier="spec", planned_checks=[res.id],
-                     engines=[], config={"preset": "k3-tiny", "device": "cpu"}, seeds={}, env={})
-    for r in recs:
-        w.record(res.id, r)
-    w.add_result(res)
-    w.finalize()
-    assert verify_bundle(root).ok, verify_bundle(root).problems
-    forge(root, res.id, result={"status": "failed", "reason": "forged"})
-    problems = [p for p in verify_bundle(root).problems if res.id in p]
-    assert any("records give 'passed'" in p for p in problems), verify_bundle(root).problems
+    assert_a_flipped_status_fails_verify(tmp_path / "b", res, recs)

@@ -72,6 +72,23 @@ def forge(root: Path, check_id: str, result: dict | None = None, record=None) ->
     (root / schema.SUMS).write_bytes(format_sums(entries, sealed=False))
 
 
+def assert_a_flipped_status_fails_verify(root: Path, res: CheckResult, records: list[dict]) -> None:
+    """``res`` and its ``records`` in a bundle written by ``BundleWriter`` at ``root`` verify; the status
+    flipped to failed in results.jsonl and re-sealed, ``bundle verify`` re-derives 'passed' and refuses."""
+    from verify.bundle.writer import BundleWriter
+
+    w = BundleWriter(root, tool_version="0.1.0", argv=["k3-verify", "run"], tier="t", planned_checks=[res.id],
+                     engines=[], config={"preset": "k3-tiny", "device": "cpu"}, seeds={}, env={})
+    for r in records:
+        w.record(res.id, r)
+    w.add_result(res)
+    w.finalize()
+    assert verify_bundle(root).ok, verify_bundle(root).problems
+    forge(root, res.id, result={"status": "failed", "reason": "forged"})
+    problems = [p for p in verify_bundle(root).problems if res.id in p]
+    assert any("records give 'passed'" in p for p in problems), verify_bundle(root).problems
+
+
 def _as_the_current_writer_records(root: Path) -> None:
     """The committed bundle was written (commit ad19aac) before three fields joined the records; add them
     with the values the run's own records imply, so the copy reads as this version writes it (a fresh CPU
