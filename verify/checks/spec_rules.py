@@ -187,9 +187,9 @@ def token_interval(logprobs: Sequence[float], token: int, temperature: float, to
 
     p, amb = reference_distribution(np.array(logprobs, dtype=np.float64), temperature, top_k, top_p, logit_tol,
                                     mass_tol)
-    order = np.lexsort((np.arange(len(p)), -p))
-    rank = int(np.nonzero(order == token)[0][0])
-    return float(p[order[:rank]].sum()), float(p[token]), bool(amb[token])
+    pt = p[token]
+    before = (p > pt) | ((p == pt) & (np.arange(len(p)) < token))  # ahead of it in falling probability
+    return float(p[before].sum()), float(pt), bool(amb[token])
 
 
 def pit_test(sequences: Sequence[Mapping[str, Any]], bins: int) -> dict[str, Any]:
