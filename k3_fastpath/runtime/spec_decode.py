@@ -357,8 +357,7 @@ def spec_loop(gen: Any, rows: list[Any], cache: Any, logits: torch.Tensor, words
         feed = torch.zeros(len(rows), cols, dtype=torch.long)
         active = torch.zeros(len(rows), cols, dtype=torch.bool)
         for i, (d, _) in drafts.items():
-            last = rows[i].stop_token if rows[i].stop_token is not None else rows[i].tokens[-1]
-            feed[i, : len(d) + 1] = torch.tensor([last, *d])
+            feed[i, : len(d) + 1] = torch.tensor([rows[i].tokens[-1], *d])  # a live row has emitted a token
             active[i, : len(d) + 1] = True
         start = cache.lengths.clone()
         out, states = verify_step(gen.stepper, cache, feed.to(dev), active.to(dev))
