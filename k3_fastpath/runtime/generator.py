@@ -116,8 +116,9 @@ def _release(cache: Any) -> None:
 class _Row:
     """Per-request running state."""
 
-    def __init__(self, req: GenerationRequest, device: torch.device) -> None:
+    def __init__(self, req: GenerationRequest, device: torch.device, index: int = 0) -> None:
         self.req = req
+        self.index = index  # the request's position in its generate / run_batch call (a drafter's key)
         self.tokens: list[int] = []
         self.logprobs: list[dict[int, float]] | None = [] if req.logprobs > 0 else None
         self.generator = None if req.sampling.greedy else request_generator(req.seed, device)
@@ -194,7 +195,7 @@ class Generator:
         batches of at most ``max_batch`` rows: one prefill, then one decode (or verify) step per step.
         """
         self._check_requests(requests)
-        rows = [_Row(r, self.device) for r in requests]
+        rows = [_Row(r, self.device, i) for i, r in enumerate(requests)]
         single = [row for row in rows if row.req.max_tokens <= 1]
         multi = [row for row in rows if row.req.max_tokens > 1]
         self._run_single(single)
@@ -210,7 +211,7 @@ class Generator:
         self._check_requests(requests)
         if not 1 <= len(requests) <= self.max_batch:
             raise ValueError(f"run_batch takes 1..{self.max_batch} requests, got {len(requests)}")
-        rows = [_Row(r, self.device) for r in requests]
+        rows = [_Row(r, self.device, i) for i, r in enumerate(requests)]
         cache = self._run_batch(rows, keep_cache)
         return [self._output(row) for row in rows], cache
 
@@ -243,10 +244,8 @@ class Generator:
         try:
             if self.spec is None:
                 self._decode_loop(rows, cache, logits, words)
-            else:
-                from .spec_decode import spec_loop
-
-                spec_loop(self, rows, cache, logits, words)
+            else:  # the speculation's own loop (spec_decode.Speculation.run)
+                self.spec.run(self, rows, cache, logits, words)
         except BaseException:
             _release(cache)
             raise

@@ -17,7 +17,8 @@ states; the fused verify kernels of issue #22 (the KDA recurrence over the ``k +
 MLA with causal masking inside the draft, GEMMs at M = B(k + 1)) are what make a verify step cost about
 one decode step.
 
-Drafters (``propose(b, prompt, emitted, k) -> (tokens, probs | None)``: request ``b``'s at most ``k``
+Drafters (``propose(b, prompt, emitted, k) -> (tokens, probs | None)``: request ``b``'s (its index in the
+generator call) at most ``k``
 drafts after its prompt and emitted tokens, with the distributions they were drawn from, None when
 deterministic; ``SpecConfig.method`` names them):
 
@@ -310,6 +311,10 @@ class Speculation:
     def from_config(cls, spec: SpecConfig, model: Any, seed: int = 0) -> Speculation:
         return cls(spec.drafter(model, seed), spec.k, spec.describe())
 
+    def run(self, gen: Any, rows: list[Any], cache: Any, logits: torch.Tensor, words: int) -> None:
+        """The generator's decode loop under this speculation (``spec_loop``)."""
+        spec_loop(gen, rows, cache, logits, words)
+
 
 def _draft_bitmasks(constraint: Any, draft: list[int], words: int) -> torch.Tensor:
     """The grammar's bitmask for each of the ``len(draft) + 1`` verify rows: the matcher advanced along the
@@ -344,14 +349,14 @@ def spec_loop(gen: Any, rows: list[Any], cache: Any, logits: torch.Tensor, words
         live = [i for i, row in enumerate(rows) if row.finish is None]
         if not live:
             return
-        asks = [(i, rows[i].req.prompt_ids, rows[i].tokens,
+        asks = [(rows[i].index, rows[i].req.prompt_ids, rows[i].tokens,
                  min(spec.k, rows[i].req.max_tokens - len(rows[i].tokens) - 1)) for i in live]
         if hasattr(spec.drafter, "propose_batch"):  # a draft model: one batched forward for every request
             proposed = spec.drafter.propose_batch(asks)
         else:
             proposed = [spec.drafter.propose(*a) if a[3] > 0 else ([], None) for a in asks]
         drafts: dict[int, tuple[list[int], torch.Tensor | None]] = {}
-        for (i, _, _, budget), (d, q) in zip(asks, proposed, strict=True):
+        for i, (_, _, _, budget), (d, q) in zip(live, asks, proposed, strict=True):
             drafts[i] = (list(d)[:budget], None if q is None else q[: min(len(d), budget)])
         cols = 1 + max(len(d) for d, _ in drafts.values())
         feed = torch.zeros(len(rows), cols, dtype=torch.long)
