@@ -17,10 +17,9 @@ states; the fused verify kernels of issue #22 (the KDA recurrence over the ``k +
 MLA with causal masking inside the draft, GEMMs at M = B(k + 1)) are what make a verify step cost about
 one decode step.
 
-Drafters (``propose(b, prompt, emitted, k) -> (tokens, probs | None)``: request ``b``'s (its index in the
-generator call) at most ``k``
-drafts after its prompt and emitted tokens, with the distributions they were drawn from, None when
-deterministic; ``SpecConfig.method`` names them):
+Drafters (``propose(b, prompt, emitted, k) -> (tokens, probs | None)``: at most ``k`` drafts for request
+``b`` (its index in the generator call) after its prompt and emitted tokens, with the distributions they
+were drawn from, None when deterministic; ``SpecConfig.method`` names them):
 
 - ``NgramDrafter`` (``ngram``, vLLM's prompt-lookup method): the longest suffix of the context of
   ``ngram_max`` down to ``ngram_min`` tokens that occurred earlier; its most recent earlier occurrence's
