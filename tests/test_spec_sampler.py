@@ -109,7 +109,8 @@ def test_greedy_under_a_grammar_rejects_a_forbidden_draft(seed):
     best = logits.argmax(-1)
     masks = torch.full((K + 1, 2), -1, dtype=torch.int32)  # everything allowed ...
     t = int(best[0])
-    masks[0, t // 32] = ~(1 << (t % 32))  # ... except the raw argmax at position 0
+    word = ~(1 << (t % 32)) & 0xFFFFFFFF  # ... except the raw argmax at position 0 (as an int32 bit pattern:
+    masks[0, t // 32] = word - (1 << 32) if word >= 1 << 31 else word  # bit 31 is the sign)
     v = verify_draft(logits, best[:K], SamplingConfig(), bitmasks=masks)
     second = int(logits[0].clone().index_fill_(0, torch.tensor([t]), float("-inf")).argmax())
     assert v == Verdict(0, (second,))
