@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from statistics import NormalDist
 from typing import Any
 
 from verify.checks.feature_rules import first_divergence
@@ -90,26 +91,11 @@ def _position_sums(requests: Records) -> tuple[list[int], list[int]]:
     return examined, accepted
 
 
-def _z_quantile(q: float) -> float:
-    """The standard normal's ``q`` quantile (bisection on erf: no scipy)."""
-    import math
-
-    lo, hi = -10.0, 10.0
-    for _ in range(200):
-        mid = 0.5 * (lo + hi)
-        if 0.5 * (1.0 + math.erf(mid / math.sqrt(2.0))) < q:
-            lo = mid
-        else:
-            hi = mid
-    return 0.5 * (lo + hi)
-
-
 def acceptance_comparison(records: Records) -> dict[str, Any]:
     """Per draft position, each role's acceptance (summed over its requests) and the one-sided test of the
     engine under test accepting less than the baseline: drop = baseline rate - engine rate, se the pooled
     two-proportion standard error, ``z_crit`` at ``alpha / positions`` (Bonferroni), the minimum drop
     detectable with 80% power at these counts; the mean acceptance length (1 + accepted per verify step)."""
-    import math
 
     plan = next((r for r in records if r.get("kind") == "plan"), {})
     reqs = [r for r in records if r.get("kind") == "request"]
@@ -120,8 +106,8 @@ def acceptance_comparison(records: Records) -> dict[str, Any]:
     steps = {role: sum(int(r.get("steps") or 0) for r in rs) for role, rs in by_role.items()}
     n_pos = max((len(s[0]) for s in sums.values()), default=0)
     alpha = float(plan.get("alpha", 0.01))
-    z_crit = _z_quantile(1.0 - alpha / max(n_pos, 1))
-    z_power = _z_quantile(0.8)
+    z_crit = NormalDist().inv_cdf(1.0 - alpha / max(n_pos, 1))
+    z_power = NormalDist().inv_cdf(0.8)
     positions = []
     for i in range(n_pos):
         (ee, ea), (be, ba) = [(s[0][i] if i < len(s[0]) else 0, s[1][i] if i < len(s[1]) else 0)
