@@ -95,7 +95,7 @@ def test_floor_for_states_cold_l2_by_volume():
     assert tiny["cold_l2"].startswith("NOT cold") and tiny["touched_experts_floor"] == [4.0] * 7
 
 
-def _sweep_bundle(root, points, allreduce, targets_override=None, status=None):
+def _sweep_bundle(root, points, allreduce, targets_override=None, status=None, mixed=(), mixed_metrics=None):
     from verify.bundle.writer import BundleWriter
     from verify.result import CheckResult
 
@@ -105,12 +105,18 @@ def _sweep_bundle(root, points, allreduce, targets_override=None, status=None):
         w.record("perf.decode_sweep", p)
     for r in allreduce:
         w.record("perf.decode_sweep.allreduce", r)
+    for r in mixed:
+        w.record("perf.decode_sweep.mixed", r)
     targets, problems = perf._sweep_targets(points, allreduce)
     targets.update(targets_override or {})
     status = status or ("failed" if problems else "passed")
+    metrics = {"targets": targets}
+    if mixed:
+        from verify.checks.perf_mixed import mixed_summary
+
+        metrics["mixed"] = mixed_metrics or mixed_summary(list(mixed), points)
     w.add_result(CheckResult(id="perf.decode_sweep", status=status, reason=problems[0] if problems else
-                             ("forged" if status == "failed" else ""),
-                             metrics={"targets": targets}))
+                             ("forged" if status == "failed" else ""), metrics=metrics))
     w.finalize()
     return root
 
@@ -167,3 +173,30 @@ def test_merged_tp_variant_ratio_uses_the_slowest_rank():
     by = {r["backend"]: r for r in m["rows"]}
     assert by["fast"]["step_us_median"] == pytest.approx(110.0)
     assert by["fast_pdl"]["vs_fast"] == pytest.approx(110.0 / 100.0)  # not rank 0's 1.25
+
+
+def _mixed_row(backend: str, batch: int, step: float, timer: str = "cuda_graph_replay") -> dict:
+    return {"variant": "mixed", "batch": batch, "context": 1024, "tp": 1, "routing": "uniform", "backend": backend,
+            "prefill_tokens": 256, **S.stats([step * x for x in (0.99, 1.0, 1.02)]), "timer": timer}
+
+
+def test_mixed_rows_are_summarised_apart_and_rederived(tmp_path):
+    """The mixed rows (a separate stream) never enter the decode targets; ``metrics.mixed`` states each
+    backend's mixed step and its ratio to the same backend's decode-only step, and ``bundle verify``
+    re-derives it: a summary that understates the mixed step is found."""
+    from verify.bundle.verify import verify_bundle
+    from verify.checks.perf_mixed import mixed_summary
+
+    pts = [_point("fast", 1, 100.0, 90.0), _point("standard", 1, 300.0, 90.0)]
+    mixed = [_mixed_row("fast", 1, 2000.0), _mixed_row("standard", 1, 2000.0),
+             _mixed_row("reference", 1, 600000.0, timer="eager")]
+    summary = mixed_summary(mixed, pts)["by_point"]["b1 ctx1024 +256 prompt tokens"]
+    assert summary["fast"]["x_decode_only"] == 20.0 and summary["standard"]["x_decode_only"] == 6.67
+    assert summary["reference"]["x_decode_only"] is None  # no decode-only reference row at this point
+    resc = [("perf.decode_sweep", perf.rescore_decode_sweep)]
+    ok = verify_bundle(_sweep_bundle(tmp_path / "ok", pts, [], mixed=mixed), rescorers=resc)
+    assert ok.ok, ok.problems
+    forged = mixed_summary(mixed, pts)
+    forged["by_point"]["b1 ctx1024 +256 prompt tokens"]["standard"]["step_us_median"] = 500.0
+    lie = verify_bundle(_sweep_bundle(tmp_path / "lie", pts, [], mixed=mixed, mixed_metrics=forged), rescorers=resc)
+    assert not lie.ok and any("metrics.mixed" in p for p in lie.problems)

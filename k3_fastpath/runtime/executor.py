@@ -48,10 +48,12 @@ from .envelope import PREFILL_REASON, Envelope
 from .fast_ops import GLUE_OPS, OpImpl, op_table
 from .fast_step import OpCalls, SideStream, StepIO, run_step
 from .graphs import BucketGraphs, bucket_for, counter_delta
+from .mixed_step import MixedCapture, MixedStepRunner
 from .options import DecodeOptions
 from .options import resolve as resolve_options
 from .prefetch import L2Prefetcher
 from .standard_ops import standard_op_table
+from .standard_prefill import prefill_op_table
 from .step_plan import ModelPlan
 from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
 
@@ -127,6 +129,7 @@ class DecodeExecutor:
         self._calls: dict[int, OpCalls] = {}
         self.eager_buckets: dict[int, dict[str, dict[str, int]]] = {}  # bucket -> kernel fallbacks at warm-up
         self.graphs = BucketGraphs(self.device) if self.use_graphs else None
+        self._mixed: MixedStepRunner | None = None  # mixed steps (mixed_step.py), built on first use
         meta = {"backend": backend, "model": self.cfg.name, "device": str(self.device),
                 "dtype": str(self.dtype).replace("torch.", ""), "kv_dtype": str(self.kv_dtype).replace("torch.", ""),
                 "envelope": self.envelope.as_dict(), "model_reason": self.model_reason, "buckets": list(self.buckets),
@@ -255,6 +258,80 @@ class DecodeExecutor:
         reason = None if self.backend == "standard" else PREFILL_REASON
         self.trace.record(StepRecord(0, self.backend, int(input_ids.shape[0]), None, fallback=reason, kind="prefill"))
         return logits
+
+    @torch.no_grad()
+    def mixed(self, tokens: torch.Tensor, cache: Any, row: int, prompt: torch.Tensor, *,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+        """One mixed step: every sequence of ``cache`` but ``row`` decodes its token of ``tokens [B]`` while
+        sequence ``row`` prefills ``prompt [P]`` from its current length -> logits ``[B, V]`` FP32 (row
+        ``row``: its last prompt token's). On this executor's pool the step is ``mixed_step.py``'s, served by
+        the standard op table plus the prefill ops (a CUDA graph per (bucket, P, start) when graphs are on);
+        the ``latency_specialized`` backend records it as a fallback (``PREFILL_REASON``). Otherwise (the
+        ``standard`` backend, a cache from elsewhere, a model outside the envelope) the reference model's
+        ``prefill`` runs the same step. One host read: the prompt's start position."""
+        b = int(tokens.shape[0])
+        prompt = prompt.reshape(-1)
+        p = int(prompt.shape[0])
+        if cache.batch != b or not 0 <= row < b or p < 1:
+            raise ValueError(f"mixed step: tokens for {b} sequences, cache of {cache.batch}, row {row}, "
+                             f"prompt of {p} tokens (need the cache's batch, 0 <= row < batch, a prompt)")
+        start = int(cache.lengths[row])
+        if start + p > cache.max_len:
+            raise ValueError(f"mixed step: prompt positions {start}..{start + p - 1} past the cache's max_len "
+                             f"{cache.max_len}")
+        bucket = bucket_for(b, self.buckets)
+        if self.backend == "standard" or not self.fast or bucket is None or self.pool is None \
+                or not self.pool.owns(cache):
+            logits = self._mixed_reference(tokens, cache, row, prompt)
+            reason = None if self.backend == "standard" else self.model_reason or (
+                self.envelope.check_step(batch=b) if bucket is None else
+                "cache not allocated by this executor (use DecodeExecutor.new_cache)")
+            self.trace.record(StepRecord(0, self.backend, b, None, fallback=reason, kind="mixed"))
+        else:
+            cap, replayed = self._mixed_runner().step((bucket, p, start), tokens, cache.slots, cache.lengths,
+                                                      row, prompt)
+            cache.lengths.add_(1)
+            cache.lengths[row] = start + p
+            cache.length_bound = max(cache.length_bound + 1, start + p)
+            self.trace.record(StepRecord(0, self.backend, b, bucket, standard_ops=list(cap.standard_ops),
+                                         fallback=PREFILL_REASON if self.backend == "latency_specialized" else None,
+                                         graph=replayed, kind="mixed"))
+            logits = cap.io.logits[:b]
+        if out is not None:
+            return out[:b].copy_(logits)
+        return logits.clone()
+
+    def _mixed_reference(self, tokens: torch.Tensor, cache: Any, row: int, prompt: torch.Tensor) -> torch.Tensor:
+        """``mixed`` through the reference model's right-padded ``prefill``."""
+        b, p = int(tokens.shape[0]), int(prompt.shape[0])
+        ids = torch.zeros(b, p, dtype=torch.long, device=self.device)
+        ids[:, 0] = tokens.to(self.device)
+        ids[row] = prompt.to(self.device)
+        lengths = torch.ones(b, dtype=torch.long, device=self.device)
+        lengths[row] = p
+        logits = self.model.prefill(ids, lengths, cache)
+        if isinstance(cache, PooledCache):
+            cache.length_bound = int(cache.lengths.max())
+        return logits[torch.arange(b, device=self.device), lengths - 1]
+
+    def mixed_capture(self, batch: int, prompt_tokens: int, start: int) -> MixedCapture | None:
+        """The mixed step of that shape as this executor last ran it (staged inputs, its graph once captured),
+        or None when it never ran one."""
+        bucket = bucket_for(batch, self.buckets)
+        return None if self._mixed is None else self._mixed.captures.get((bucket, prompt_tokens, start))
+
+    def mixed_eager_reason(self, batch: int, prompt_tokens: int, start: int) -> str | None:
+        """Why the mixed steps of that shape run eagerly on a GPU (a failed capture), or None."""
+        bucket = bucket_for(batch, self.buckets)
+        return None if self._mixed is None else self._mixed.eager_keys.get((bucket, prompt_tokens, start))
+
+    def _mixed_runner(self) -> MixedStepRunner:
+        if self._mixed is None:
+            table = dict(self.ops) if self.backend == "standard_graph" else standard_op_table(device=self.device)
+            table.update(prefill_op_table(self.device))
+            self._mixed = MixedStepRunner(self._plan_or_build(), self._ensure_pool(), table, self.cfg.vocab_size,
+                                          self.device, self.use_graphs, self.side)
+        return self._mixed
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: Any, active: torch.Tensor | None = None, *,

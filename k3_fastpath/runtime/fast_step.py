@@ -215,17 +215,27 @@ class Section:
 
 
 def step_sections(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetcher: Any = None,
-                  side: SideStream | None = None, src: torch.Tensor | None = None) -> list[Section]:
+                  side: SideStream | None = None, src: torch.Tensor | None = None, attend: Any = None,
+                  readout: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[Section]:
     """The step of ``run_step`` as ordered sections: ``head.in`` (MLA step index, embedding), per layer
     ``L{n}.attn`` (AttnRes mix + norm, attention, o_proj + residual) and ``L{n}.mlp`` (mix + norm, MLP or
     LatentMoE + residual), ``head.out`` (final mix + norm, lm_head, inactive rows zeroed). The residual
-    stream ``src`` (``[S_max, Bk, H]``) is allocated by the first section unless given (a caller that runs
-    the sections as separate graphs passes a static one). Block bookkeeping is host-side and static."""
+    stream ``src`` (``[S_max, rows, H]``) is allocated by the first section unless given (a caller that runs
+    the sections as separate graphs passes a static one). Block bookkeeping is host-side and static.
+    ``attend(layer_plan, x, residual, out)``: the attention of a layer (default: one decode token per row,
+    ``_kda`` / ``_mla``); ``readout``: ``(rows, active)``, the stream rows whose logits fill ``io.logits``
+    and which of them are live (default: every row, ``io.active``). The mixed step (``mixed_step.py``) sets
+    both."""
     bk = io.tokens.shape[0]
     embed = plan.embed
     eps = plan.eps
     layers = plan.layers
     state: dict[str, Any] = {"src": src}
+
+    def decode_attend(L: LayerPlan, x: torch.Tensor, residual: torch.Tensor | None, out: torch.Tensor) -> None:
+        (_kda if L.kind == "kda" else _mla)(ops, L.attn, x, io, pool.layers[L.idx], eps, residual, out)
+
+    attend = attend or decode_attend
 
     def head_in() -> None:
         mla = [c for c in pool.layers if hasattr(c, "latent")]
@@ -242,7 +252,7 @@ def step_sections(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetch
         residual = None if L.closes_block else s[nb]  # closing a block: the prefix restarts at the output
         if prefetcher is not None and n + 1 < len(layers):
             prefetcher.issue(layers[n + 1].weights())  # next layer's weights into L2 while this one attends
-        (_kda if L.kind == "kda" else _mla)(ops, L.attn, x, io, pool.layers[L.idx], eps, residual, s[nb])
+        attend(L, x, residual, s[nb])
 
     def mlp(L: LayerPlan, nb: int) -> None:
         s = state["src"]
@@ -250,10 +260,12 @@ def step_sections(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetch
         _mlp(ops, L.mlp, x, eps, s[nb], plan.cfg, side)
 
     def head_out(nb: int) -> None:
-        s = state["src"]
+        s = state["src"][: nb + 1]
+        if readout is not None:  # only the rows that give logits pass the final mix and lm_head
+            s = s.index_select(1, readout[0])
         x = _mix(ops, s, nb, plan.out_res_norm, plan.out_res_proj, plan.final_norm, eps)
         ops("linear", x, plan.lm_head, out=io.logits, out_dtype=torch.float32)
-        io.logits.masked_fill_(~io.active[:, None], 0.0)
+        io.logits.masked_fill_(~(io.active if readout is None else readout[1])[:, None], 0.0)
         if prefetcher is not None:
             prefetcher.join()
 

@@ -178,6 +178,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                  preset: str = SWEEP_PRESET,
                  iters: int = 20, standard_iters: int = 5, warmup: int = 3, kv_cache: str = "bf16",
                  mixed_batches: list[int] = [1, 8], mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
+                 mixed_reference: bool = True,
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
                  layer_times: bool = True, standard_compiled_glue: bool = False,
                  fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False,
@@ -193,7 +194,11 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     (``step_plan.ExpertBank``; what lets a full TP16 rank fit an H200), TP1 points; ``tp_fast_pdl``: TP > 1
     points also time the fast TP decoder with PDL (row ``fast_pdl``, same cache); ``kernel_profile``: TP1
     fast / standard / variant graph rows also record device time per kernel and op (own and exclusive) and
-    the GPU's idle time in the step (``k3_fastpath/measure/kernel_profile.py``). On a checkpoint run the
+    the GPU's idle time in the step (``k3_fastpath/measure/kernel_profile.py``); ``mixed``: at ``mixed_batches``
+    and contexts up to ``mixed_max_context``, a mixed step (those sequences decode while one more prefills
+    ``mixed_prefill_tokens``) on each backend, graph-captured, into the ``mixed`` stream, apart from the
+    decode-only points (``perf_mixed.py``; ``mixed_reference`` adds the eager reference model's step,
+    information only). On a checkpoint run the
     model is the checkpoint (TP1: the tensors the run read; TP > 1: each rank reads its slices from the same
     directory) and ``preset`` is not used."""
     import torch
@@ -203,6 +208,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     from k3_fastpath.presets import get_config
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.options import DecodeOptions, defaults
+    from verify.checks import perf_mixed as M
     from verify.checks import perf_sweep as S
 
     routing = list(routing)
@@ -236,6 +242,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     bw = read_bandwidth_gbs() * 1e9
     ctx.record({"probe": "read_bandwidth", "read_bytes_per_s": bw, "preset": preset})
     points: list[dict] = []
+    mixed_rows: list[dict] = []
     notes: list[str] = []
     allreduce: list[dict] = []
 
@@ -282,18 +289,19 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                 continue
             max_len = context + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
             t_exec = time.perf_counter()
+            mb = M.mixed_max_batch(batches, mixed and context <= mixed_max_context, mixed_batches)
             fast_opts = DecodeOptions(single_expert_copy=single_expert_copy)
-            fast = DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches), max_len=max_len,
+            fast = DecodeExecutor(model, backend="latency_specialized", max_batch=mb, max_len=max_len,
                                   kv_dtype=kv_dtype, options=fast_opts)
-            std = DecodeExecutor(model, backend="standard", max_batch=max(batches), max_len=max_len, kv_dtype=kv_dtype)
-            strong = DecodeExecutor(model, backend="standard_graph", max_batch=max(batches), max_len=max_len,
+            std = DecodeExecutor(model, backend="standard", max_batch=mb, max_len=max_len, kv_dtype=kv_dtype)
+            strong = DecodeExecutor(model, backend="standard_graph", max_batch=mb, max_len=max_len,
                                     kv_dtype=kv_dtype, pool_from=fast,
                                     options=defaults("standard_graph").replace(
                                         single_expert_copy=single_expert_copy,
                                         standard_compiled_glue=standard_compiled_glue)) if standard_graph else None
             variants = {}
             for name, opts in (fast_variants or {}).items():
-                variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=max(batches),
+                variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=mb,
                                                  max_len=max_len, kv_dtype=kv_dtype, pool_from=fast,
                                                  options=fast_opts.replace(**opts)), opts)
             notes.append(f"tp=1 context={context}: executors built in {time.perf_counter() - t_exec:.1f}s")
@@ -317,15 +325,16 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                         torch.cuda.empty_cache()
                 if mixed and batch in mixed_batches and context <= mixed_max_context and not over_budget("mixed"):
                     try:
-                        emit(S.run_mixed(model, fast, std, batch, context, mixed_prefill_tokens, bw=bw,
-                                         iters=max(3, standard_iters), seed=ctx.seed), stream="mixed")
+                        rows = M.run_mixed(model, fast, strong, std, batch, context, mixed_prefill_tokens,
+                                           iters=iters, standard_iters=standard_iters, seed=ctx.seed,
+                                           reference=mixed_reference)
+                        emit(rows, stream="mixed")
+                        mixed_rows += rows
                     except torch.cuda.OutOfMemoryError as e:
                         notes.append(f"mixed batch={batch} context={context}: out of memory ({str(e)[:120]})")
                         torch.cuda.empty_cache()
             if mixed and context > mixed_max_context:
-                notes.append(f"mixed variant at context {context}: skipped (> mixed_max_context {mixed_max_context}: "
-                             f"the standard prefill up-projects the whole latent cache, batch x context x 24576 "
-                             f"BF16 values per MLA layer)")
+                notes.append(f"mixed variant at context {context}: skipped (> mixed_max_context {mixed_max_context})")
             fast.close()
             std.close()
             if strong is not None:
@@ -364,6 +373,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                "notes": notes,
                "cold_l2": "weights are not rotated: each step streams its whole weight set (>> the 60 MB L2) once, "
                           "so every weight is cold when read; per point in records[cold_l2]"}
+    if mixed_rows:
+        metrics["mixed"] = M.mixed_summary(mixed_rows, points)
     if not points:
         problems.insert(0, "no sweep point was measured" + (f": {notes[0]}" if notes else ""))
     return ctx.verdict(problems, metrics)
@@ -388,6 +399,11 @@ def rescore_decode_sweep(records: Any, result: Any) -> list[str]:
         if p.get("floor_us") and "pct_of_floor" in p and isinstance(med, (int, float)) and \
                 not math.isclose(p["pct_of_floor"], p["floor_us"] / med, rel_tol=1e-6):
             problems.append(f"point {i}: pct_of_floor {p['pct_of_floor']} != floor_us / step_us_median")
+    if "mixed" in result.metrics:
+        from verify.checks.perf_mixed import mixed_summary
+
+        if mixed_summary(list(records.get("perf.decode_sweep.mixed", [])), points) != result.metrics["mixed"]:
+            problems.append("metrics.mixed is not what the perf.decode_sweep.mixed records give")
     claimed = result.metrics.get("targets")
     if not isinstance(claimed, dict):  # a result that states no targets (an older writer): nothing to compare
         return problems

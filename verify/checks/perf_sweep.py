@@ -354,36 +354,6 @@ def graph_layer_times(ex: Any, tokens: torch.Tensor, cache: Any, floor_by_type: 
                                     f"(sections add {t['section_overhead']:+.1%} over the step graph)"}
 
 
-def run_mixed(model: Any, fast: Any, std: Any, batch: int, context: int, prefill_tokens: int, *, bw: float,
-              iters: int, seed: int) -> list[dict[str, Any]]:
-    """A mixed step: ``batch`` sequences decode one token at ``context`` while one more prefills
-    ``prefill_tokens`` tokens, in one right-padded step (the standard path on both backends; the fast
-    executor records the fallback reason)."""
-    cfg = model.cfg
-    dev = model.device
-    cache = std.new_cache(batch + 1, context + prefill_tokens + CONTEXT_SLACK)
-    fill_cache(cache, context, FILL_SEED + seed)
-    cache.lengths[batch] = 0
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, cfg.vocab_size, (batch + 1, prefill_tokens), generator=g).to(dev)
-    lengths = torch.ones(batch + 1, dtype=torch.long, device=dev)
-    lengths[batch] = prefill_tokens
-    base = cache.lengths.clone()
-    rows = []
-    for name, ex in (("fast", fast), ("standard", std)):
-        def step(ex=ex):
-            cache.lengths = base.clone()
-            ex.prefill(ids, lengths, cache)
-        start = len(ex.trace)
-        s = stats(event_times_us(step, iters, 1))
-        fb = {r.fallback for r in ex.trace.since(start)} - {None}
-        rows.append({"variant": "mixed", "batch": batch, "context": context, "tp": 1, "routing": "uniform",
-                     "backend": name, "prefill_tokens": prefill_tokens, "decode_sequences": batch, **s,
-                     "timer": "eager", "fallback": sorted(fb)[0] if fb else None,
-                     **throughput(s["step_us_median"], batch + prefill_tokens, 1)})
-    return rows
-
-
 # ------------------------------------------------------------------------------------------ TP ranks
 def allreduce_rows(comms: dict[str, Any], batches: Sequence[int], hidden: int, sources: int, iters: int,
                    seed: int) -> list[dict[str, Any]]:
