@@ -321,9 +321,11 @@ class StandardExperts:
 
     @classmethod
     def of(cls, bank: Any) -> StandardExperts:
-        hit = cls._cache.get(bank)
+        """The BF16 stacks of ``bank``'s experts, once per expert set: keyed by the ``ExpertWeights`` the
+        banks of every executor over the same module share (each executor's plan has its own bank)."""
+        hit = cls._cache.get(bank.weights)
         if hit is None:
-            hit = cls._cache[bank] = cls(bank)
+            hit = cls._cache[bank.weights] = cls(bank)
         return hit
 
 
