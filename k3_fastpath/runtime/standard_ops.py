@@ -321,11 +321,11 @@ class StandardExperts:
 
     @classmethod
     def of(cls, bank: Any) -> StandardExperts:
-        """The BF16 stacks of ``bank``'s experts, once per expert set: keyed by the ``ExpertWeights`` the
-        banks of every executor over the same module share (each executor's plan has its own bank)."""
-        hit = cls._cache.get(bank.weights)
+        """The BF16 stacks of ``bank``'s experts, once per LatentMoE module: every executor over the same
+        model has its own plan and bank, but one set of standard experts."""
+        hit = cls._cache.get(bank.module)
         if hit is None:
-            hit = cls._cache[bank.weights] = cls(bank)
+            hit = cls._cache[bank.module] = cls(bank)
         return hit
 
 
