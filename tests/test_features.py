@@ -169,6 +169,27 @@ def test_reference_distribution_agrees_with_the_sampler(seed):
         assert np.abs(got - want).max() < 1e-5, f"seed {seed} T={t} k={k} p={p}"
 
 
+def test_top_p_ambiguity_is_the_logit_tolerance_carried_to_the_mass(seed):
+    """A nucleus boundary another engine may place differently: with every logit within ``logit_tol``, the mass
+    ahead of a token ``b`` can reach ``b / (b + (1 - b) e^(+-2 eps))``. A flat top-20 at T 0.7 (k3-tiny's
+    synthetic distributions) built so that token 18 has 0.906 of mass ahead of it, 0.006 past top_p 0.9, like the
+    four tokens the H100 run of features.spec_sampling sampled there (bundles/runs/2026-12-06-h100-session19): at
+    logit_tol 0.05 it is ambiguous, under the old fixed rule (``logit_bound=False``, mass_tol 0.005) it was
+    forbidden; token 19 (0.953 ahead) stays forbidden; the new rule only adds ambiguous tokens, and at
+    logit_tol 0 the two agree. The tail below the top 20 is fresh noise per run."""
+    rng = np.random.default_rng(seed)
+    t, k, tp = 0.7, 20, 0.9
+    logits = np.concatenate([np.full(18, -5.0 + t * np.log(0.906 * 2 / (18 * 0.094))), [-5.0, -5.0],
+                             -9.0 + rng.standard_normal(492)])
+    p, amb = feature_rules.reference_distribution(logits, t, k, tp, 0.05, 0.005)
+    p_old, amb_old = feature_rules.reference_distribution(logits, t, k, tp, 0.05, 0.005, logit_bound=False)
+    assert amb[18] and not amb_old[18] and p[18] == 0 == p_old[18]
+    assert not amb[19] and p[19] == 0
+    assert not (amb_old & ~amb).any() and np.array_equal(p, p_old)
+    same = [feature_rules.reference_distribution(logits, t, k, tp, 0.0, 0.005, logit_bound=b)[1] for b in (True, False)]
+    assert np.array_equal(*same)
+
+
 def test_pooling_and_g_test(seed):
     rng = np.random.default_rng(seed)
     expected = rng.dirichlet(np.full(200, 0.3)) * 1000

@@ -38,7 +38,15 @@ from typing import Any
 import numpy as np
 
 from verify.checks import feature_rules
-from verify.checks.feature_rules import CASES, g_test, pooled_bins, reference_distribution, validate_output
+from verify.checks.feature_rules import (
+    BOUNDARY_LOGIT_TOL,
+    CASES,
+    TOP_P_RULE,
+    g_test,
+    pooled_bins,
+    reference_distribution,
+    validate_output,
+)
 from verify.checks.registry import check
 from verify.context import CheckContext
 from verify.engines.base import Constraint, ContextLimitError, EngineError, SamplingParams
@@ -145,7 +153,7 @@ DEFAULT_FILTERS = [{"top_k": 0, "top_p": 1.0}, {"top_k": 20, "top_p": 1.0}, {"to
        "sampled token frequencies match softmax(logits/T) with top-k/top-p (G-test, Bonferroni); seeds reproduce")
 def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.0, 1.5],
                          filters: list[dict[str, Any]] | None = None, samples: int = 2000, alpha: float = 1e-3,
-                         min_expected: float = 5.0, prompt_len: int = 12, logit_tol: float = 0.05,
+                         min_expected: float = 5.0, prompt_len: int = 12, logit_tol: float = BOUNDARY_LOGIT_TOL,
                          mass_tol: float = 0.005, seq_tokens: int = 8, other_seeds: int = 3) -> Any:
     temperatures = [0.5, 1.0, 1.5] if temperatures is None else [float(t) for t in temperatures]
     filters = DEFAULT_FILTERS if filters is None else [dict(f) for f in filters]
@@ -161,7 +169,7 @@ def temperature_sampling(ctx: CheckContext, temperatures: list[float] = [0.5, 1.
     cells = [(t, int(f.get("top_k", 0)), float(f.get("top_p", 1.0))) for t in temperatures for f in filters]
     alpha_cell = alpha / len(cells)
     ctx.record({"kind": "reference_logits", "engine": base.name, "logits": ref.tolist(), "alpha": alpha,
-                "logit_tol": logit_tol, "mass_tol": mass_tol, "min_expected": min_expected})
+                "logit_tol": logit_tol, "mass_tol": mass_tol, "top_p_rule": TOP_P_RULE, "min_expected": min_expected})
     worst_p = 1.0
     ambiguous_samples = 0
     for t, k, tp in cells:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from verify.checks.feature_rules import BOUNDARY_LOGIT_TOL, TOP_P_RULE
 from verify.checks.registry import check
 from verify.checks.spec_rules import (
     acceptance_comparison,
@@ -97,7 +98,7 @@ DEFAULT_CELLS = [{"temperature": 1.0, "top_k": 0, "top_p": 1.0}, {"temperature":
        "context (randomized PIT, G-test)")
 def spec_sampling(ctx: CheckContext, speculative: str = "synthetic:3:p=1.0", cells: list[dict] | None = None,
                   samples: int = 300, max_tokens: int = 8, prompt_len: int = 8, bins: int = 20, alpha: float = 1e-3,
-                  min_tokens: int = 200, logit_tol: float = 0.05, mass_tol: float = 0.005) -> Any:
+                  min_tokens: int = 200, logit_tol: float = BOUNDARY_LOGIT_TOL, mass_tol: float = 0.005) -> Any:
     """The check (module docstring)."""
     cells = DEFAULT_CELLS if cells is None else [dict(c) for c in cells]
     if not cells or samples < 1 or max_tokens < 2 or any(float(c.get("temperature", 0)) <= 0 for c in cells):
@@ -113,7 +114,7 @@ def spec_sampling(ctx: CheckContext, speculative: str = "synthetic:3:p=1.0", cel
         logit_tol, mass_tol = 1e-6, 1e-6
     prompt = _prompts(ctx.seed + 211, 1, prompt_len, eut.vocab_size)[0]
     ctx.record({"kind": "plan", "cells": cells, "samples": samples, "max_tokens": max_tokens, "prompt": prompt,
-                "bins": bins, "alpha": alpha, "min_tokens": min_tokens, "logit_tol": logit_tol,
+                "bins": bins, "alpha": alpha, "min_tokens": min_tokens, "logit_tol": logit_tol, "top_p_rule": TOP_P_RULE,
                 "mass_tol": mass_tol, "speculative": speculative, "reference_engine": plain.name})
     rng = np.random.default_rng(ctx.seed + 223)
     worst = 1.0
