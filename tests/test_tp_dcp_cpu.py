@@ -3,96 +3,25 @@
 In FP64, ragged prefill + greedy decode with each MLA layer's latent cache split by token across the ranks
 (position p on rank p % 2) gives every logit within 1e-10 of the plain ``K3ForCausalLM``; each rank's
 cache holds ceil(L / 2) rows, exactly the reference's latents at its positions (half the memory). Two
-ranks run in threads of this process (``_ThreadComm``: the ``Communicator`` collectives over a barrier),
+ranks run in threads of this process (``tp_tools.ThreadComm``: the ``Communicator`` collectives over a barrier),
 and once over gloo in two processes. The merge is what makes it right: averaging the partials instead of
 weighting them by their log-sum-exps fails. Fresh inputs per run (``seed``)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from tp_tools import rel as _rel
+from tp_tools import run_ranks
 
 from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
 from k3_fastpath.runtime import tp as TP
-from k3_fastpath.runtime import tp_comm as TPC
 from k3_fastpath.runtime import tp_dcp
 from k3_fastpath.synthetic import synthetic_state_dict
 
 PRESET = "k3-tiny"
 CFG = preset(PRESET).config
-
-
-class _Group:
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.slots: list[torch.Tensor | None] = [None] * world
-        self.barrier = threading.Barrier(world, timeout=120)
-
-
-class _ThreadComm(TPC.Communicator):
-    """One rank of ``_Group``: every collective exchanges through shared slots between two barriers."""
-
-    name = "threads"
-
-    def __init__(self, group: _Group, rank: int) -> None:
-        self.group, self.rank, self.world = group, rank, group.world
-
-    def _exchange(self, t: torch.Tensor) -> list[torch.Tensor]:
-        self.group.barrier.wait()
-        self.group.slots[self.rank] = t.clone()
-        self.group.barrier.wait()
-        parts = [s.clone() for s in self.group.slots]
-        self.group.barrier.wait()
-        return parts
-
-    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
-        parts = self._exchange(t)
-        out = parts[0]
-        for p in parts[1:]:
-            out = out + p
-        return out
-
-    def all_gather_last(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self._exchange(t), dim=-1)
-
-
-def _run_ranks(world: int, sd, ids, lengths, steps: int, dcp: bool, max_len: int):
-    group = _Group(world)
-    out: list[dict | BaseException | None] = [None] * world
-
-    def work(rank: int) -> None:
-        try:
-            m = TP.build_tp_model(CFG, sd, _ThreadComm(group, rank), dtype=torch.float64, dcp=dcp)
-            cache = m.new_cache(ids.shape[0], max_len)
-            pre = m.prefill(ids, lengths, cache)
-            tok = pre[torch.arange(ids.shape[0]), lengths - 1].argmax(-1)
-            fed, dec = [], []
-            for _ in range(steps):
-                fed.append(tok.clone())
-                logits = m.decode(tok, cache)
-                dec.append(logits)
-                tok = logits.argmax(-1)
-            out[rank] = {"prefill": pre, "fed": fed, "decode": dec, "cache": cache}
-        except BaseException as e:  # noqa: BLE001 - reported below
-            group.barrier.abort()
-            out[rank] = e
-
-    threads = [threading.Thread(target=work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for o in out:
-        if isinstance(o, BaseException):
-            raise o
-    return out
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 def _inputs(seed: int, batch: int = 3, prompt_len: int = 7):
@@ -117,7 +46,7 @@ def test_dcp_equals_the_tp1_reference_and_each_rank_holds_its_token_share(seed, 
     sd = synthetic_state_dict(CFG, seed % 997)
     ids, lengths = _inputs(seed)
     steps, max_len = 5, 13
-    ranks = _run_ranks(world, sd, ids, lengths, steps, dcp=True, max_len=max_len)
+    ranks = run_ranks(CFG, world, sd, ids, lengths, steps, max_len, dcp=True)
     err, ref_cache = _check_against_reference(ranks[0], sd, ids, lengths, steps, max_len, 1e-10)
     assert err < 1e-10, (seed, world, err)
     for r in ranks[1:]:
@@ -142,16 +71,16 @@ def test_averaging_the_partials_instead_of_weighting_by_lse_fails(seed, monkeypa
     monkeypatch.setattr(tp_dcp, "mla_merge_ref", plain_mean)
     sd = synthetic_state_dict(CFG, seed % 997)
     ids, lengths = _inputs(seed)
-    ranks = _run_ranks(2, sd, ids, lengths, 3, dcp=True, max_len=11)
+    ranks = run_ranks(CFG, 2, sd, ids, lengths, 3, 11, dcp=True)
     err, _ = _check_against_reference(ranks[0], sd, ids, lengths, 3, 11, 1e-10)
     assert err > 1e-6, (seed, err)
 
 
 def test_tp2_without_dcp_through_the_thread_comm_is_the_reference(seed):
-    """The harness itself: the replicated-cache TP2 path through ``_ThreadComm`` matches as over gloo."""
+    """The harness itself: the replicated-cache TP2 path through ``tp_tools.ThreadComm`` matches as over gloo."""
     sd = synthetic_state_dict(CFG, seed % 997)
     ids, lengths = _inputs(seed)
-    ranks = _run_ranks(2, sd, ids, lengths, 3, dcp=False, max_len=11)
+    ranks = run_ranks(CFG, 2, sd, ids, lengths, 3, 11, dcp=False)
     err, _ = _check_against_reference(ranks[0], sd, ids, lengths, 3, 11, 1e-10)
     first_mla = next(i for i in range(CFG.num_hidden_layers) if not CFG.is_kda_layer(i))
     assert err < 1e-10 and ranks[0]["cache"].layers[first_mla].latent.shape[1] == 11

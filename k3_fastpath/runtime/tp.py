@@ -21,7 +21,9 @@ Where partial sums meet (``TPModel._run``):
 * the LatentMoE's routed experts: each rank sums its slice of the touched experts (intermediate split),
   the FP32 latent sums are all-reduced before the latent RMSNorm, the up projection then runs whole; the
   routed output is added to the all-reduced shared-expert output inside the fused op (``addend``), in the
-  reference's order (``routed + shared``);
+  reference's order (``routed + shared``). The router and the latent projections run whole on every rank
+  (``moe_front="replicated"``, the manifest's rule) or each rank reads its rows of them and the shares are
+  all-gathered (``moe_front="split"``, ``tp_moe_front.py``);
 * the logits: ``lm_head`` is vocab-parallel; ranks all-gather their slices.
 
 Every rank sees bitwise the same all-reduced values, so every replicated computation (routing included)
@@ -42,6 +44,7 @@ from ..manifest import HEAD_VEC, tensor_specs
 from ..reference.common import compute_dtype
 from .tp_comm import Communicator, TorchComm
 from .tp_dcp import dcp_mla_forward
+from .tp_moe_front import MOE_FRONTS, FrontShard
 
 
 # ---------------------------------------------------------------------------------------------- sharding
@@ -109,13 +112,21 @@ class TPModel:
     vocabulary on every rank, padded / inactive rows exactly 0.
     """
 
-    def __init__(self, cfg: K3Config, model: Any, comm: Communicator, dcp: bool = False) -> None:
+    def __init__(self, cfg: K3Config, model: Any, comm: Communicator, dcp: bool = False,
+                 moe_front: str = "replicated") -> None:
         if model.cfg != rank_config(cfg, comm.world):
             raise ValueError(f"model config {model.cfg.name!r} is not rank_config({cfg.name!r}, {comm.world})")
+        if moe_front not in MOE_FRONTS:
+            raise ValueError(f"moe_front must be one of {', '.join(MOE_FRONTS)}, got {moe_front!r}")
         self.cfg = cfg
         self.model = model
         self.comm = comm
         self.dcp = bool(dcp)  # decode context parallelism over the TP ranks (tp_dcp.py)
+        self.moe_front = moe_front
+        # the rank's rows of each LatentMoE's router / latent down / latent up (tp_moe_front.py), by layer
+        self.fronts: dict[int, FrontShard] = {} if moe_front == "replicated" else {
+            i: FrontShard.of(layer.block_sparse_moe, comm.world, comm.rank)
+            for i, layer in enumerate(model.model.layers) if hasattr(layer, "block_sparse_moe")}
         self.vocab_per_rank = cfg.vocab_size // comm.world
 
     @property
@@ -149,11 +160,15 @@ class TPModel:
         e = self.model.model.embed_tokens(local.clamp(0, self.vocab_per_rank - 1))
         return torch.where(mine[..., None], e, torch.zeros((), dtype=e.dtype, device=e.device))
 
-    def _moe(self, moe: Any, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shared-expert partial, routed output) of the LatentMoE for tokens ``x [N, H]``."""
+    def _moe(self, moe: Any, x: torch.Tensor, front: FrontShard | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shared-expert partial, routed output) of the LatentMoE for tokens ``x [N, H]``; ``front``: the
+        rank's rows of the router and latent projections (split front), None when they are replicated."""
         dt = x.dtype
-        ids, weights = moe.gate(x)
-        z = moe.routed_expert_down_proj(x)
+        if front is None:
+            ids, weights = moe.gate(x)
+            z = moe.routed_expert_down_proj(x)
+        else:
+            ids, weights, z = front.route_and_down(moe, x, self.comm)
         acc = torch.zeros(z.shape, dtype=compute_dtype(dt), device=z.device)
         for e in torch.unique(ids).tolist():  # the rank's slice of every touched expert: a partial sum
             rows, slot = (ids == e).nonzero(as_tuple=True)
@@ -161,13 +176,14 @@ class TPModel:
             acc.index_add_(0, rows, y.to(acc.dtype) * weights[rows, slot].to(acc.dtype).unsqueeze(-1))
         acc = self.comm.all_reduce(acc)  # the latent sums before the latent RMSNorm
         zr = moe.routed_expert_norm(acc).to(dt) if moe.routed_expert_norm is not None else acc.to(dt)
-        return moe.shared_experts(x), moe.routed_expert_up_proj(zr)
+        routed = moe.routed_expert_up_proj(zr) if front is None else front.up_proj(zr, self.comm)
+        return moe.shared_experts(x), routed
 
     def _mlp(self, layer: Any, x: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(partial, addend) of the layer's MLP on the valid tokens, scattered back to ``[B, T, H]``."""
         xv = x[valid]
         if hasattr(layer, "block_sparse_moe"):
-            part, routed = self._moe(layer.block_sparse_moe, xv)
+            part, routed = self._moe(layer.block_sparse_moe, xv, self.fronts.get(layer.layer_idx))
         else:
             part, routed = layer.mlp(xv), None
         partial = torch.zeros_like(x)
@@ -241,16 +257,18 @@ class TPModel:
 
 
 def build_tp_model(cfg: K3Config, state_dict: dict[str, torch.Tensor], comm: Communicator,
-                   dtype: torch.dtype = torch.bfloat16, device: Any = None, dcp: bool = False) -> TPModel:
+                   dtype: torch.dtype = torch.bfloat16, device: Any = None, dcp: bool = False,
+                   moe_front: str = "replicated") -> TPModel:
     """A ``TPModel`` for ``comm``'s rank from the FULL state dict (each rank cuts its own share); ``dcp``:
-    the MLA caches split by token across the ranks (``tp_dcp``)."""
-    return TPModel(cfg, rank_model(cfg, state_dict, comm.world, comm.rank, dtype, device), comm, dcp)
+    the MLA caches split by token across the ranks (``tp_dcp``); ``moe_front="split"``: each rank reads its
+    rows of the LatentMoE router and latent projections (``tp_moe_front``)."""
+    return TPModel(cfg, rank_model(cfg, state_dict, comm.world, comm.rank, dtype, device), comm, dcp, moe_front)
 
 
 # ---------------------------------------------------------------------------------------------- test worker
 def equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch: int, prompt_len: int,
-                       steps: int, dtype_name: str = "float64", comm_kind: str = "unfused", dcp: bool = False
-                       ) -> dict[str, Any]:
+                       steps: int, dtype_name: str = "float64", comm_kind: str = "unfused", dcp: bool = False,
+                       moe_front: str = "replicated") -> dict[str, Any]:
     """One rank of a TP run on the seeded synthetic weights: a ragged prefill then ``steps`` greedy decode
     steps driven by the TP logits. Returns the prompt, the tokens fed and every logit (on the CPU), so the
     caller can replay the same inputs through the TP1 reference. CPU ranks (gloo) use ``TorchComm``; CUDA
@@ -270,7 +288,8 @@ def equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch
         device: Any = torch.device("cuda", torch.cuda.current_device())
     else:
         comm, device = TorchComm(), None
-    model = build_tp_model(cfg, synthetic_state_dict(cfg, seed), comm, dtype=dtype, device=device, dcp=dcp)
+    model = build_tp_model(cfg, synthetic_state_dict(cfg, seed), comm, dtype=dtype, device=device, dcp=dcp,
+                           moe_front=moe_front)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, cfg.vocab_size, (batch, prompt_len), generator=g)
     lengths = torch.randint(1, prompt_len + 1, (batch,), generator=g)
