@@ -93,6 +93,14 @@ def test_floor_for_states_cold_l2_by_volume():
     assert fl["floor_us"] > 0 and fl["cold_l2"].startswith("by volume")
     tiny = S.floor_for(preset("k3-tiny").config, 1, 1, 16, 2, "real", [4] * 7, 4.3e12)
     assert tiny["cold_l2"].startswith("NOT cold") and tiny["touched_experts_floor"] == [4.0] * 7
+    assert fl["floor_us_split_front"] == fl["floor_us"]  # TP1: nothing to split
+    k3 = preset("k3").config
+    rank = S.floor_for(k3, 16, 1, 1024, 1, "uniform", None, 4.3e12)  # a K3 TP16 rank
+    saved = rank["floor_bytes"] - rank["floor_bytes_split_front"]
+    moe = sum(k3.is_moe_layer(i) for i in range(k3.num_hidden_layers))
+    h, e, lat = k3.hidden_size, k3.num_experts, k3.routed_expert_hidden_size
+    front = 2 * (e * h + 2 * lat * h)  # BF16 router + latent down + latent up, per MoE layer
+    assert abs(saved - moe * front * 15 / 16) < 1e-6 * saved, (saved, moe, front)  # 15/16 of it not read
 
 
 def _sweep_bundle(root, points, allreduce, targets_override=None, status=None, mixed=(), mixed_metrics=None):

@@ -205,8 +205,9 @@ def test_device_synthetic_rank_draws_only_its_expert_share(monkeypatch):
 
 
 @pytest.mark.slow  # two spawned processes
-@pytest.mark.parametrize("backend", ["latency_specialized", "standard_graph"])
-def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed, backend):
+@pytest.mark.parametrize("backend,moe_front", [("latency_specialized", "replicated"), ("standard_graph", "replicated"),
+                                               ("latency_specialized", "split")])
+def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed, backend, moe_front):
     """The TP fast step (runtime/tp_fast.py) on two gloo ranks, every kernel served by its BF16-rounding
     reference: both ranks hold the same logits, and the TP2 logits' relative RMS error against the FP64
     oracle (over all steps) stays within 3x the larger of two BF16 baselines' (the TP1 fast step, i.e. the
@@ -218,7 +219,8 @@ def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed, backend):
     wiring of the executor, bitwise the same numbers). A structural bug (a wrong shard, a missing or double
     reduction, a rank's expert slice dropped) moves the logits by O(1), far above this bound.
     ``standard_graph``: the TP2 standard path (library op table, unfused communicator) under the same bound,
-    every op listed as a standard op."""
+    every op listed as a standard op. ``moe_front="split"``: each rank reads its rows of the router and latent
+    projections (runtime/tp_moe_front.py), the same bound."""
     from k3_fastpath.runtime.envelope import Envelope
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.tp_fast import fast_equivalence_worker
@@ -226,7 +228,8 @@ def test_tp2_fast_step_structure_matches_tp1_within_bf16(seed, backend):
     cfg = preset(PRESET).config
     s = seed % 997
     batch, steps = 3, 4
-    r0, r1 = launch(fast_equivalence_worker, 2, (PRESET, s, batch, steps, backend), backend="gloo", timeout_s=300)
+    r0, r1 = launch(fast_equivalence_worker, 2, (PRESET, s, batch, steps, backend, moe_front), backend="gloo",
+                    timeout_s=300)
     assert torch.equal(r0["logits"], r1["logits"])
     std_ops = {o["op"] for o in r0["standard_ops"]}
     if backend == "standard_graph":

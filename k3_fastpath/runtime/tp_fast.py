@@ -13,7 +13,10 @@ the rank model's own weights, the same slot-pool caches) and changes only where 
   RMSNorm; the routed output joins the shared sum inside the next fused op (``addend``), which also mixes
   and norms the next layer's input (or the final norm);
 * the vocab-parallel embedding and lm_head: a rank embeds the tokens of its vocabulary range (its partial
-  is reduced by the first fused op) and its logits slice is all-gathered.
+  is reduced by the first fused op) and its logits slice is all-gathered;
+* with ``moe_front="split"`` the rank reads only its rows of each LatentMoE's router and latent projections
+  (``tp_moe_front.py``): its FP32 router logits, latent channels and routed output channels are all-gathered
+  (three all-gathers per MoE layer) and the selection runs on the gathered logits.
 
 With ``tp_allreduce.SymmMemComm`` each of those is one symmetric-memory one-shot all-reduce plus one Triton
 kernel; everything is capturable (no host synchronisation, static shapes). ``TPFastDecoder`` wraps it with
@@ -33,6 +36,7 @@ from .options import DecodeOptions
 from .options import resolve as resolve_options
 from .tp import rank_config
 from .tp_comm import Communicator
+from .tp_moe_front import MOE_FRONTS, FrontShard
 
 
 def _attention_fns() -> tuple[Any, Any]:
@@ -42,28 +46,38 @@ def _attention_fns() -> tuple[Any, Any]:
     return fast_step._kda, fast_step._mla
 
 
-def _tp_mlp(ops: Any, m: Any, x: torch.Tensor, eps: float, cfg: Any, comm: Communicator
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _tp_mlp(ops: Any, m: Any, x: torch.Tensor, eps: float, cfg: Any, comm: Communicator,
+            front: FrontShard | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(partial, addend) of one MLP on this rank: partial = the row-parallel down projection's output,
-    addend = the (replicated) routed output of a LatentMoE."""
+    addend = the (replicated) routed output of a LatentMoE. ``front``: the rank's rows of the router and the
+    latent projections (``tp_moe_front``: logits, latent and routed output all-gathered; the selection is
+    ``route_from_logits`` on the gathered FP32 logits), None when the rank holds them whole."""
+    from .fast_ops import route_from_logits
     from .fast_step import mlp_activation
     from .step_plan import DenseMLPWeights
 
     if isinstance(m, DenseMLPWeights):
         h = mlp_activation(ops, ops("linear", x, m.gate), ops("linear", x, m.up), cfg)
         return ops("linear", h, m.down), None
-    ids, weights = ops("moe_router", x, m.router, m.bias, m.top_k, m.renormalize, m.scale)
-    z = ops("linear", x, m.latent_down)
+    if front is None:
+        ids, weights = ops("moe_router", x, m.router, m.bias, m.top_k, m.renormalize, m.scale)
+        z = ops("linear", x, m.latent_down)
+    else:
+        logits = comm.all_gather_last(ops("linear", x, front.router, out_dtype=torch.float32))
+        ids, weights = route_from_logits(logits, m.bias, m.top_k, m.renormalize, m.scale)
+        z = comm.all_gather_last(ops("linear", x, front.down))
     acc = comm.all_reduce(ops("moe_experts", z, ids, weights, m.bank))  # the ranks' expert slices summed
     zr = (rms_norm(acc, m.latent_norm, eps) if m.latent_norm is not None else acc).to(x.dtype)
-    routed = ops("linear", zr, m.latent_up)
+    routed = ops("linear", zr, m.latent_up) if front is None else comm.all_gather_last(ops("linear", zr, front.up))
     h = mlp_activation(ops, ops("linear", x, m.shared_gate), ops("linear", x, m.shared_up), cfg)
     return ops("linear", h, m.shared_down), routed
 
 
-def run_tp_step(plan: Any, ops: Any, io: Any, pool: Any, comm: Communicator, vocab_per_rank: int) -> None:
+def run_tp_step(plan: Any, ops: Any, io: Any, pool: Any, comm: Communicator, vocab_per_rank: int,
+                fronts: dict[int, FrontShard] | None = None) -> None:
     """One decode step of this rank for the bucket of ``io`` (reads tokens / slot / pos / active, updates the
-    rank's caches, writes the full-vocabulary ``io.logits``). Every rank must run it at the same time."""
+    rank's caches, writes the full-vocabulary ``io.logits``). Every rank must run it at the same time.
+    ``fronts``: per MoE layer index, the rank's rows of its router and latent projections (split front)."""
     kda, mla = _attention_fns()
     bk = io.tokens.shape[0]
     embed = plan.embed
@@ -92,7 +106,7 @@ def run_tp_step(plan: Any, ops: Any, io: Any, pool: Any, comm: Communicator, voc
         (kda if L.kind == "kda" else mla)(ops, L.attn, x, io, pool.layers[L.idx], eps, None, partial)
         prefix, h = comm.reduce_add_mix_norm(partial, stream, blocks[:nb], L.mlp_res_proj, L.mlp_res_norm,
                                              L.post_norm, eps)
-        f, addend = _tp_mlp(ops, L.mlp, h, eps, plan.cfg, comm)
+        f, addend = _tp_mlp(ops, L.mlp, h, eps, plan.cfg, comm, (fronts or {}).get(L.idx))
         prefix, x = comm.reduce_add_mix_norm(f, prefix, blocks[:nb], *pre_attention(n + 1), eps, addend=addend)
     logits = comm.all_gather_last(ops("linear", x, plan.lm_head, out_dtype=torch.float32))
     io.logits.copy_(logits)
@@ -115,7 +129,7 @@ class TPFastDecoder:
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
                  kv_dtype: torch.dtype | None = None,
                  backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None,
-                 options: DecodeOptions | None = None) -> None:
+                 options: DecodeOptions | None = None, moe_front: str = "replicated") -> None:
         from .cache_pool import CachePool
         from .executor import STEP_BACKENDS, _buckets
         from .fast_ops import op_table
@@ -151,6 +165,12 @@ class TPFastDecoder:
         self.graphs = BucketGraphs(self.device) if use_graphs and self.device.type == "cuda" else None
         self._io: dict[int, Any] = {}
         self.vocab_per_rank = cfg.vocab_size // comm.world
+        if moe_front not in MOE_FRONTS:
+            raise ValueError(f"moe_front must be one of {', '.join(MOE_FRONTS)}, got {moe_front!r}")
+        self.moe_front = moe_front
+        self.fronts = {} if moe_front == "replicated" else {
+            i: FrontShard.of(layer.block_sparse_moe, comm.world, comm.rank)
+            for i, layer in enumerate(model.model.layers) if hasattr(layer, "block_sparse_moe")}
         self.last_calls: Any = None
 
     def new_cache(self, batch: int, max_len: int | None = None) -> Any:
@@ -167,7 +187,7 @@ class TPFastDecoder:
         from .fast_step import OpCalls
 
         calls = OpCalls(self.ops)
-        run_tp_step(self.plan, calls, self._io_for(bucket), self.pool, self.comm, self.vocab_per_rank)
+        run_tp_step(self.plan, calls, self._io_for(bucket), self.pool, self.comm, self.vocab_per_rank, self.fronts)
         self.last_calls = calls
         return calls
 
@@ -210,7 +230,7 @@ class TPFastDecoder:
 
 
 def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch: int, steps: int,
-                            backend: str = "latency_specialized") -> dict[str, Any]:
+                            backend: str = "latency_specialized", moe_front: str = "replicated") -> dict[str, Any]:
     """One rank of ``TPFastDecoder`` on CPU (gloo, kernels served by their references) over the stable
     synthetic weights: ``steps`` decode steps from an empty cache on seeded tokens (the last sequence inactive
     on the last step). Returns the tokens, the active masks and the logits. (For ``tp_launch.launch``.)"""
@@ -222,7 +242,8 @@ def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, 
     cfg = preset(preset_name).config
     comm = TorchComm()
     model = rank_model(cfg, synthetic_state_dict(cfg, seed, conditioning="stable"), world, rank)
-    dec = TPFastDecoder(cfg, model, comm, max_batch=batch, max_len=steps + 2, use_graphs=False, backend=backend)
+    dec = TPFastDecoder(cfg, model, comm, max_batch=batch, max_len=steps + 2, use_graphs=False, backend=backend,
+                        moe_front=moe_front)
     cache = dec.new_cache(batch)
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(3, cfg.vocab_size, (steps, batch), generator=g)

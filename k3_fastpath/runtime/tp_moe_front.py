@@ -21,7 +21,9 @@ test_tp_moe_front_cpu.py: TP2 / TP4 in FP64 within 1e-10 of the TP1 reference; a
 between experts on two ranks selects the lower index). The exchange adds three all-gathers per MoE layer:
 ``N x E`` FP32, ``N x L`` and ``N x H`` in the model dtype. The shards are copies taken from the rank
 model's replicated tensors (a loader that cuts them from the checkpoint directly would also free the
-replicated ones); the fast TP step (``tp_fast.py``) still reads the replicated front.
+replicated ones). The fast TP step (``tp_fast.TPFastDecoder(moe_front="split")``) runs the same split with its
+kernels: the router rows through the skinny GEMM with FP32 output, the selection ``route_from_logits`` (PyTorch
+glue) on the gathered logits.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@
 #             verify.defects table` of the last sentinel-evals bundle (the clean run: run that step first) and
 #             these (sentinel-defects.md: which eval caught which defect)
 #   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
-#             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz; a later machine
+#             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz.part-aa, -ab, ...
+#             (15 MB each: a file over 16 MiB does not come back; after sentinel-train the cache was 32 MB); a later machine
 #             starts from it when the call carries .gpucache/ (ignored by git) holding that file
 #   part:TIER one part of a resumable run of TIER (smoke | standard | full | a .yaml path) into
 #             /tmp/bundles/h200-TIER: `--time-limit` 30 s under K3_STEP_TIMEOUT, `--resume` when that bundle
@@ -60,8 +61,11 @@ set -uo pipefail
 : "${OUT:?OUT must point at the folder whose files come back}"
 export PYTHONUNBUFFERED=1 K3_KERNEL_CACHE=/tmp/k3cache NCCL_NVLS_ENABLE=0 TRITON_CACHE_DIR=/tmp/triton-cache \
   TRITON_PRINT_AUTOTUNING=${TRITON_PRINT_AUTOTUNING:-1}
-if [ -f .gpucache/triton-cache.tar.gz ] && [ ! -d /tmp/triton-cache ]; then
-  mkdir -p /tmp/triton-cache && tar -C /tmp/triton-cache -xzf .gpucache/triton-cache.tar.gz && echo "triton cache: restored from .gpucache"
+# the cache's parts: carried in .gpucache/, or parked in /tmp/gpucache by an earlier call on this machine (with
+# .gpuwheels/b the parts exceed the 64 MiB a call carries: send .gpucache in a call of its own, copying it there)
+tc=$(ls .gpucache/triton-cache.tar.gz* /tmp/gpucache/triton-cache.tar.gz* 2>/dev/null | sort)
+if [ -n "$tc" ] && [ ! -d /tmp/triton-cache ]; then
+  mkdir -p /tmp/triton-cache && cat $tc | tar -C /tmp/triton-cache -xz && echo "triton cache: restored ($(echo $tc | wc -w) parts)"
 fi
 source .gpuwheels/b/env.sh || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
@@ -140,7 +144,8 @@ for what in "$@"; do
         if [ -f "scripts/gpu/$name.yaml" ]; then
           timeout -s TERM "$T" python3 -m verify.cli run --tier "scripts/gpu/$name.yaml" --output "/tmp/bundles/$stamp-h200-$name" 2>&1 | tee "$OUT/$name.log" || rc=1
         else echo "no tier file scripts/gpu/$name.yaml"; rc=2; fi ;;
-      triton-cache) if [ -d /tmp/triton-cache ]; then tar -C /tmp/triton-cache -czf "$OUT/triton-cache.tar.gz" . && du -h "$OUT/triton-cache.tar.gz"
+      triton-cache) if [ -d /tmp/triton-cache ]; then tar -C /tmp/triton-cache -cz . | split -b 15M - "$OUT/triton-cache.tar.gz.part-" &&
+          du -ch "$OUT"/triton-cache.tar.gz.part-* | tail -1
         else echo "triton-cache: nothing cached on this machine"; fi ;;
       *) echo "unknown step $s"; rc=2 ;;
     esac

@@ -179,7 +179,16 @@ def floor_for(cfg: Any, tp: int, batch: int, context: int, kv_bytes: int, routin
 
     touched = None if routing == "uniform" or touched_measured is None else touched_measured
     sb = F.step_bytes(cfg, tp=tp, batch=batch, context=context, kv_bytes=kv_bytes, touched=touched)
+    try:
+        split = F.step_bytes(cfg, tp=tp, batch=batch, context=context, kv_bytes=kv_bytes, touched=touched,
+                             moe_latent_sharded=True)
+    except ValueError:  # a front that does not divide by tp (tp_moe_front refuses it too)
+        split = None
     return {"floor_us": sb.floor_us(bw), "floor_bytes": sb.total, "weight_bytes": sb.weight_bytes,
+            # the floor with the LatentMoE router and latent projections split across the ranks
+            # (runtime/tp_moe_front.py), which the one-GPU steps here do not run: equal to floor_us at TP1
+            "floor_us_split_front": split.floor_us(bw) if split else None,
+            "floor_bytes_split_front": split.total if split else None,
             "floor_us_by_layer_type": sb.floor_us_by_layer_type(bw), "touched_experts_floor": list(sb.touched),
             "cold_l2": (f"by volume: a step reads {sb.weight_bytes / 1e9:.2f} GB of weights, "
                         f"{sb.weight_bytes / F.L2_BYTES:.0f}x the 60 MB L2, so each weight is evicted before its "
