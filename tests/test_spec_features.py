@@ -157,6 +157,38 @@ def test_spec_sampling_fails_when_the_correction_ignores_the_draft(pool, seed, m
     assert "sampled tokens differ from the reference distribution" in res.reason, res.reason
 
 
+def test_decode_sampling_passes_on_the_reference_and_needs_no_drafts(pool, seed, tmp_path):
+    """``features.decode_sampling``: the same PIT test without speculative decoding; every token of every
+    request tested, no verify-rule requirement; its rule re-derives the status (flipped in a written bundle:
+    ``bundle verify`` refuses it)."""
+    from test_status_rescore import assert_a_flipped_status_fails_verify
+
+    res, recs = _run("decode_sampling", pool, seed, samples=200, max_tokens=8)
+    assert res.status == "passed", f"seed {seed}: {res.reason}"
+    assert res.metrics["speculative"] is None
+    cells = [r for r in recs if r["kind"] == "cell"]
+    assert len(cells) == 2 and all(c["tested"] == 200 * 8 and c["examined"] == 0 for c in cells)
+    assert spec_rules.spec_sampling_problems(recs) == []
+    assert_a_flipped_status_fails_verify(tmp_path / "b", res, recs)
+
+
+def test_decode_sampling_sees_a_decode_step_bug_that_temperature_sampling_cannot(pool, seed, monkeypatch):
+    """Decode-step logits 1.3x too sharp (what a wrong softmax or norm scale in a decode kernel does) while the
+    prefill stays right: ``features.temperature_sampling`` samples its one-token requests from the prefill's
+    logits and passes; ``features.decode_sampling`` tests the tokens the decode steps chose and fails."""
+    from k3_fastpath.reference.model import K3ForCausalLM
+    from verify.checks import features
+
+    real = K3ForCausalLM.decode
+    monkeypatch.setattr(K3ForCausalLM, "decode", lambda self, *a, **k: real(self, *a, **k) * 1.3)
+    ctx, _ = check_context("features.temperature_sampling", seed, pool)
+    blind = features.temperature_sampling(ctx, temperatures=[1.0], samples=300, other_seeds=1)
+    assert blind.status == "passed", f"seed {seed}: {blind.reason}"
+    res, _ = _run("decode_sampling", pool, seed, samples=200, max_tokens=8)
+    assert res.status == "failed" and "differ from the reference distribution" in res.reason, \
+        f"seed {seed}: {res.reason}"
+
+
 def test_structured_output_under_speculative_decoding_records_its_drafts(pool, seed):
     pytest.importorskip("xgrammar", reason="needs_eval_extra")
     pytest.importorskip("jsonschema", reason="needs_eval_extra")

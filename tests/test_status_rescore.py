@@ -33,11 +33,11 @@ STANDARD = REPO / "bundles" / "runs" / "2026-12-01-h200-session7" / "standard"
 # (tests/test_serving_rules.py); audit.records is what bundle audit writes (tests/test_bundle_audit.py);
 # equivalence.fp64 joined the tier after this bundle (tests/test_equivalence_fp64.py forges its records);
 # equivalence.spec_decode is in no tier yet (tests/test_equivalence_spec.py forges its records);
-# features.spec_acceptance and features.spec_sampling came after this bundle (tests/test_spec_features.py
-# forges their records and flips their status in a written bundle)
+# features.spec_acceptance, features.spec_sampling and features.decode_sampling came after this bundle
+# (tests/test_spec_features.py forges their records and flips their status in a written bundle)
 STANDARD_RULES = sorted(set(RULES) - {"bench.kernels", "perf.serving", "audit.records", "equivalence.fp64",
                                       "equivalence.spec_decode", "features.spec_acceptance",
-                                      "features.spec_sampling"})
+                                      "features.spec_sampling", "features.decode_sampling"})
 
 
 def _lines(path: Path) -> list[dict]:

@@ -21,6 +21,8 @@ A sample of a token the filters remove is a failure on its own. Tokens within a 
 boundary (where fast vs reference logits may legitimately decide differently: ``logit_tol``, ``mass_tol``;
 1e-6 when both sides are one engine) are left out of both the test and the violations, and counted.
 Then: the same seed gives the same tokens (alone and twice in one batch), and other seeds give other tokens.
+A one-token request samples the prefill's logits, which no engine serves on a fast decode path:
+``features.decode_sampling`` tests the tokens decode steps sample.
 
 ``features.full_context``: a greedy request that fills the engine's configured context exactly
 (prompt + max_tokens == max_model_len) must succeed on both engines with every prompt token counted; the

@@ -26,6 +26,12 @@ uniform and independent from token to token exactly when the emitted tokens foll
 up ``u`` near 0. ``spec_rules.spec_sampling_problems`` redoes the test from each token's recorded interval
 and draw, and requires the verify rule to have run (drafts accepted and rejected). The intervals come from
 the baseline's full distribution at every position, which is not recorded (V floats per token).
+
+``features.decode_sampling``: the same test without speculative decoding. ``features.temperature_sampling``'s
+frequency test samples one-token requests, whose token comes from the prefill, which every engine serves on
+the standard path; here every token after the first of a request comes from a decode step (the fast path's
+kernels on ``builtin:fast``), so a decode-step numerics bug that changes the sampling distribution shows
+(tests/test_spec_features.py: decode logits 1.3x too sharp pass the one and fail this).
 """
 
 from __future__ import annotations
@@ -100,15 +106,43 @@ def spec_sampling(ctx: CheckContext, speculative: str = "synthetic:3:p=1.0", cel
                   samples: int = 300, max_tokens: int = 8, prompt_len: int = 8, bins: int = 20, alpha: float = 1e-3,
                   min_tokens: int = 200, logit_tol: float = BOUNDARY_LOGIT_TOL, mass_tol: float = 0.005) -> Any:
     """The check (module docstring)."""
+    return _pit_sampling(ctx, speculative, cells, samples, max_tokens, prompt_len, bins, alpha, min_tokens,
+                         logit_tol, mass_tol)
+
+
+@check("features.decode_sampling",
+       "every token sampled at decode positions follows softmax(logits/T) with top-k/top-p given its context "
+       "(randomized PIT, G-test): the decode step's logits, not only the prefill's")
+def decode_sampling(ctx: CheckContext, cells: list[dict] | None = None, samples: int = 300, max_tokens: int = 8,
+                    prompt_len: int = 8, bins: int = 20, alpha: float = 1e-3, min_tokens: int = 200,
+                    logit_tol: float = BOUNDARY_LOGIT_TOL, mass_tol: float = 0.005) -> Any:
+    """``features.spec_sampling``'s test without speculative decoding: the tokens after the first of each
+    request come from decode steps (the fast path's, on builtin:fast), which ``features.temperature_sampling``'s
+    one-token requests never reach (their token comes from the prefill, the standard path on every engine)."""
+    return _pit_sampling(ctx, None, cells, samples, max_tokens, prompt_len, bins, alpha, min_tokens, logit_tol,
+                         mass_tol)
+
+
+def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] | None, samples: int,
+                  max_tokens: int, prompt_len: int, bins: int, alpha: float, min_tokens: int, logit_tol: float,
+                  mass_tol: float) -> Any:
+    """The randomized-PIT sampling test (module docstring), under ``speculative`` or (None) plain decoding."""
     cells = DEFAULT_CELLS if cells is None else [dict(c) for c in cells]
     if not cells or samples < 1 or max_tokens < 2 or any(float(c.get("temperature", 0)) <= 0 for c in cells):
-        raise ValueError("spec_sampling needs cells with temperature > 0, samples >= 1 and max_tokens >= 2")
-    eut, base, info = _spec_engines(ctx, speculative)
+        raise ValueError(f"{ctx.check_id} needs cells with temperature > 0, samples >= 1 and max_tokens >= 2")
+    if speculative is None:
+        eut, base = ctx.engine_under_test(), ctx.baseline_engine()
+        info = {"engine_under_test": eut.name, "baseline": base.name, "same_engine": eut is base,
+                "speculative": None}
+        ctx.record({"kind": "engines", "engine_under_test": eut.describe(), "baseline": base.describe(),
+                    "speculative": None})
+    else:
+        eut, base, info = _spec_engines(ctx, speculative)
     plain = ctx.baseline_engine()  # the reference distributions: the baseline without speculative decoding
     if not hasattr(plain, "sequence_logprobs"):
         from verify.engines.base import EngineError
 
-        raise EngineError(f"features.spec_sampling scores every position with the baseline's teacher-forced "
+        raise EngineError(f"{ctx.check_id} scores every position with the baseline's teacher-forced "
                           f"log-probabilities; {plain.name} has none (use a builtin baseline)")
     if eut is base:
         logit_tol, mass_tol = 1e-6, 1e-6

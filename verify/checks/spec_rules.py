@@ -205,10 +205,11 @@ def pit_test(sequences: Sequence[Mapping[str, Any]], bins: int) -> dict[str, Any
 
 
 def spec_sampling_problems(records: Records, metrics: Mapping[str, Any] | None = None) -> list[str]:
-    """features.spec_sampling: per (temperature, filter) cell, ``pit_test`` of the recorded tokens redone
-    from their recorded intervals and draws, at ``alpha / cells``: its p-value and counts as recorded, no
-    token the filters remove, at least ``min_tokens`` tested; over the whole check, drafts examined and both
-    accepted and rejected (each branch of the verify rule ran)."""
+    """features.spec_sampling and features.decode_sampling: per (temperature, filter) cell, ``pit_test`` of the
+    recorded tokens redone from their recorded intervals and draws, at ``alpha / cells``: its p-value and counts
+    as recorded, no token the filters remove, at least ``min_tokens`` tested; under speculative decoding (the
+    plan names it), over the whole check, drafts examined and both accepted and rejected (each branch of the
+    verify rule ran)."""
     plans = [r for r in records if r.get("kind") == "plan"]
     if len(plans) != 1:
         return [f"{len(plans)} plan records (expected 1)"]
@@ -238,7 +239,7 @@ def spec_sampling_problems(records: Records, metrics: Mapping[str, Any] | None =
                             f"G={t['G']:.1f}, df={t['df']}, p={t['p_value']:.2g} < {alpha_cell:.2g})")
         examined += sum(int(s.get("examined") or 0) for s in seqs)
         accepted += sum(int(s.get("accepted") or 0) for s in seqs)
-    if not accepted or examined <= accepted:
+    if plan.get("speculative") and (not accepted or examined <= accepted):  # features.decode_sampling: none
         problems.append(f"drafts examined {examined} times, accepted {accepted}: both branches of the verify rule "
                         "(accept, and the residual draw after a rejection) must run")
     return problems

@@ -385,6 +385,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "equivalence.spec_decode": spec_decode_problems,
     "features.spec_acceptance": spec_acceptance_problems,
     "features.spec_sampling": spec_sampling_problems,
+    "features.decode_sampling": spec_sampling_problems,
     "bench.kernels": bench_kernels_problems,
     "perf.serving": serving_problems,
     "audit.records": audit_problems,
