@@ -5,6 +5,7 @@
     cache = ex.new_cache(batch)                          # slot-pool caches (K3Cache views)
     logits = ex.prefill(ids, lengths, cache)             # always the standard path (recorded as a fallback)
     logits = ex.decode(tokens, cache)                    # [B, V] FP32, same semantics as K3ForCausalLM.decode
+    logits = ex.mixed(tokens, cache, row, prompt)        # the others decode while `row` prefills (mixed_step.py)
     ex.trace.summary()                                   # per step: kernels, standard ops, fallbacks
 
 Every decode step is checked against the ``Envelope`` on the host (no GPU read): inside it the step pads
