@@ -49,7 +49,7 @@ def _row_cache(fast: Any, batch: int, context: int, prefill_tokens: int, seed: i
     return cache
 
 
-def _prefill_impl(ex: Any, cap: Any) -> str:
+def _prefill_impl(cap: Any) -> str:
     libs = {o["op"]: o["reason"] for o in (cap.standard_ops if cap is not None else [])}
     if not libs:
         return "reference model prefill (eager PyTorch: chunked KDA, plain MLA, per-expert loop)"
@@ -92,7 +92,7 @@ def run_mixed(model: Any, fast: Any, strong: Any, std: Any, batch: int, context:
                 samples, timer = event_times_us(lambda ex=ex: step(ex), max(3, standard_iters), 0), "eager"
             s = stats(samples)
             row = {**common, "backend": name, **s, "timer": timer, "fallback": rec.fallback, "step_kind": rec.kind,
-                   "prefill_impl": _prefill_impl(ex, cap), **throughput(s["step_us_median"], batch + prefill_tokens, 1)}
+                   "prefill_impl": _prefill_impl(cap), **throughput(s["step_us_median"], batch + prefill_tokens, 1)}
             if cap is not None:
                 row["standard_ops"] = list(cap.standard_ops)
             why = ex.mixed_eager_reason(batch + 1, prefill_tokens, 0)
