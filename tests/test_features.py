@@ -130,7 +130,9 @@ TS = {"temperatures": [0.5, 1.0], "filters": [{"top_k": 0, "top_p": 1.0}, {"top_
       "samples": 400, "alpha": 1e-4, "seq_tokens": 4, "other_seeds": 2}
 
 
-def test_temperature_sampling_passes_on_the_builtin_engine(engine, seed):
+def test_temperature_sampling_passes_on_the_builtin_engine(engine, seed, tmp_path):
+    from test_status_rescore import assert_a_flipped_status_fails_verify
+
     res, recs = _run("temperature_sampling", engine, engine, seed, **TS)
     assert res.status == "passed", f"seed {seed}: {res.reason}"
     cells = [r for r in recs if r["kind"] == "frequency"]
@@ -147,6 +149,8 @@ def test_temperature_sampling_passes_on_the_builtin_engine(engine, seed):
     problems = feature_rules.temperature_sampling_problems(forged)
     assert any("its counts and the reference logits give 400, p=" in p for p in problems), problems
     assert any("token frequencies differ from softmax(logits/T)" in p for p in problems), problems
+    assert next(r for r in recs if r["kind"] == "reference_logits")["top_p_rule"] == feature_rules.TOP_P_RULE
+    assert_a_flipped_status_fails_verify(tmp_path / "b", res, recs)  # the status, flipped and re-sealed: refused
 
 
 def test_temperature_sampling_fails_when_temperature_is_applied_twice(engine, seed):
@@ -188,6 +192,26 @@ def test_top_p_ambiguity_is_the_logit_tolerance_carried_to_the_mass(seed):
     assert not (amb_old & ~amb).any() and np.array_equal(p, p_old)
     same = [feature_rules.reference_distribution(logits, t, k, tp, 0.0, 0.005, logit_bound=b)[1] for b in (True, False)]
     assert np.array_equal(*same)
+
+
+def test_the_rule_rederives_under_the_top_p_rule_its_records_name(seed):
+    """``temperature_sampling_problems`` judges a token 0.006 of mass past top_p as the records' own rule does:
+    sampled under the logit-bound rule (records name ``top_p_rule``) it is ambiguous, left out; the same records
+    without the name (written before it) are judged under the fixed mass rule, where it is a sample the
+    filters remove."""
+    t, k, tp = 0.7, 20, 0.9
+    rng = np.random.default_rng(seed)
+    logits = np.concatenate([np.full(18, -5.0 + t * np.log(0.906 * 2 / (18 * 0.094))), [-5.0, -5.0],
+                             -9.0 + rng.standard_normal(492)])
+    ref = {"kind": "reference_logits", "logits": logits.tolist(), "alpha": 1e-3, "logit_tol": 0.05,
+           "mass_tol": 0.005, "min_expected": 5.0, "top_p_rule": feature_rules.TOP_P_RULE}
+    counts = {str(i): 20 for i in range(18)} | {"18": 3}
+    cell = {"kind": "frequency", "temperature": t, "top_k": k, "top_p": tp, "samples": 363, "p_value": 1.0,
+            "alpha_per_test": 1e-3, "counts": counts}
+    now = feature_rules.temperature_sampling_problems([ref, cell])
+    assert not any("the filters remove" in p for p in now), now
+    older = feature_rules.temperature_sampling_problems([{kk: v for kk, v in ref.items() if kk != "top_p_rule"}, cell])
+    assert any("3 samples of tokens the filters remove" in p for p in older), older
 
 
 def test_pooling_and_g_test(seed):

@@ -203,7 +203,3 @@ class MixedStepRunner:
             self.eager_keys[key] = f"capture failed: {str(e).splitlines()[0][:200]}"
             return
         cap.graph = g
-
-    def replay(self, key: MixedKey) -> None:
-        """Replay the key's captured graph on the inputs staged last (timing)."""
-        self.captures[key].graph.replay()
