@@ -17,7 +17,8 @@ fragment order is not a strided view of ``[rows, K/2]``) and the reference modul
 layout, so both copies are counted, unless the executors keep the experts once (``single_expert_copy``:
 the reference modules then rebuild an expert's checkpoint bytes from its fragments when they read it;
 ``step_plan.ExpertBank``), which brings a full TP16 rank to its 108 GB of weights; ``backend="standard_graph"`` adds a BF16 copy of every expert
-(``standard_ops.StandardExperts``, 3.8x the MXFP4 bytes). Hence even a full TP16 rank (108 GB of weights,
+(``standard_ops.StandardExperts``, 3.8x the MXFP4 bytes), or with ``standard_mxfp4_experts`` humming's MXFP4
+copy (``standard_experts="mxfp4"``; a TP16 slice padded from I = 192 to 256: 1.3x the MXFP4 bytes). Hence even a full TP16 rank (108 GB of weights,
 90 GB of them experts) does not fit an H200 once the fast path is built (199 GB); ``check_fits`` names the
 largest expert pool (``SPEC:experts=N``) or layer count that does. The expert pool is the knob that keeps
 every per-layer shape real.
@@ -120,7 +121,7 @@ def cache_pool_bytes(cfg: K3Config, tp: int, *, slots: int, max_len: int, kv_byt
 
 
 def emulation_bytes(cfg: K3Config, tp: int, *, standard: bool = False, fragments: bool = True,
-                    cache_bytes: int = 0, single_copy: bool = False) -> dict[str, int]:
+                    cache_bytes: int = 0, single_copy: bool = False, standard_experts: str = "bf16") -> dict[str, int]:
     """What rank 0 of ``tp`` takes on one device, in bytes.
 
     Keys: the ``WEIGHT_PARTS`` and their sum ``weights`` (stored formats, as ``device_model`` allocates them);
@@ -128,7 +129,8 @@ def emulation_bytes(cfg: K3Config, tp: int, *, standard: bool = False, fragments
     path's second copy of the experts, ``fragments=True``: a GPU ``ExpertBank``; none with ``single_copy``:
     ``ExpertBank(single_copy=True)`` keeps only the fragment layout); ``plan_copies``
     (``ModelPlan``'s W_UK / W_UV, per plan: two with ``standard``); ``standard_experts`` (``standard``: the
-    BF16 copy ``StandardExperts`` makes); ``resident`` (all of these); ``cache`` (``cache_bytes``: the
+    BF16 copy ``StandardExperts`` makes, or with ``standard_experts="mxfp4"`` humming's padded MXFP4 copy,
+    ``standard_mxfp4.humming_expert_bytes``); ``resident`` (all of these); ``cache`` (``cache_bytes``: the
     executors' cache pools, ``cache_pool_bytes``) and ``peak``: the most in use at once, over building
     (``device_synthetic``'s draw temporaries, an ``ExpertBank`` stacking one layer again, ``StandardExperts``
     stacking one BF16 matrix of a layer) and running (``resident + cache``).
@@ -140,12 +142,22 @@ def emulation_bytes(cfg: K3Config, tp: int, *, standard: bool = False, fragments
     frag = parts["experts"] if fragments and cfg.expert_format == "mxfp4" and not single_copy else 0
     plan = _plan_copies(cfg, tp) * (2 if standard else 1)
     bf16_matrix = rcfg.num_experts * rcfg.moe_intermediate_size * rcfg.routed_expert_hidden_size * 2
-    std = 3 * bf16_matrix * n_moe if standard else 0
-    resident = weights + frag + plan + std
     layer_experts = rcfg.num_experts * expert_slice
+    if standard_experts not in ("bf16", "mxfp4"):
+        raise ValueError(f"standard_experts: 'bf16' or 'mxfp4', got {standard_experts!r}")
+    if standard_experts == "mxfp4":
+        from ..runtime.standard_mxfp4 import humming_expert_bytes
+
+        layer_std = humming_expert_bytes(rcfg.num_experts, rcfg.moe_intermediate_size,
+                                         rcfg.routed_expert_hidden_size)
+        build = layer_experts + 3 * layer_std  # a layer's checkpoint bytes stacked, padded and repacked
+    else:
+        layer_std, build = 3 * bf16_matrix, bf16_matrix  # StandardExperts: E dense matrices, then stacked
+    std = layer_std * n_moe if standard else 0
+    resident = weights + frag + plan + std
     peak = max(weights + _draw_transient(cfg, tp),  # drawing (the last big tensor, lm_head, before any bank)
                weights + frag + plan + layer_experts,  # ExpertBank: a layer's experts stacked next to the modules'
-               resident + (bf16_matrix if standard else 0),  # StandardExperts: E dense matrices, then stacked
+               resident + (build if standard else 0),  # the standard path's experts, one layer being built
                resident + cache_bytes)
     out = dict(parts)
     out.update(weights=weights, expert_slice=expert_slice, moe_layers=n_moe, expert_fragments=frag,
@@ -219,10 +231,12 @@ def _spec_with(cfg: K3Config, tp: int, key: str, value: str) -> str:
 
 
 def check_fits(cfg: K3Config, tp: int, free_bytes: int, *, standard: bool = False, fragments: bool = True,
-               cache_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES, single_copy: bool = False) -> str | None:
+               cache_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES, single_copy: bool = False,
+               standard_experts: str = "bf16") -> str | None:
     """None when rank 0 of ``tp`` (``emulation_bytes``) fits ``free_bytes``, else a one-line reason with the
     numbers and the largest expert pool that fits (or, when not even ``top_k`` experts do, the most layers)."""
-    kw = dict(standard=standard, fragments=fragments, cache_bytes=cache_bytes, single_copy=single_copy)
+    kw = dict(standard=standard, fragments=fragments, cache_bytes=cache_bytes, single_copy=single_copy,
+              standard_experts=standard_experts)
     b = emulation_bytes(cfg, tp, **kw)
     if b["peak"] + reserve_bytes <= free_bytes:
         return None
@@ -230,7 +244,7 @@ def check_fits(cfg: K3Config, tp: int, free_bytes: int, *, standard: bool = Fals
     if b["expert_fragments"]:
         terms.append(f"{b['expert_fragments'] / GB:.1f} GB fragment copy")
     if b["standard_experts"]:
-        terms.append(f"{b['standard_experts'] / GB:.1f} GB standard BF16 experts")
+        terms.append(f"{b['standard_experts'] / GB:.1f} GB standard {standard_experts.upper()} experts")
     extra = b["peak"] - b["weights"] - b["expert_fragments"] - b["standard_experts"]
     terms.append(f"{extra / GB:.1f} GB plan copies, caches and build peak")
     terms.append(f"{reserve_bytes / GB:.1f} GB reserve")
@@ -259,7 +273,7 @@ def device_free_bytes(device: Any) -> int:
 
 def emulation_model(spec: str, seed: int, device: Any, *, conditioning: str = "stable", standard: bool = False,
                     cache_bytes: int = 0, reserve_bytes: int = RESERVE_BYTES,
-                    single_copy: bool = False) -> tuple[Any, Preset]:
+                    single_copy: bool = False, standard_experts: str = "bf16") -> tuple[Any, Preset]:
     """Rank 0 of preset spec ``spec`` (``presets.preset_spec``: e.g. ``k3-tp8-rank:experts=120``) as a BF16
     reference model of ``rank_config(cfg, preset.tp_size)`` on ``device``, and the preset.
 
@@ -276,7 +290,8 @@ def emulation_model(spec: str, seed: int, device: Any, *, conditioning: str = "s
     p = preset_spec(spec)
     dev = torch.device(device)
     why = check_fits(p.config, p.tp_size, device_free_bytes(dev), standard=standard, fragments=dev.type == "cuda",
-                     cache_bytes=cache_bytes, reserve_bytes=reserve_bytes, single_copy=single_copy)
+                     cache_bytes=cache_bytes, reserve_bytes=reserve_bytes, single_copy=single_copy,
+                     standard_experts=standard_experts)
     if why:
         raise RankEmulationError(why)
     model = device_model(p.config, seed, dev, tp=p.tp_size, rank=0, conditioning=conditioning)
@@ -284,7 +299,7 @@ def emulation_model(spec: str, seed: int, device: Any, *, conditioning: str = "s
 
 
 def emulation_record(p: Preset, *, standard: bool = False, fragments: bool = True, batch: int | None = None,
-                     single_copy: bool = False) -> dict[str, Any]:
+                     single_copy: bool = False, standard_experts: str = "bf16") -> dict[str, Any]:
     """What a bundle records about an emulated rank: the spec, the reductions against the full model, the
     byte estimate, and with ``batch`` the experts a uniform routing touches per MoE layer over the pool vs
     over the full model's pool."""
@@ -298,7 +313,8 @@ def emulation_record(p: Preset, *, standard: bool = False, fragments: bool = Tru
     out: dict[str, Any] = {
         "spec": p.name, "tp": p.tp_size, "num_experts": cfg.num_experts, "full_num_experts": full.num_experts,
         "layers": cfg.num_hidden_layers, "full_layers": full.num_hidden_layers,
-        "bytes": emulation_bytes(cfg, p.tp_size, standard=standard, fragments=fragments, single_copy=single_copy),
+        "bytes": emulation_bytes(cfg, p.tp_size, standard=standard, fragments=fragments, single_copy=single_copy,
+                                 standard_experts=standard_experts),
     }
     if batch is not None:
         k = cfg.num_experts_per_token

@@ -114,7 +114,8 @@ class DecodeExecutor:
         self.single_expert_copy = opts.single_expert_copy  # ExpertBank(single_copy=...): the experts kept once
         self.pdl = opts.pdl
         self.situ_glu_kernel = opts.situ_glu_kernel
-        self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device)
+        self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device,
+                                      mxfp4_experts=opts.standard_mxfp4_experts)
                     if backend == "standard_graph" else op_table(opts, overrides=ops))
         self.side = SideStream(self.device, enabled=opts.shared_stream and self.fast)
         self.prefetcher = L2Prefetcher(self.device, opts.prefetch_budget, enabled=opts.prefetch and self.fast)

@@ -32,6 +32,7 @@ class DecodeOptions:
     situ_glu_kernel: bool = False  # the shared experts' / dense MLP's SiTU-GLU as one kernel (kernels/situ_glu)
     single_expert_copy: bool = False  # the routed experts kept once, in the kernel's layout (ExpertBank)
     standard_compiled_glue: bool = False  # standard_graph only: its PyTorch glue through torch.compile
+    standard_mxfp4_experts: bool = False  # standard_graph only: MXFP4 experts through humming (standard_mxfp4.py)
     gemm_wgmma_min_m: int = WGMMA_MIN_M  # the skinny GEMM's wgmma variant for M >= it (0: never; 1: every M)
 
     def __post_init__(self) -> None:
@@ -66,10 +67,10 @@ HONOURED: dict[str, frozenset[str]] = {
     "latency_specialized": frozenset({"pdl", "prefetch", "prefetch_budget", "shared_stream", "situ_glu_kernel",
                                       "single_expert_copy", "gemm_wgmma_min_m"}),
     "standard_graph": frozenset({"prefetch", "prefetch_budget", "shared_stream", "single_expert_copy",
-                                 "standard_compiled_glue"}),
+                                 "standard_compiled_glue", "standard_mxfp4_experts"}),
     "standard": frozenset(),
     "tp:latency_specialized": frozenset({"pdl", "situ_glu_kernel", "gemm_wgmma_min_m"}),
-    "tp:standard_graph": frozenset({"standard_compiled_glue"}),
+    "tp:standard_graph": frozenset({"standard_compiled_glue", "standard_mxfp4_experts"}),
 }
 
 

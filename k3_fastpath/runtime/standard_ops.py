@@ -17,7 +17,9 @@ static buffers, one graph per bucket, shared experts on a side stream) with this
 |                 | sized to the context measured)                                                        |
 | ``moe_router``  | cuBLAS logits (FP32 out) + ``torch.sort`` top-k                                       |
 | ``moe_experts`` | rows sorted by expert + ``torch._grouped_mm`` (cuBLAS-class grouped GEMM, sm_90) over |
-|                 | BF16 experts dequantised once at build (``StandardExperts``); FP32 weighted combine    |
+|                 | BF16 experts dequantised once at build (``StandardExperts``); FP32 weighted combine;   |
+|                 | with ``DecodeOptions(standard_mxfp4_experts=True)``: MXFP4 experts through            |
+|                 | humming-kernels' MoE GEMMs, vLLM's sm_90 MXFP4 backend (``standard_mxfp4.py``)        |
 
 ``standard_op_table(compiled_glue=True)`` (``DecodeOptions(standard_compiled_glue=True)``; default off)
 serves the PyTorch glue above through ``torch.compile`` on CUDA tensors (``compiled_glue.py`` says how it stays
@@ -27,9 +29,10 @@ and FP32 combine + latent norm), and ``linear`` becomes ``linear_standard_fused`
 cuBLAS's epilogue by ``addmm``, FP32 logits straight from the GEMM). MLA's chunked attention stays eager.
 
 What it is for: ``perf.decode_sweep``'s fast-vs-standard ratio (issue #5 asks for a standard path at least
-as strong as cuBLAS + fla + grouped GEMM + compiled glue, graph-captured). Expert format: torch has no
-MXFP4 grouped GEMM for sm_90, so this path's experts are BF16 (4x the bytes of the fast path's MXFP4);
-the sweep records say so and report each backend's own floor. Every op is capturable: no host
+as strong as cuBLAS + fla + grouped GEMM + compiled glue, graph-captured). Expert format: by default the
+experts are BF16 (torch has no MXFP4 grouped GEMM for sm_90; 4x the bytes of the fast path's MXFP4);
+``standard_mxfp4_experts`` reads the fast path's MXFP4 bytes through humming, as vLLM does on Hopper. The
+sweep records say which. Every op is capturable: no host
 synchronisation, no data-dependent shapes. The trace lists each op with the library that served it.
 """
 
@@ -49,6 +52,7 @@ from ..reference.common import compute_dtype, rms_norm, situ_glu
 from ..reference.kda import kda_gate, kda_recurrent_step, l2_normalize
 from .compiled_glue import GLUE_COMPILED, GLUE_EAGER, GlueSet, compile_unavailable
 from .fast_ops import OpImpl, route_from_logits
+from .standard_mxfp4 import HUMMING_LIB, HummingExperts, align, humming_unavailable
 
 CUBLAS = "standard path: cuBLAS (torch.nn.functional.linear)"
 TORCH = "standard path: PyTorch ops in the CUDA graph"
@@ -396,31 +400,56 @@ def moe_experts_standard(z, ids, weights, bank, norm_w=None, eps=1e-5, *, glue=N
     return _glue(glue, "experts_combine", y, weights, order, row, norm_w, eps, z.dtype)
 
 
-def standard_op_table(compiled_glue: bool = False, device: torch.device | str | None = None) -> dict[str, OpImpl]:
+def moe_experts_humming(z, ids, weights, bank, norm_w=None, eps=1e-5, *, glue=None):
+    """``moe_experts``' op contract through humming-kernels (``standard_mxfp4.py`` says what runs): ``z [Bk, L]`` bf16, ``ids``/``weights``
+    ``[Bk, k]`` -> FP32 ``[Bk, L]`` (or with ``norm_w`` the latent RMSNorm, ``z.dtype``)."""
+    he = HummingExperts.of(bank)
+    bk, k = ids.shape
+    rows = bk * k
+    idx13 = align(ids, he.num_experts, he.block("w13", rows))
+    b2 = he.block("w2", rows)
+    idx2 = idx13 if b2 == he.block("w13", rows) else align(ids, he.num_experts, b2)
+    gu = he.gemm("w13", z, idx13, k, rows)  # [Bk * k, 2I], row t * k + j
+    h = _glue(glue, "experts_glu", gu[:, :he.inter], gu[:, he.inter:], bank.beta, bank.linear_beta, torch.bfloat16)
+    y = he.gemm("w2", h, idx2, 1, rows)  # [Bk * k, L]
+    pairs = torch.arange(rows, device=z.device)
+    return _glue(glue, "experts_combine", y, weights, pairs, pairs // k, norm_w, eps, z.dtype)
+
+
+def standard_op_table(compiled_glue: bool = False, device: torch.device | str | None = None,
+                      mxfp4_experts: bool = False) -> dict[str, OpImpl]:
     """The op table of ``backend="standard_graph"`` (see the module docstring); each entry names its library.
 
     ``compiled_glue``: the glue through ``torch.compile`` on CUDA tensors (``compiled_glue.py``); ``device``:
     the tensors the table will serve (None: the first glue call says). On a CPU, or where torch.compile is
     unusable or raises, the glue runs eagerly and the op's ``standard_reason`` says why (updated when a
-    compile fails at warm-up, so the steps' trace records say what served them)."""
+    compile fails at warm-up, so the steps' trace records say what served them). ``mxfp4_experts``: the
+    routed experts in MXFP4 through humming-kernels (``standard_mxfp4.py``); ``ValueError`` with the reason
+    where humming cannot serve ``device``."""
     kda_lib = ("standard path: PyTorch conv update + fla fused_recurrent_kda_fwd + fla rms_norm_gated"
                if fla_kda() is not None else "standard path: PyTorch KDA step (fla not importable)")
     experts_lib = ("standard path: torch._grouped_mm over BF16 experts (sorted rows), FP32 combine"
                    if hasattr(torch, "_grouped_mm") else "standard path: gathered bmm over BF16 experts")
+    experts_fn = moe_experts_standard
+    if mxfp4_experts:
+        why = humming_unavailable(str(device if device is not None else "cpu"))
+        if why:
+            raise ValueError(f"decode option standard_mxfp4_experts: {why}")
+        experts_lib, experts_fn = HUMMING_LIB, moe_experts_humming
     libs = {"linear": CUBLAS, "rmsnorm": TORCH, "attn_res": TORCH, "kda_step": kda_lib,
             "mla_attention": "standard path: absorbed MLA as cuBLAS bmm (BF16 latent chunks, FP32 out)",
             "moe_router": "standard path: cuBLAS FP32 logits + torch.sort top-k", "moe_experts": experts_lib}
     if not compiled_glue:
         fns = {"linear": linear_standard, "rmsnorm": rmsnorm_standard, "attn_res": attn_res_standard,
                "kda_step": kda_step_standard, "mla_attention": mla_attention_standard,
-               "moe_router": moe_router_standard_lib, "moe_experts": moe_experts_standard}
+               "moe_router": moe_router_standard_lib, "moe_experts": experts_fn}
         return {n: OpImpl(n, fn, standard_reason=libs[n]) for n, fn in fns.items()}
     glue = GlueSet(GLUE_FNS, compiled=True, device=device)
     fns = {"linear": linear_standard_fused, "rmsnorm": functools.partial(glue, "rmsnorm"),
            "attn_res": functools.partial(glue, "attn_res"),
            "kda_step": functools.partial(kda_step_standard, glue=glue), "mla_attention": mla_attention_standard,
            "moe_router": functools.partial(moe_router_standard_lib, glue=glue),
-           "moe_experts": functools.partial(moe_experts_standard, glue=glue)}
+           "moe_experts": functools.partial(experts_fn, glue=glue)}
     table: dict[str, OpImpl] = {}
 
     def reasons() -> None:  # (re)written in place: the executor's OpCalls read this very dict
@@ -490,5 +519,5 @@ def _glue(glue: GlueSet | None, name: str, *args: Any) -> Any:
 
 
 __all__ = ["GLUE_FNS", "OP_GLUE", "StandardExperts", "glue_summary", "grouped_mm_works", "kda_step_standard",
-           "linear_standard", "linear_standard_fused", "mla_attention_standard", "moe_experts_standard",
+           "linear_standard", "linear_standard_fused", "mla_attention_standard", "moe_experts_humming", "moe_experts_standard",
            "moe_router_standard_lib", "standard_op_table"]

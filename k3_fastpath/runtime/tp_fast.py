@@ -149,7 +149,8 @@ class TPFastDecoder:
         self.plan = ModelPlan.build(model)
         self.backend = backend
         self.options = opts = resolve_options(options, f"tp:{backend}")
-        self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device)
+        self.ops = (standard_op_table(compiled_glue=opts.standard_compiled_glue, device=self.device,
+                                      mxfp4_experts=opts.standard_mxfp4_experts)
                     if backend == "standard_graph" else op_table(opts))
         self.pdl = opts.pdl
         self.kv_dtype = kv_dtype or model.dtype

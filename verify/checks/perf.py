@@ -180,7 +180,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                  mixed_batches: list[int] = [1, 8], mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
                  mixed_reference: bool = True,
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
-                 layer_times: bool = True, standard_compiled_glue: bool = False,
+                 layer_times: bool = True, standard_compiled_glue: bool = False, standard_mxfp4_experts: bool = False,
                  fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False,
                  tp_fast_pdl: bool = False, kernel_profile: bool = False) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
@@ -188,6 +188,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     the batches that also time the eager reference model (information only, slow at long context; default
     all); ``layer_times``: per-layer-type times of the fast and standard graph paths;
     ``standard_compiled_glue``: the standard path's glue through torch.compile (rows say ``standard_glue``);
+    ``standard_mxfp4_experts``: the standard path's experts in MXFP4 through humming-kernels, the fast path's
+    expert bytes (rows say ``expert_format``; ``runtime/standard_mxfp4.py``);
     ``fast_variants``: more fast executors timed beside ``fast`` on the same cache, e.g. ``{fast_pdl: {pdl:
     true}, fast_mma: {gemm_wgmma_min_m: 0}}`` (TP1 points; ``perf_sweep.check_fast_variants``);
     ``single_expert_copy``: the executors keep the routed experts once, in the kernel's layout
@@ -260,19 +262,21 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
             return True
         return False
 
+    std_experts = "mxfp4" if standard_mxfp4_experts else "bf16"
     if 1 in tp and rank_tp > 1:  # one TP rank's shards as a TP1 model, no communication (rank_emulation.py)
         max_len = max(contexts) + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
         t_build = time.perf_counter()
         try:
             model, spec = emulation_model(preset, ctx.seed, "cuda", standard=standard_graph,
-                                          single_copy=single_expert_copy,
+                                          single_copy=single_expert_copy, standard_experts=std_experts,
                                           cache_bytes=cache_pool_bytes(cfg, rank_tp, slots=max(batches) + 1,
                                                                        max_len=max_len,
                                                                        kv_bytes=1 if kv_cache == "fp8" else 2))
         except RankEmulationError as e:
             return ctx.failed(str(e))
         ctx.record({"probe": "rank_emulation", **emulation_record(spec, standard=standard_graph, batch=max(batches),
-                                                                  single_copy=single_expert_copy),
+                                                                  single_copy=single_expert_copy,
+                                                                  standard_experts=std_experts),
                     "build_s": round(time.perf_counter() - t_build, 1)})
         mixed = False
         notes.append(f"{spec.name}: rank 0 of TP{rank_tp} emulated on one GPU (no all-reduce; TP2 rows measure "
@@ -298,7 +302,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                                     kv_dtype=kv_dtype, pool_from=fast,
                                     options=defaults("standard_graph").replace(
                                         single_expert_copy=single_expert_copy,
-                                        standard_compiled_glue=standard_compiled_glue)) if standard_graph else None
+                                        standard_compiled_glue=standard_compiled_glue,
+                                        standard_mxfp4_experts=standard_mxfp4_experts)) if standard_graph else None
             variants = {}
             for name, opts in (fast_variants or {}).items():
                 variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=mb,
@@ -357,7 +362,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
         params = {"preset": preset, "batches": sorted(batches), "contexts": sorted(contexts), "routing": routing,
                   "iters": iters, "standard_iters": standard_iters, "seed": ctx.seed, "bw": bw,
                   "reference_batches": sorted(reference_batches or batches),
-                  "standard_compiled_glue": standard_compiled_glue, "tp_fast_pdl": tp_fast_pdl,
+                  "standard_compiled_glue": standard_compiled_glue, "standard_mxfp4_experts": standard_mxfp4_experts,
+                  "tp_fast_pdl": tp_fast_pdl,
                   "checkpoint": ctx.model_source.path}  # a checkpoint: each rank reads its slices of it
         merged = S.merge_ranks(launch(S.tp_worker, size, (params,), backend="nccl",
                                       timeout_s=max(60.0, ctx.budget_s - ctx.elapsed())))

@@ -248,6 +248,16 @@ def _glue_of(ex: Any) -> str:
     return glue_summary(ex.ops)
 
 
+def standard_expert_fields(ex: Any) -> dict[str, str]:
+    """A standard row's expert format and what it means for the ratio (from the executor's options)."""
+    if ex.options.standard_mxfp4_experts:
+        return {"expert_format": "mxfp4", "expert_format_note": "the standard path reads the fast path's MXFP4 "
+                "expert bytes through humming-kernels (vLLM's sm_90 MXFP4 MoE backend; N padded to 256, K to 128)"}
+    return {"expert_format": "bf16", "expert_format_note": "torch has no MXFP4 grouped GEMM on sm_90: the standard "
+            "path's experts are dequantised to BF16 once (4x the fast path's expert bytes); floor_us is the "
+            "model's (MXFP4) floor for both"}
+
+
 def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing: str, *, bw: float, iters: int,
               standard_iters: int, warmup: int, seed: int, strong: Any = None, layer_times: bool = True,
               reference: bool = True, floor_cfg: Any = None, rank_tp: int = 1,
@@ -287,11 +297,8 @@ def run_point(model: Any, fast: Any, std: Any, batch: int, context: int, routing
             gs = stats(samples)
             rows.append({**common, "backend": "standard", **gs, **g_extra, **throughput(gs["step_us_median"], batch, 1),
                          "pct_of_floor": fl["floor_us"] / gs["step_us_median"],
-                         "x_floor": gs["step_us_median"] / fl["floor_us"], "expert_format": "bf16",
-                         "standard_glue": _glue_of(strong),
-                         "expert_format_note": "torch has no MXFP4 grouped GEMM on sm_90: the standard path's "
-                                               "experts are dequantised to BF16 once (4x the fast path's expert "
-                                               "bytes); floor_us is the model's (MXFP4) floor for both"})
+                         "x_floor": gs["step_us_median"] / fl["floor_us"], **standard_expert_fields(strong),
+                         "standard_glue": _glue_of(strong)})
         if layer_times:  # per-layer-type times of both graph paths (section graphs, measure/section_timing.py)
             for row, ex in zip(rows, (fast, strong), strict=False):
                 row.update(graph_layer_times(ex, tokens, cache, fl["floor_us_by_layer_type"], max(3, iters // 2)))
@@ -427,7 +434,8 @@ def tp_worker(rank: int, world: int, params: dict[str, Any]) -> dict[str, Any]:
         strong = TPFastDecoder(cfg, model, comms["unfused"], max_batch=max(params["batches"]),
                                max_len=context + CONTEXT_SLACK, backend="standard_graph", pool_from=fast,
                                options=defaults("tp:standard_graph").replace(
-                                   standard_compiled_glue=params.get("standard_compiled_glue", False)))
+                                   standard_compiled_glue=params.get("standard_compiled_glue", False),
+                                   standard_mxfp4_experts=params.get("standard_mxfp4_experts", False)))
         fast_pdl = TPFastDecoder(cfg, model, comms["fused"], max_batch=max(params["batches"]),
                                  max_len=context + CONTEXT_SLACK, pool_from=fast,
                                  options=defaults("tp:latency_specialized").replace(pdl=True)
@@ -482,8 +490,8 @@ def tp_point(cfg: Any, model: Any, tps: dict[str, Any], world: int, batch: int, 
             rows.append({**common, "backend": name, **st, **extra, **throughput(st["step_us_median"], batch, world),
                          "pct_of_floor": fl["floor_us"] / st["step_us_median"],
                          "x_floor": st["step_us_median"] / fl["floor_us"],
-                         "expert_format": cfg.expert_format if name.startswith("fast") else "bf16",
-                         **({"standard_glue": _glue_of(dec)} if name == "standard" else {})})
+                         **({"expert_format": cfg.expert_format} if name.startswith("fast") else
+                            {**standard_expert_fields(dec), "standard_glue": _glue_of(dec)})})
             if name == "fast_pdl" and rows[0]["backend"] == "fast":
                 rows[-1].update(variant_of="fast", options={"pdl": True},
                                 vs_fast=rows[0]["step_us_median"] / st["step_us_median"])
