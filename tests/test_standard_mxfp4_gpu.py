@@ -5,7 +5,8 @@ It becomes the baseline of the fast-vs-standard ratios when ``standard_mxfp4_exp
 as right as the BF16 standard experts: against the FP64 oracle ``moe_experts_ref(compute_dtype=float64,
 rounding=False)`` on the same (exactly dequantised) weights, max|got - ref64| <= 2 x max|bf16 - ref64| +
 1e-3 max|ref64|, ``bf16`` being the BF16 grouped-GEMM standard op on the same inputs; a CUDA-graph replay of
-the op over new routing equals the eager call; and in the executor (``backend="standard_graph"``) greedy
+the op over new routing equals the eager call to 1e-5 of its scale (humming's split sums are not bitwise
+repeatable); and in the executor (``backend="standard_graph"``) greedy
 decoding follows the reference with humming named as what served ``moe_experts``. Fresh random inputs each
 run (the seed in every message).
 """
@@ -102,7 +103,10 @@ def test_humming_experts_replay_in_a_cuda_graph(seed):
     graph.replay()
     torch.cuda.synchronize()
     want = moe_experts_humming(z2, ids2, w2, bank)
-    assert torch.equal(out, want), f"seed {seed}: replay differs by {(out - want).abs().max().item():.3e}"
+    # humming's split-K / stream-K partial sums may combine in a different order from call to call: FP32 output
+    # equal to ~1e-7 of its scale, not bitwise (H100, 2026-12-06: 8.9e-08 at a scale of ~0.3)
+    diff, scale = (out - want).abs().max().item(), want.abs().max().item()
+    assert torch.isfinite(out).all() and diff <= 1e-5 * scale, f"seed {seed}: replay differs by {diff:.3e} ({scale:.3e})"
 
 
 def test_standard_graph_executor_serves_experts_through_humming(seed):

@@ -43,6 +43,7 @@ import numpy as np
 from verify.checks.feature_rules import BOUNDARY_LOGIT_TOL, TOP_P_RULE
 from verify.checks.registry import check
 from verify.checks.spec_rules import (
+    PIT_RULE,
     acceptance_comparison,
     pit_test,
     spec_acceptance_problems,
@@ -149,6 +150,7 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
     prompt = _prompts(ctx.seed + 211, 1, prompt_len, eut.vocab_size)[0]
     ctx.record({"kind": "plan", "cells": cells, "samples": samples, "max_tokens": max_tokens, "prompt": prompt,
                 "bins": bins, "alpha": alpha, "min_tokens": min_tokens, "logit_tol": logit_tol, "top_p_rule": TOP_P_RULE,
+                "pit_rule": PIT_RULE,
                 "mass_tol": mass_tol, "speculative": speculative, "reference_engine": plain.name})
     rng = np.random.default_rng(ctx.seed + 223)
     worst = 1.0

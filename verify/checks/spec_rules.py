@@ -161,21 +161,34 @@ def spec_acceptance_problems(records: Records, metrics: Mapping[str, Any] | None
     return problems
 
 
+# How ``token_interval`` places a token (the plan records it): on the reference distribution conditioned on the
+# tokens no filter boundary makes ambiguous. Leaving ambiguous tokens out of an unconditional PIT would bias it:
+# they are the least likely kept tokens, the top of the [0, 1) range, so that bin empties.
+PIT_RULE = "conditional_on_unambiguous"
+
+
 def token_interval(logprobs: Sequence[float], token: int, temperature: float, top_k: int, top_p: float,
                    logit_tol: float, mass_tol: float) -> tuple[float, float, bool]:
     """``token``'s interval under the reference sampling distribution (``feature_rules.reference_distribution``
-    of the log-probabilities at ``temperature`` after top-k / top-p), tokens ordered by falling probability
-    (ties by id): (F(before token), p(token), whether the token lies within a tolerance of a filter's
-    boundary)."""
+    of the log-probabilities at ``temperature`` after top-k / top-p) conditioned on the tokens whose membership
+    in the kept set no engine within ``logit_tol`` could decide otherwise (``PIT_RULE``), tokens ordered by
+    falling probability (ties by id): (F(before token), p(token), whether the token is ambiguous: then
+    (0, 0, True), left out of the test, which the conditioning makes unbiased). A token of probability 0
+    that is not ambiguous is one the filters remove."""
     import numpy as np
 
     from verify.checks.feature_rules import reference_distribution
 
     p, amb = reference_distribution(np.array(logprobs, dtype=np.float64), temperature, top_k, top_p, logit_tol,
                                     mass_tol)
-    pt = p[token]
-    before = (p > pt) | ((p == pt) & (np.arange(len(p)) < token))  # ahead of it in falling probability
-    return float(p[before].sum()), float(pt), bool(amb[token])
+    if amb[token]:
+        return 0.0, 0.0, True
+    q = np.where(amb, 0.0, p)
+    total = q.sum()
+    q = q / total if total > 0 else q
+    qt = q[token]
+    before = (q > qt) | ((q == qt) & (np.arange(len(q)) < token))  # ahead of it in falling probability
+    return float(q[before].sum()), float(qt), False
 
 
 def pit_test(sequences: Sequence[Mapping[str, Any]], bins: int) -> dict[str, Any]:
