@@ -25,7 +25,11 @@ uniform and independent from token to token exactly when the emitted tokens foll
 ``alpha / cells``; a bias towards the draft (the correction drawn from ``p`` instead of the residual) piles
 up ``u`` near 0. ``spec_rules.spec_sampling_problems`` redoes the test from each token's recorded interval
 and draw, and requires the verify rule to have run (drafts accepted and rejected). The intervals come from
-the baseline's full distribution at every position, which is not recorded (V floats per token).
+the baseline's full distribution at every position, which is not recorded (V floats per token). A token
+within its position's logit tolerance of a top-k / top-p boundary is ambiguous and left out, every interval
+being taken on the distribution conditioned on the unambiguous tokens (``spec_rules.PIT_RULE``: leaving them
+out of unconditional intervals would empty the top bin); the tolerance is the plan's ``logit_tol`` or the
+engine's own measured deviation from the baseline at that position, whichever is wider (``TOL_RULE``).
 
 ``features.decode_sampling``: the same test without speculative decoding. ``features.temperature_sampling``'s
 frequency test samples one-token requests, whose token comes from the prefill, which every engine serves on
@@ -97,6 +101,25 @@ def spec_acceptance(ctx: CheckContext, speculative: str = "synthetic:3:p=0.8", p
 
 
 SCORE_CHUNK = 16  # sequences scored per teacher-forced forward batch (k3-mini: 16 x 16 x 163840 FP32 = 168 MB)
+# Each position's logit tolerance: the plan's ``logit_tol`` or, when wider, how far the engine under test's own
+# raw log-probabilities of its ``LOGPROB_WIDTH`` most likely tokens (returned with the sample) spread around the
+# baseline's for the same tokens (``logit_spread``: half the range of the differences, a common shift being
+# irrelevant to any filter). A token within that of a filter boundary is one the two engines' numerics may
+# legitimately put on different sides; a filter bug puts tokens far outside. Everything ambiguous leaves too few
+# tokens tested (``min_tokens``), which fails.
+LOGPROB_WIDTH = 20  # vLLM's default max_logprobs; covers a top-k of 20 and the top-p boundary of the cells
+TOL_RULE = "max(logit_tol, measured spread)"
+
+
+def logit_spread(engine_top: dict[int, float] | None, baseline: Any) -> float:
+    """Half the range of ``engine_top[t] - baseline[t]`` over the engine's reported tokens (0 when it reported
+    none): the smallest bound on how far each of those logits moved once a common shift is taken out."""
+    if not engine_top:
+        return 0.0
+    d = [float(v) - float(baseline[int(t)]) for t, v in engine_top.items()]
+    return 0.5 * (max(d) - min(d))
+
+
 DEFAULT_CELLS = [{"temperature": 1.0, "top_k": 0, "top_p": 1.0}, {"temperature": 0.7, "top_k": 20, "top_p": 0.9}]
 
 
@@ -150,13 +173,14 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
     prompt = _prompts(ctx.seed + 211, 1, prompt_len, eut.vocab_size)[0]
     ctx.record({"kind": "plan", "cells": cells, "samples": samples, "max_tokens": max_tokens, "prompt": prompt,
                 "bins": bins, "alpha": alpha, "min_tokens": min_tokens, "logit_tol": logit_tol, "top_p_rule": TOP_P_RULE,
-                "pit_rule": PIT_RULE,
+                "pit_rule": PIT_RULE, "tol_rule": TOL_RULE, "logprob_width": LOGPROB_WIDTH,
                 "mass_tol": mass_tol, "speculative": speculative, "reference_engine": plain.name})
     rng = np.random.default_rng(ctx.seed + 223)
     worst = 1.0
     for i, cell in enumerate(cells):
         t, k, tp = float(cell["temperature"]), int(cell.get("top_k", 0)), float(cell.get("top_p", 1.0))
-        params = SamplingParams(max_tokens=max_tokens, temperature=t, top_k=k, top_p=tp, seed=None, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=t, top_k=k, top_p=tp, seed=None, ignore_eos=True,
+                                logprobs=LOGPROB_WIDTH)
         seqs = []
         outs = eut.generate([prompt] * samples, params)
         for c0 in range(0, len(outs), SCORE_CHUNK):  # [T, V] per sequence: a chunk at a time in host memory
@@ -164,10 +188,12 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
             for c, full in zip(chunk, plain.sequence_logprobs([prompt + list(c.token_ids) for c in chunk]),
                                strict=True):
                 lp = full[len(prompt) - 1: -1].double().numpy()
-                iv = [token_interval(lp[j], tok, t, k, tp, logit_tol, mass_tol) for j, tok in enumerate(c.token_ids)]
+                tols = [max(logit_tol, logit_spread(c.logprobs[j] if c.logprobs else None, lp[j]))
+                        for j in range(len(c.token_ids))]
+                iv = [token_interval(lp[j], tok, t, k, tp, tols[j], mass_tol) for j, tok in enumerate(c.token_ids)]
                 acc = c.extra.get("acceptance") or {}
                 seqs.append({"kind": "sequence", "cell": i, "tokens": list(c.token_ids), "lo": [x[0] for x in iv],
-                             "p": [x[1] for x in iv], "ambiguous": [x[2] for x in iv],
+                             "p": [x[1] for x in iv], "ambiguous": [x[2] for x in iv], "tol": tols,
                              "U": rng.random(len(iv)).tolist(), "examined": sum(acc.get("examined") or []),
                              "accepted": sum(acc.get("accepted") or [])})
         for s in seqs:
@@ -175,6 +201,7 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
         res = pit_test(seqs, bins)
         worst = min(worst, res["p_value"])
         ctx.record({"kind": "cell", "temperature": t, "top_k": k, "top_p": tp, **res,
+                    "max_tol": max((x for s in seqs for x in s["tol"]), default=logit_tol),
                     "examined": sum(s["examined"] for s in seqs), "accepted": sum(s["accepted"] for s in seqs),
                     "alpha_per_test": alpha / len(cells)})
     metrics = dict(info, cells=len(cells), samples_per_cell=samples, tokens_per_sample=max_tokens,
