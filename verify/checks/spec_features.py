@@ -193,9 +193,9 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
                 iv = [token_interval(lp[j], tok, t, k, tp, tols[j], mass_tol) for j, tok in enumerate(c.token_ids)]
                 acc = c.extra.get("acceptance") or {}
                 # a token the filters remove: both engines' view of that position (engine top-N, baseline top-N)
-                evidence = [{"position": j, "engine_top": {int(a): float(b) for a, b in (c.logprobs[j] or {}).items()}
+                evidence = [{"position": j, "engine_top": {str(a): float(b) for a, b in (c.logprobs[j] or {}).items()}
                              if c.logprobs else None,
-                             "baseline_top": {int(a): float(lp[j][a]) for a in np.argsort(-lp[j])[:LOGPROB_WIDTH + 5]}}
+                             "baseline_top": {str(a): float(lp[j][a]) for a in np.argsort(-lp[j])[:LOGPROB_WIDTH + 5]}}
                             for j, x in enumerate(iv) if x[1] <= 0.0 and not x[2]]
                 seqs.append({"kind": "sequence", "cell": i, "tokens": list(c.token_ids), "lo": [x[0] for x in iv],
                              "p": [x[1] for x in iv], "ambiguous": [x[2] for x in iv], "tol": tols,
