@@ -178,20 +178,52 @@ def test_top_p_ambiguity_is_the_logit_tolerance_carried_to_the_mass(seed):
     ahead of a token ``b`` can reach ``b / (b + (1 - b) e^(+-2 eps))``. A flat top-20 at T 0.7 (k3-tiny's
     synthetic distributions) built so that token 18 has 0.906 of mass ahead of it, 0.006 past top_p 0.9, like the
     four tokens the H100 run of features.spec_sampling sampled there (bundles/runs/2026-12-06-h100-session19): at
-    logit_tol 0.05 it is ambiguous, under the old fixed rule (``logit_bound=False``, mass_tol 0.005) it was
+    logit_tol 0.05 it is ambiguous, under the old fixed rule (``rule="mass"``, mass_tol 0.005) it was
     forbidden; token 19 (0.953 ahead) stays forbidden; the new rule only adds ambiguous tokens, and at
     logit_tol 0 the two agree. The tail below the top 20 is fresh noise per run."""
     rng = np.random.default_rng(seed)
     t, k, tp = 0.7, 20, 0.9
     logits = np.concatenate([np.full(18, -5.0 + t * np.log(0.906 * 2 / (18 * 0.094))), [-5.0, -5.0],
                              -9.0 + rng.standard_normal(492)])
-    p, amb = feature_rules.reference_distribution(logits, t, k, tp, 0.05, 0.005)
-    p_old, amb_old = feature_rules.reference_distribution(logits, t, k, tp, 0.05, 0.005, logit_bound=False)
+    p, amb = feature_rules.reference_distribution(logits, t, k, tp, 0.05, 0.005, rule="logit_bound")
+    p_old, amb_old = feature_rules.reference_distribution(logits, t, k, tp, 0.05, 0.005, rule="mass")
     assert amb[18] and not amb_old[18] and p[18] == 0 == p_old[18]
     assert not amb[19] and p[19] == 0
+    # tokens 18 and 19 tie: the rule of new records lets 19 be ordered first, so it is ambiguous too
+    assert feature_rules.reference_distribution(logits, t, k, tp, 0.05, 0.005)[1][18:20].all()
     assert not (amb_old & ~amb).any() and np.array_equal(p, p_old)
-    same = [feature_rules.reference_distribution(logits, t, k, tp, 0.0, 0.005, logit_bound=b)[1] for b in (True, False)]
+    same = [feature_rules.reference_distribution(logits, t, k, tp, 0.0, 0.005, rule=r)[1]
+            for r in ("logit_bound", "mass")]
     assert np.array_equal(*same)
+
+
+def test_a_tie_or_near_tie_at_the_nucleus_boundary_is_ambiguous(seed):
+    """The H100 case (bundles/runs/2026-12-06-h100-session20, token 420): the BF16 baseline gives two tokens the
+    same log-probability and the nucleus boundary falls between them; ordered by id one is kept and the other
+    dropped, a sampler's sort may order them the other way. Under "logit_bound_reorder" both are ambiguous even
+    at logit_tol 0 (a tie), and still when one lies within 2 x logit_tol behind the other; "logit_bound" (the
+    tokens ahead fixed) called the dropped one forbidden. Tokens far past the boundary stay forbidden. Built in
+    probability space at T 0.7: 15 head tokens holding 0.88 (each above 0.035), the tied pair 0.03 each (mass
+    ahead 0.88 and 0.91), a tail of 0.025 / 0.02 / 0.015, the rest ~0."""
+    rng = np.random.default_rng(seed)
+    t, k, tp = 0.7, 20, 0.9
+    head = 0.035 + 0.355 * rng.dirichlet(np.ones(15))
+    mass = np.concatenate([np.sort(head)[::-1], [0.03, 0.03, 0.025, 0.02, 0.015]])
+    logits = np.concatenate([t * np.log(mass), -40.0 + rng.standard_normal(492)])
+    p, amb = feature_rules.reference_distribution(logits, t, k, tp, 0.0, 0.0)
+    assert p[15] > 0 and p[16] == 0, f"seed {seed}: the boundary falls between the tied tokens"
+    assert amb[15] and amb[16], f"seed {seed}: a tie at the boundary is ambiguous"
+    _, amb_fixed = feature_rules.reference_distribution(logits, t, k, tp, 0.0, 0.0, rule="logit_bound")
+    assert not amb_fixed[16], "the rule without reordering calls it forbidden"
+    assert p[17] == p[19] == 0 and not amb[17:20].any(), f"seed {seed}: far past the boundary stays forbidden"
+    near = logits.copy()
+    near[16] -= 0.09  # 0.09 behind its former tie: within 2 x logit_tol (0.1) of token 15
+    p, amb = feature_rules.reference_distribution(near, t, k, tp, 0.05, 0.0)
+    assert amb[16] and amb[15] and not amb[19], f"seed {seed}"
+    far = logits.copy()
+    far[16] -= 0.3  # past 2 x logit_tol: 16 now surely behind 15 and past the boundary
+    p, amb = feature_rules.reference_distribution(far, t, k, tp, 0.05, 0.0)
+    assert p[16] == 0 and not amb[16], f"seed {seed}"
 
 
 def test_the_rule_rederives_under_the_top_p_rule_its_records_name(seed):

@@ -95,22 +95,62 @@ def validate_output(kind: str, spec: Any, text: str) -> str | None:
 # fixed 0.005 the rule used to allow, and one of them lies inside it on the CPU's BF16 reference; at 0.05 each
 # of the four is within the derived bound.
 BOUNDARY_LOGIT_TOL = 0.05
-# the name new records give the top-p ambiguity rule (``reference_distribution(logit_bound=True)``); a record
-# without it was written under the fixed rule (the mass ahead within ``mass_tol`` of top_p) and is re-derived so
-TOP_P_RULE = "logit_bound"
+# The top-p ambiguity rules, by the name records give them (``top_p_rule``; a record without one was written
+# under "mass"): "mass", the mass ahead of the token within ``mass_tol`` of top_p; "logit_bound", that mass
+# moved by every logit within ``logit_tol`` with the tokens ahead fixed; "logit_bound_reorder" (new records),
+# the same letting the tokens within 2 x ``logit_tol`` of the token's logit (ties included) be ahead of it or
+# not. Found on an H100 (bundles/runs/2026-12-06-h100-session20): the fast engine sampled tokens the BF16
+# baseline ties with (token 420 and token 80 at the same log-probability, the nucleus boundary between them)
+# or places one rank lower; a sampler's sort decides such a tie either way.
+TOP_P_RULES = ("mass", "logit_bound", "logit_bound_reorder")
+TOP_P_RULE = "logit_bound_reorder"
+
+
+def _top_p_ambiguous(x: np.ndarray, p: np.ndarray, order: np.ndarray, before: np.ndarray, top_p: float, eps: float,
+                     mass_tol: float, rule: str) -> np.ndarray:
+    """Which kept-by-top-k tokens (``p > 0``) another engine within ``eps`` (tempered logits) may put on the other
+    side of the nucleus boundary (``reference_distribution`` says the rules)."""
+    n = len(p)
+    if rule in ("mass", "logit_bound"):
+        rest = np.clip(1.0 - before, 0.0, None)
+        low = before / np.maximum(before + rest * np.exp(2 * eps), 1e-300)
+        high = before / np.maximum(before + rest * np.exp(-2 * eps), 1e-300)
+        amb_sorted = (low - mass_tol <= top_p) & (top_p <= high + mass_tol) & (np.arange(n) > 0)
+        amb = np.zeros(n, dtype=bool)
+        amb[order[amb_sorted]] = True
+        return amb
+    live = p > 0
+    xs = np.where(live, x, -np.inf)[order]  # falling
+    cs = np.cumsum(p[order])
+    neg = -xs  # rising
+    xv = np.where(live, x, 0.0)
+    n_gt = np.searchsorted(neg, -(xv + 2 * eps), side="left")  # tokens surely ahead: x_s > x_t + 2 eps
+    n_ge = np.searchsorted(neg, -(xv - 2 * eps), side="right")  # tokens possibly ahead: x_s >= x_t - 2 eps
+    m_gt = np.where(n_gt > 0, cs[np.maximum(n_gt - 1, 0)], 0.0)
+    m_ge = np.clip(cs[np.maximum(n_ge - 1, 0)] - p, 0.0, None)
+    low = m_gt / np.maximum(m_gt + (1.0 - m_gt) * np.exp(2 * eps), 1e-300)
+    high = m_ge / np.maximum(m_ge + np.clip(1.0 - m_ge, 0.0, None) * np.exp(-2 * eps), 1e-300)
+    surely_kept = high + mass_tol < top_p
+    surely_dropped = low - mass_tol >= top_p
+    return live & ~surely_kept & ~surely_dropped
 
 
 def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, top_p: float,
-                           logit_tol: float = 0.0, mass_tol: float = 0.0, logit_bound: bool = True
+                           logit_tol: float = 0.0, mass_tol: float = 0.0, rule: str = TOP_P_RULE
                            ) -> tuple[np.ndarray, np.ndarray]:
-    """float64 (probabilities, ambiguous) of sampling at ``temperature`` then top-k then top-p.
+    """float64 (probabilities, ambiguous) of sampling at ``temperature`` then top-k then top-p (ties in falling
+    probability ordered by token id).
 
     ``ambiguous[i]`` marks tokens whose membership in the kept set another engine may decide differently when
-    its raw logits lie within ``logit_tol`` of these: top-k, the token within ``logit_tol`` of the border; top-p,
-    the mass ahead of the token, ``b``, could cross ``top_p`` (to within ``mass_tol``) when every logit moves by
-    at most ``logit_tol`` (``eps = logit_tol / T``): the extremes move the tokens ahead one way and the rest the
-    other, ``b / (b + (1 - b) e^(+-2 eps))`` (``logit_bound=False``: the older fixed rule, ``b`` within
-    ``mass_tol`` of ``top_p``, for records written under it)."""
+    its raw logits lie within ``logit_tol`` of these (``eps = logit_tol / T`` on the tempered ones): top-k, the
+    token within ``logit_tol`` of the border; top-p by ``rule`` (``TOP_P_RULES``): "logit_bound_reorder", the
+    mass ahead of the token can lie on either side of ``top_p`` (to within ``mass_tol``) between its extremes:
+    the tokens surely ahead (``x_s > x_t + 2 eps``) moved down and the rest up, ``m / (m + (1 - m) e^(2 eps))``,
+    and every token possibly ahead (``x_s >= x_t - 2 eps``, exact ties included) moved up,
+    ``M / (M + (1 - M) e^(-2 eps))``; "logit_bound", the same with only the tokens ahead in this order;
+    "mass", the mass ahead within ``mass_tol`` of ``top_p``."""
+    if rule not in TOP_P_RULES:
+        raise ValueError(f"unknown top-p rule {rule!r} (known: {', '.join(TOP_P_RULES)})")
     x = logits.astype(np.float64) / temperature
     amb = np.zeros(len(x), dtype=bool)
     if 0 < top_k < len(x):
@@ -126,14 +166,10 @@ def reference_distribution(logits: np.ndarray, temperature: float, top_k: int, t
         before = np.cumsum(p[order]) - p[order]
         keep_sorted = before < top_p
         keep_sorted[0] = True
-        eps = logit_tol / temperature if logit_bound else 0.0
-        rest = np.clip(1.0 - before, 0.0, None)
-        low = before / np.maximum(before + rest * np.exp(2 * eps), 1e-300)
-        high = before / np.maximum(before + rest * np.exp(-2 * eps), 1e-300)
-        amb_sorted = (low - mass_tol <= top_p) & (top_p <= high + mass_tol) & (np.arange(len(p)) > 0)
+        eps = logit_tol / temperature if rule != "mass" else 0.0
+        amb |= _top_p_ambiguous(x, p, order, before, top_p, eps, mass_tol, rule)
         keep = np.zeros(len(p), dtype=bool)
         keep[order] = keep_sorted
-        amb[order[amb_sorted]] = True
         p = np.where(keep, p, 0.0)
         p /= p.sum()
     return p, amb
@@ -319,7 +355,7 @@ def temperature_sampling_problems(records: Records, metrics: Mapping[str, Any] |
         if ref is not None:
             alpha_cell = ref["alpha"] / len(cells)
             p, amb = reference_distribution(np.array(ref["logits"], dtype=np.float64), t, k, tp, ref["logit_tol"],
-                                            ref["mass_tol"], logit_bound=ref.get("top_p_rule") == TOP_P_RULE)
+                                            ref["mass_tol"], rule=ref.get("top_p_rule") or "mass")
             counts = np.zeros(len(p), dtype=np.int64)
             for tok, c in (r.get("counts") or {}).items():
                 counts[int(tok)] = int(c)
