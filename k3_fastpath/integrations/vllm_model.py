@@ -5,10 +5,9 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
 
 - off (absent, or any value but ``latency_specialized``): vLLM's constructor runs unchanged, and
   ``forward`` / ``compute_logits`` / ``load_weights`` are vLLM's (each override calls straight through);
-- ``latency_specialized``: first ``vllm_routing.config_refusal`` — a configuration in which no step could
-  be routed (no ``enforce_eager``, TP/PP > 1, speculative decoding, recoverssm, KDA prefix caching,
-  ``fp8_ds_mla``) is refused with ``RoutingUnavailableError`` naming every such setting in one line, before anything is
-  allocated. Otherwise vLLM's model is built normally, plus:
+- ``latency_specialized``: first ``vllm_routing.config_refusal`` — a configuration the route cannot serve
+  (``vllm_routing.unsupported_settings``) is refused with ``RoutingUnavailableError`` naming every such
+  setting in one line, before anything is allocated. Otherwise vLLM's model is built normally, plus:
 
   * ``load_weights``: after vLLM's loader, the executor's own reference model is loaded from the same
     checkpoint directory (a second copy of the weights, checked against free device memory; inside vLLM's

