@@ -14,7 +14,7 @@
   against the same executor driven directly;
 - the model class in route mode (vLLM's base constructor and language model stood in for: they need a GPU):
   ``forward`` / ``compute_logits`` of a routed step, a fallback step through vLLM's forward, the trace; its
-  ``load_weights`` building the executor from the checkpoint directory vLLM loaded, and the memory check.
+  ``load_weights`` building the executor over vLLM's loaded weights in place, and the memory check.
 
 vLLM's attention modules are stood in for by objects holding ``kv_cache`` (what the router reads); no vLLM
 model runs here, and nothing here has run inside vLLM on a GPU (the GPU host has no vLLM).
@@ -379,17 +379,28 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
         ("decode", "device cpu is not sm_90"), ("prefill", f"{VLLM_PATH}: {PREFILL_REASON}")]
 
 
-def test_load_weights_builds_the_executor_from_the_checkpoint_vllm_loaded(tmp_path, monkeypatch, seed):
-    """Route mode's ``load_weights``: vLLM's loader (stood in for) then the executor's own model from the same
-    checkpoint directory with our loader: the reference model of that checkpoint (same logits). The memory
-    check refuses with the numbers when the device cannot hold the second copy."""
+def test_load_weights_builds_the_executor_over_vllms_loaded_weights(tmp_path, monkeypatch, seed):
+    """Route mode's ``load_weights``: vLLM's loader (stood in for: a module holding the checkpoint's tensors the
+    way vLLM's K3 keeps them, ``vllm_layout.vllm_language_model``) then the executor's model over those
+    parameters in place: every dense tensor is vLLM's storage, only ``A_log`` / ``o_norm`` are prepared, the
+    logits are our loader's model of that checkpoint with ``o_norm`` rounded as vLLM keeps it; the trace says
+    what is shared. A vLLM parameter replaced after the build makes every step fall back with the reason; the
+    memory check refuses with the numbers."""
     from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration as Base
+    from vllm_layout import vllm_language_model
 
     from k3_fastpath.integrations import vllm_model, vllm_routing
-    from k3_fastpath.weights import describe, write_synthetic_checkpoint
+    from k3_fastpath.weights import write_synthetic_checkpoint
 
     ckpt = write_synthetic_checkpoint(CFG, tmp_path / "ckpt", seed=3)
-    monkeypatch.setattr(Base, "__init__", lambda self, vllm_config, prefix="": torch.nn.Module.__init__(self))
+    sd = synthetic_state_dict(CFG, 3)
+    lang = vllm_language_model(CFG, sd)
+
+    def stand_in(self, vllm_config, prefix=""):
+        torch.nn.Module.__init__(self)
+        self.language_model = lang
+
+    monkeypatch.setattr(Base, "__init__", stand_in)
     monkeypatch.setattr(Base, "load_weights", lambda self, weights: {"vllm's names"})
     cfg = SimpleNamespace(
         additional_config={"decode_backend": "latency_specialized"},
@@ -400,20 +411,29 @@ def test_load_weights_builds_the_executor_from_the_checkpoint_vllm_loaded(tmp_pa
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS), speculative_config=None)
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     assert model.load_weights(iter(())) == {"vllm's names"}
-    ex = model._k3_fast.executor
+    fast = model._k3_fast
+    ex = fast.executor
     assert ex.max_batch == 2 and ex.max_len == vllm_model.DEFAULT_MAX_LEN and ex.kv_dtype == torch.bfloat16
+    ours = ex.model.model.layers[1].self_attn.q_proj.weight
+    vllm_w = getattr(lang.model.layers, "1").self_attn.in_proj_qkvgfab.weight
+    assert ours.untyped_storage().data_ptr() == vllm_w.untyped_storage().data_ptr()  # a view, not a copy
+    meta = ex.trace.meta["weights_in_place"]
+    kda = len(CFG.kda_layer_ids)
+    assert len(meta["prepared"]) == 2 * kda and meta["shared"] == 878 - 2 * kda
     ids = torch.randint(3, CFG.vocab_size, (2, 5), generator=torch.Generator().manual_seed(seed))
-    want = load_reference(CFG, synthetic_state_dict(CFG, 3), dtype=torch.bfloat16)(ids)
-    assert torch.equal(ex.model(ids), want)
-    assert model._k3_fast.stale is None
-    model.load_weights(iter(()))  # a weight update: vLLM's parameters change, the executor's copy cannot
-    assert model._k3_fast.executor is ex and "weights reloaded" in model._k3_fast.stale
-    # not enough device memory for the second copy: refused before anything is read, with the numbers
+    rounded = {k: v.to(torch.bfloat16).float() if k.endswith("o_norm.weight") else v for k, v in sd.items()}
+    assert torch.equal(ex.model(ids), load_reference(CFG, rounded, dtype=torch.bfloat16)(ids))
+    assert fast.weights.aliasing_problem(lang) is None and fast.stale is None
+    # vLLM re-lays a dense weight out after the build: the executor would hold the old bytes, so it says so
+    mod = getattr(lang.model.layers, "1").self_attn.in_proj_qkvgfab
+    mod.weight = torch.nn.Parameter(mod.weight.detach().clone(), requires_grad=False)
+    assert "re-laid out model.layers.1.self_attn.in_proj_qkvgfab.weight" in fast.weights.aliasing_problem(lang)
+    model.load_weights(iter(()))  # a weight update: the executor's expert layouts cannot follow
+    assert fast.executor is ex and "weights reloaded" in fast.stale
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 80 << 30))
     with pytest.raises(RuntimeError, match=r"needs .* GiB on cuda:0 .* 0\.0 GiB of 80\.0 GiB free: lower "
                                            r"--gpu-memory-utilization"):
-        vllm_routing.load_executor_model(str(ckpt), torch.bfloat16, torch.device("cuda:0"), 0)
-    assert describe(ckpt).total_bytes > 1 << 20
+        vllm_routing.check_device_memory(torch.device("cuda:0"), 2 << 30)
 
 
 def test_plain_fp8_mla_cache_maps_bytes_and_ds_mla_does_not(m16, seed):

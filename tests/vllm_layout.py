@@ -101,3 +101,47 @@ def decode_metadata(kda_name: str, mla_name: str, state_indices, seq_lens, block
                             decode=MLACommonDecodeMetadata(block_table=block_table, seq_lens=seq,
                                                            dcp_tot_seq_lens=None))
     return {kda_name: kda, mla_name: mla}
+
+
+def vllm_language_model(cfg, state_dict: dict) -> torch.nn.Module:
+    """A module whose named parameters are our checkpoint's tensors the way vLLM's K3 language model holds them
+    after loading (fused row blocks, stacked experts, ``A_log`` cut to the real heads, ``o_norm`` in BF16), built
+    by concatenation here; the real class's names and values: tests/integration/test_vllm_k3_checkpoint.py."""
+    import re
+
+    from k3_fastpath.integrations.vllm_weights import EXPERTS, FUSED
+
+    sd = {k.removeprefix("language_model."): v for k, v in state_dict.items()}
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for vname, parts in FUSED.items():
+            owner = vname.rsplit(".", 2)[0]
+            names = [f"{p}{owner}.{s}.weight" for s in parts]
+            if all(n in sd for n in names):
+                out[p + vname] = torch.cat([sd[n] for n in names])
+                used.update(names)
+        base = f"{p}block_sparse_moe.experts"
+        if f"{base}.0.w1.weight_packed" in sd:
+            for vname, parts in EXPERTS.items():
+                rows = [[f"{base}.{e}.{s}" for s in parts] for e in range(cfg.num_experts)]
+                out[f"{base}.routed_experts.{vname}"] = torch.stack([torch.cat([sd[n] for n in r]) for r in rows])
+                used.update(n for r in rows for n in r)
+    heads = cfg.linear_attn_config.num_heads
+    for n, t in sd.items():
+        if n in used:
+            continue
+        out[n] = t[:heads].clone() if n.endswith("A_log") else (
+            t.to(torch.bfloat16) if n.endswith("o_norm.weight") else t)
+    root = torch.nn.Module()
+    for name, t in out.items():
+        *path, leaf = name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    assert not re.search(r"experts\.\d+\.", " ".join(out)), "every expert tensor is stacked"
+    return root

@@ -9,12 +9,16 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
   (``vllm_routing.unsupported_settings``) is refused with ``RoutingUnavailableError`` naming every such
   setting in one line, before anything is allocated. Otherwise vLLM's model is built normally, plus:
 
-  * ``load_weights``: after vLLM's loader, the executor's own reference model is loaded from the same
-    checkpoint directory (a second copy of the weights, checked against free device memory; inside vLLM's
+  * ``load_weights``: after vLLM's loader, the executor's model is built over vLLM's loaded parameters in
+    place (``vllm_weights.executor_model_in_place``: views, a few small prepared tensors; the routed experts
+    copied into the executor's own layouts; checked against free device memory, inside vLLM's
     weight-loading memory accounting, so its KV cache is sized around it) and a ``DecodeExecutor`` built
     with ``fastpath_max_batch`` (default min(max_num_seqs, 64)) / ``fastpath_max_len`` (default
-    min(max_model_len, 4096)) from ``additional_config``, and its CUDA graphs captured. A later call (a
-    weight update) cannot reach the executor's copy: every step falls back from then on, with that reason;
+    min(max_model_len, 4096)) from ``additional_config``, and its CUDA graphs captured. The trace's meta
+    records what is shared (``weights_in_place``). At the first forward the views are checked to still alias
+    vLLM's parameters (``InPlaceWeights.aliasing_problem``: a post-load re-layout would leave a copy) and a
+    later ``load_weights`` (a weight update) cannot reach the executor's expert layouts: either makes every
+    step fall back from then on, with that reason;
   * ``forward``: at the first call with metadata the router binds vLLM's per-layer caches; each call is
     classified (``VllmDecodeRouter.plan``). A routed step runs on the executor: its logits are stashed and
     ``forward`` returns ``[num_tokens, hidden]`` placeholder hidden states whose first two columns encode
@@ -98,7 +102,8 @@ class FastPathState:
         self.executor: Any = None
         self.router: Any = None
         self.logits: torch.Tensor | None = None  # the last routed step's [B, V]
-        self.stale: str | None = None  # set when vLLM's weights change after the executor's copy was loaded
+        self.stale: str | None = None  # set when vLLM's weights change under the executor
+        self.weights: Any = None  # vllm_weights.InPlaceWeights: what the executor shares with vLLM
 
 
 class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-type]
@@ -130,29 +135,33 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
         if fast is not None:
             if fast.executor is None:
                 fast.executor = self._build_executor(fast)
-            else:  # a weight update reaches vLLM's parameters, not the executor's copy: stop routing
-                fast.stale = "vLLM weights reloaded after the executor loaded its copy of the checkpoint"
+            else:  # a weight update: the shared tensors follow, the executor's expert layouts do not: stop routing
+                fast.stale = "vLLM weights reloaded after the executor was built (its expert layouts are its own)"
         return loaded
 
     def _build_executor(self, fast: FastPathState) -> Any:
         from k3_fastpath.config import load_config
-        from k3_fastpath.integrations.vllm_routing import load_executor_model, pool_bytes
+        from k3_fastpath.integrations.vllm_routing import check_device_memory, pool_bytes
+        from k3_fastpath.integrations.vllm_weights import executor_model_in_place
         from k3_fastpath.runtime.executor import DecodeExecutor
 
         mc = fast.vllm_config.model_config
-        model_dir = checkpoint_dir(mc)
         param = next(self.parameters(), None)  # vLLM's weights sit on the device the executor serves on
         device = param.device if param is not None else torch.device("cpu")
-        cfg = load_config(model_dir)
+        cfg = load_config(checkpoint_dir(mc))
         kv_dtype = torch.float8_e4m3fn if fast.vllm_config.cache_config.cache_dtype.startswith("fp8") else mc.dtype
-        model = load_executor_model(model_dir, mc.dtype, device,
-                                    pool_bytes(cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype))
+        model, weights = executor_model_in_place(self.language_model, cfg, mc.dtype)
+        experts = weights.routed_experts_copied * (2 if device.type == "cuda" else 1)  # stacks (+ fragments)
+        check_device_memory(device, pool_bytes(cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype)
+                            + weights.prepared_bytes + experts)
         kv_scale = None
         if kv_dtype == torch.float8_e4m3fn:  # the executor's FP8 latents must use vLLM's k_scale
             mla = next(layer.self_attn for i, layer in enumerate(self._vllm_layers()) if cfg.is_mla_layer(i))
             kv_scale = float(mla._k_scale)
         ex = DecodeExecutor(model, max_batch=fast.max_batch, max_len=fast.max_len, kv_dtype=kv_dtype,
                             kv_scale=kv_scale)
+        ex.trace.set_meta(weights_in_place=weights.summary())
+        fast.weights = weights
         ex.warmup_and_capture()
         return ex
 
@@ -176,6 +185,8 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
             layout = VllmLayout(conv_dim_first=is_conv_state_dim_first(),
                                 block_size=int(fast.vllm_config.cache_config.block_size))
             fast.router = VllmDecodeRouter(fast.executor, attn, layout, (kda, mla))
+            if fast.weights is not None and fast.stale is None:  # vLLM's post-load step may re-lay a weight out
+                fast.stale = fast.weights.aliasing_problem(self.language_model)
         return fast.router
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,  # type: ignore[override]

@@ -31,11 +31,10 @@ request whose ``seq_len - 1`` differs from the length the router holds (state mo
 re-imported as well. Cost: one re-import of every running request's state after each fallback step
 (a device copy of its KDA states and MLA latents).
 
-Weights (``load_executor_model``): the executor runs over its own reference ``K3ForCausalLM`` loaded by
-``k3_fastpath.weights.load_checkpoint`` from the directory vLLM loaded (``model_config.model``); vLLM's
-parameters are fused / padded / re-laid-out (``in_proj_qkvgfab``, ``fused_qkv_a_g_proj``, FusedMoE
-experts), so they are not reused as views. This is a second copy of the weights on the device; the loader
-checks free device memory first and refuses with the numbers.
+Weights (``vllm_weights.executor_model_in_place``): the executor runs over a ``K3ForCausalLM`` whose tensors
+are views of vLLM's loaded parameters (row ranges of the fused ones), a few small tensors prepared
+(``A_log`` padding, ``o_norm`` in FP32); the executor's ``ExpertBank`` copies the routed experts into its
+own layouts. ``check_device_memory`` refuses with the numbers when the device cannot hold that and the pool.
 
 Per routed step the host reads the batch's ``seq_lens`` and state indices once (a device sync; vLLM's
 forward is eager here anyway, ``enforce_eager`` being required).
@@ -283,7 +282,8 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
         out.append(f"mamba_cache_mode={cc.mamba_cache_mode} (KDA prefix caching): vLLM copies KDA states between "
                    "blocks between steps, which the executor's pool rows would not follow")
     conv_dt, ssm_dt = getattr(cc, "mamba_cache_dtype", "auto"), getattr(cc, "mamba_ssm_cache_dtype", "auto")
-    if conv_dt not in ("auto", str(mc.dtype).removeprefix("torch.")) or ssm_dt not in ("auto", "float32"):
+    model_dt = str(getattr(mc, "dtype", "auto")).removeprefix("torch.")
+    if conv_dt not in ("auto", model_dt) or ssm_dt not in ("auto", "float32"):
         out.append(f"KDA cache dtypes mamba_cache_dtype={conv_dt} / mamba_ssm_cache_dtype={ssm_dt}: the executor "
                    "maps a conv state in the model dtype and an FP32 recurrent state, bit for bit")
     if cc.cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
@@ -302,22 +302,17 @@ def config_refusal(vllm_config: Any) -> str | None:
     return f"{len(found)} unsupported settings: " + "; ".join(f"({i}) {w}" for i, w in enumerate(found, 1))
 
 
-def load_executor_model(model_dir: str, dtype: torch.dtype, device: torch.device, extra_bytes: int = 0) -> Any:
-    """The executor's ``K3ForCausalLM``: the checkpoint vLLM loaded, loaded again by our loader (a second copy
-    of the weights). On a GPU the free memory must hold it plus ``extra_bytes`` (the executor's pool), else
-    ``RuntimeError`` with the numbers (lower --gpu-memory-utilization to leave room)."""
-    from ..reference.model import load_reference
-    from ..weights import describe, load_checkpoint
-
-    need = describe(model_dir).total_bytes + extra_bytes
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        if need > free * 0.95:
-            raise RuntimeError(f"decode_backend=latency_specialized needs {need / 2**30:.1f} GiB on {device} for "
-                               f"the executor's copy of the weights and its cache pool, {free / 2**30:.1f} GiB of "
-                               f"{total / 2**30:.1f} GiB free: lower --gpu-memory-utilization")
-    cfg, sd = load_checkpoint(model_dir, device="cpu")
-    return load_reference(cfg, sd, dtype=dtype, device=device)
+def check_device_memory(device: torch.device, need: int) -> None:
+    """On a GPU, ``RuntimeError`` with the numbers unless ``need`` bytes (the executor's cache pool, its
+    prepared tensors and its copy of the routed experts) fit the free memory (lower --gpu-memory-utilization
+    to leave room)."""
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    if need > free * 0.95:
+        raise RuntimeError(f"decode_backend=latency_specialized needs {need / 2**30:.1f} GiB on {device} for the "
+                           f"executor's cache pool and its copy of the routed experts, {free / 2**30:.1f} GiB of "
+                           f"{total / 2**30:.1f} GiB free: lower --gpu-memory-utilization")
 
 
 def pool_bytes(cfg: Any, max_batch: int, max_len: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:

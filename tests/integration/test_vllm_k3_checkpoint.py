@@ -177,11 +177,41 @@ def _child(ckpt: str, out: str) -> None:  # runs in a fresh interpreter: python 
     second = {n: p.detach().clone() for n, p in params.items() if p.dtype == torch.uint8}
     w13 = params[L + "1.block_sparse_moe.experts.routed_experts.w13_weight"]
     res_dq = _dequant_mxfp4_ue8m0_gran32(w13[0], params[L + "1.block_sparse_moe.experts.routed_experts.w13_weight_scale"][0])
+    res["in_place"] = _in_place(model, ckpt, vc)
     lm = build(engine_config(language_model_only=True))  # the documented text-only switch
     res["lmo"] = {"towers": [f"{type(lm.vision_tower).__name__}:{lm.vision_tower.stage_name}",
                              f"{type(lm.mm_projector).__name__}:{lm.mm_projector.stage_name}"],
                   "params": sorted(n for n, _ in lm.named_parameters())}
     torch.save({"res": json.dumps(res), "first": first, "second": second, "dequant": res_dq}, out)
+
+
+def _in_place(model, ckpt: str, vc) -> dict:  # in the child, on vLLM's model holding the checkpoint's values
+    """The executor's model over vLLM's loaded parameters (``vllm_weights.executor_model_in_place``): what it
+    shares and prepares, its logits against our loader's model of the same checkpoint (``o_norm`` rounded to
+    BF16 as vLLM keeps it), and whether the views still alias vLLM's storage after vLLM's own post-load step."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    from k3_fastpath.config import load_config
+    from k3_fastpath.integrations.vllm_weights import executor_model_in_place
+    from k3_fastpath.reference.model import load_reference
+    from k3_fastpath.weights import load_checkpoint
+
+    cfg = load_config(ckpt)
+    ours, rep = executor_model_in_place(model.language_model, cfg, torch.bfloat16)
+    ids = torch.randint(3, cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    _, sd = load_checkpoint(ckpt)
+    sd = {k: v.to(torch.bfloat16).float() if k.endswith("o_norm.weight") else v for k, v in sd.items()}
+    with torch.no_grad():
+        equal = bool(torch.equal(ours(ids), load_reference(cfg, sd, dtype=torch.bfloat16)(ids)))
+    out = {"shared": rep.shared, "shared_bytes": rep.shared_bytes, "prepared": [[p.name, p.bytes] for p in rep.prepared],
+           "logits_equal": equal, "aliasing": rep.aliasing_problem(model.language_model),
+           "vllm_bytes": sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith(VISION))}
+    try:
+        process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+        out["aliasing_after_post_load"] = rep.aliasing_problem(model.language_model)
+    except Exception as e:  # noqa: BLE001 (recorded: vLLM-CPU's post-load step of K3's MXFP4 experts)
+        out["post_load_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -347,6 +377,22 @@ def test_dtype_casts_are_exactly_the_listed_ones(got, ckpt, cfg):
     assert all(W[n].dtype == got["first"][target[n]].dtype == torch.float32 for n in fp32)
     lossy = [n for n in W if _pattern(n) in EXPECTED_CASTS and not torch.equal(W[n].to(torch.bfloat16).float(), W[n])]
     assert lossy, "the o_norm cast was expected to round our synthetic values"
+
+
+def test_the_executor_model_shares_vllms_loaded_weights(got, cfg):
+    """``vllm_weights.executor_model_in_place`` on vLLM-CPU's real model: every checkpoint tensor a view of a
+    vLLM parameter except the KDA ``A_log`` (padded back to 32) and ``o_norm`` (FP32 of vLLM's BF16), a few
+    hundred bytes per KDA layer; its logits equal our loader's model of the checkpoint with ``o_norm`` rounded
+    as vLLM keeps it, bitwise."""
+    r = got["res"]["in_place"]
+    kda = len(cfg.kda_layer_ids)
+    assert sorted({_pattern("language_model." + n) for n, _ in r["prepared"]}) == [
+        f"{L}*.self_attn.A_log", f"{L}*.self_attn.o_norm.weight"] and len(r["prepared"]) == 2 * kda
+    assert r["shared"] + len(r["prepared"]) == 878 and r["logits_equal"], r
+    assert r["aliasing"] is None
+    assert sum(b for _, b in r["prepared"]) < 1e-3 * r["shared_bytes"]
+    # vLLM-CPU's own post-load step, as its loader runs it after load_weights: recorded either way
+    assert "aliasing_after_post_load" in r or "post_load_error" in r, r
 
 
 def test_vision_tower_and_the_text_only_switch(got):
