@@ -46,6 +46,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# vLLM param suffix -> our tensors in vLLM's row order, and the routed experts' stacking: the tables the route's
+# in-place weights use (kda.py:626-652, model.py:1431-1458 and 1111-1115, routed_experts.py:_load_w13),
+# checked here against vLLM's real class by value
+from k3_fastpath.integrations.vllm_weights import EXPERTS, FUSED
+
 pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (scripts/bootstrap --vllm)"),
@@ -55,20 +60,6 @@ REPO = Path(__file__).resolve().parents[2]
 ARCH = "KimiK3ForConditionalGeneration"
 VISION = ("vision_tower.", "mm_projector.")
 L = "language_model.model.layers."
-# vLLM param suffix -> our tensors in vLLM's row order (shard id = list index): kda.py:626-652 (output sizes
-# q,k,v,g,f_a,beta; f_a replicated before the narrow beta shard), model.py:1431-1458 (stacked_params_mapping,
-# beta shard 5 with the full-rank gate), model.py:1111-1115 (packed_modules_mapping)
-FUSED = {
-    "self_attn.in_proj_qkvgfab.weight": ["q_proj", "k_proj", "v_proj", "g_proj", "f_a_proj", "b_proj"],
-    "self_attn.conv1d.weight": ["q_conv1d", "k_conv1d", "v_conv1d"],
-    "self_attn.fused_qkv_a_g_proj.weight": ["q_a_proj", "kv_a_proj_with_mqa", "g_proj"],
-    "mlp.gate_up_proj.weight": ["gate_proj", "up_proj"],
-    "block_sparse_moe.shared_experts.gate_up_proj.weight": ["gate_proj", "up_proj"],
-}
-# routed experts (fused_moe_make_expert_params_mapping w1/w2/w3, routed_experts.py:_load_w13: w1 first half,
-# w3 second half); ``.weight_packed`` is renamed ``.weight`` first (model.py:1485-1497)
-EXPERTS = {"w13_weight": ["w1.weight_packed", "w3.weight_packed"], "w13_weight_scale": ["w1.weight_scale", "w3.weight_scale"],
-           "w2_weight": ["w2.weight_packed"], "w2_weight_scale": ["w2.weight_scale"]}
 # every dtype cast vLLM applies at load (checkpoint dtype -> parameter dtype), by name pattern
 EXPECTED_CASTS = {
     # KimiK3DeltaAttention.o_norm is FusedRMSNormGated, built in the model dtype (kda.py:788); on the CPU/Triton
