@@ -34,10 +34,12 @@ STANDARD = REPO / "bundles" / "runs" / "2026-12-01-h200-session7" / "standard"
 # equivalence.fp64 joined the tier after this bundle (tests/test_equivalence_fp64.py forges its records);
 # equivalence.spec_decode is in no tier yet (tests/test_equivalence_spec.py forges its records);
 # features.spec_acceptance, features.spec_sampling and features.decode_sampling came after this bundle
-# (tests/test_spec_features.py forges their records and flips their status in a written bundle)
+# (tests/test_spec_features.py forges their records and flips their status in a written bundle);
+# equivalence.vllm_route needs vLLM's GPU build (tests/test_vllm_route_check.py does both)
 STANDARD_RULES = sorted(set(RULES) - {"bench.kernels", "perf.serving", "audit.records", "equivalence.fp64",
                                       "equivalence.spec_decode", "features.spec_acceptance",
-                                      "features.spec_sampling", "features.decode_sampling"})
+                                      "features.spec_sampling", "features.decode_sampling",
+                                      "equivalence.vllm_route"})
 
 
 def _lines(path: Path) -> list[dict]:

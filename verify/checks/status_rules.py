@@ -28,6 +28,7 @@ from verify.checks.fp64_rules import fp64_problems
 from verify.checks.record_fields import is_timing_path
 from verify.checks.serving_rules import serving_problems
 from verify.checks.spec_rules import spec_acceptance_problems, spec_decode_problems, spec_sampling_problems
+from verify.checks.vllm_route_rules import vllm_route_problems
 
 F64_TOL = 1e-8  # relative to the logits' scale: the two paths are the same math in float64
 # bf16: decode and prefill round at different places (chunked vs recurrent KDA, plain vs absorbed MLA), and
@@ -383,6 +384,7 @@ RULES: dict[str, Callable[[Records, Mapping[str, Any] | None], list[str]]] = {
     "equivalence.decode": equivalence_problems,
     "equivalence.fp64": fp64_problems,
     "equivalence.spec_decode": spec_decode_problems,
+    "equivalence.vllm_route": vllm_route_problems,
     "features.spec_acceptance": spec_acceptance_problems,
     "features.spec_sampling": spec_sampling_problems,
     "features.decode_sampling": spec_sampling_problems,

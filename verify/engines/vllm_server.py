@@ -257,7 +257,9 @@ def launch_vllm(model_dir: str | Path | None = None, served_name: str | None = N
     ``additional_config={"decode_backend": "latency_specialized"}``. ``log_path``: where the server's log
     goes; or ``log_dir`` (a bundle's ``logs/``): the log goes to ``<log_dir>/vllm-<name>[+<backend>].log``
     and the launch config (command, environment, additional_config) beside it as ``.json``, so the bundle
-    keeps both. Neither: a temporary file (``engine.describe()["server"]["log_path"]``)."""
+    keeps both. Neither: a temporary file (``engine.describe()["server"]["log_path"]``). A latency_specialized
+    server with ``log_dir`` traces every forward call into ``<log_dir>/<tag>-trace`` (``K3_FASTPATH_TRACE``,
+    unless the caller's environment sets it), which ``equivalence.vllm_route`` counts."""
     from verify.engines.openai import OpenAIEngine
 
     if not model_dir:
@@ -272,9 +274,12 @@ def launch_vllm(model_dir: str | Path | None = None, served_name: str | None = N
     tag = f"vllm-{served_name}" + (f"+{backend}" if backend else "")
     if log_path is None and log_dir is not None:
         log_path = Path(log_dir) / f"{tag}.log"
+    env = {}
+    if backend == "latency_specialized" and log_dir is not None and not os.environ.get("K3_FASTPATH_TRACE"):
+        env["K3_FASTPATH_TRACE"] = str(Path(log_dir) / f"{tag}-trace")  # the plugin's per-step trace, in the bundle
     server = VLLMServer(model_dir, served_name, additional_config=config or None, max_model_len=max_model_len,
                         log_path=log_path, seed=seed, port=port, startup_timeout_s=startup_timeout_s,
-                        extra_args=extra_args)
+                        extra_args=extra_args, env=env)
     if log_dir is not None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         (Path(log_dir) / f"{tag}.json").write_text(json.dumps(server.describe(), indent=2, sort_keys=True) + "\n")
