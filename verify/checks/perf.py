@@ -180,7 +180,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                  mixed_batches: list[int] = [1, 8], mixed_prefill_tokens: int = 256, mixed_max_context: int = 4096,
                  mixed_reference: bool = True,
                  standard_graph: bool = True, reference_batches: list[int] | None = None,
-                 layer_times: bool = True, standard_compiled_glue: bool = False, standard_mxfp4_experts: bool = False,
+                 layer_times: bool = True, standard_compiled_glue: bool = False,
+                 standard_mxfp4_experts: bool | None = None,
                  fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False,
                  tp_fast_pdl: bool = False, kernel_profile: bool = False) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
@@ -189,7 +190,9 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     all); ``layer_times``: per-layer-type times of the fast and standard graph paths;
     ``standard_compiled_glue``: the standard path's glue through torch.compile (rows say ``standard_glue``);
     ``standard_mxfp4_experts``: the standard path's experts in MXFP4 through humming-kernels, the fast path's
-    expert bytes (rows say ``expert_format``; ``runtime/standard_mxfp4.py``);
+    expert bytes, as vLLM runs them on Hopper (rows say ``expert_format``; ``runtime/standard_mxfp4.py``);
+    default (None): so for a model with MXFP4 experts, and a run where humming cannot serve them fails with
+    the reason rather than timing a BF16 stand-in; ``false`` times BF16 experts (4x the bytes, said per row);
     ``fast_variants``: more fast executors timed beside ``fast`` on the same cache, e.g. ``{fast_pdl: {pdl:
     true}, fast_mma: {gemm_wgmma_min_m: 0}}`` (TP1 points; ``perf_sweep.check_fast_variants``);
     ``single_expert_copy``: the executors keep the routed experts once, in the kernel's layout
@@ -262,7 +265,16 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
             return True
         return False
 
+    if standard_mxfp4_experts is None:  # the model's own expert format, as a Hopper user serves it
+        standard_mxfp4_experts = cfg.expert_format == "mxfp4"
     std_experts = "mxfp4" if standard_mxfp4_experts else "bf16"
+    if standard_graph and standard_mxfp4_experts:
+        from k3_fastpath.runtime.standard_mxfp4 import humming_unavailable
+
+        why = humming_unavailable(f"cuda:{torch.cuda.current_device()}")
+        if why:
+            return ctx.failed(f"the standard path's MXFP4 experts: {why} (standard_mxfp4_experts: false times BF16 "
+                              "experts instead, 4x the bytes)")
     if 1 in tp and rank_tp > 1:  # one TP rank's shards as a TP1 model, no communication (rank_emulation.py)
         max_len = max(contexts) + mixed_prefill_tokens + 2 * S.CONTEXT_SLACK
         t_build = time.perf_counter()

@@ -5,8 +5,9 @@ Per TP1 point (batch x context x routing), in ONE process, on ONE cache:
 1. three ``DecodeExecutor`` backends over the same model, built per context with ``max_len = context +
    slack`` (the standard MLA op reads the whole pool length, so the pool is sized to the point):
    ``latency_specialized`` (row ``backend: fast``), ``standard_graph`` (row ``backend: standard``: the
-   strong standard path of the targets, cuBLAS + fla + ``torch._grouped_mm`` over BF16 experts + PyTorch
-   glue in the same CUDA graphs, ``runtime/standard_ops.py``; ``standard_compiled_glue``: that glue through
+   strong standard path of the targets, cuBLAS + fla + the MXFP4 experts through humming-kernels
+   (``standard_mxfp4_experts``, the default for MXFP4 models; else ``torch._grouped_mm`` over BF16 copies) +
+   PyTorch glue in the same CUDA graphs, ``runtime/standard_ops.py``; ``standard_compiled_glue``: that glue through
    torch.compile, the row's ``standard_glue`` says which served) and ``standard`` (row ``backend:
    reference``: the eager PyTorch reference model, information only);
 2. the cache (from the fast executor's slot pool; the standard backend runs the reference model on the same
