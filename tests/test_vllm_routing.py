@@ -344,7 +344,7 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
     monkeypatch.setenv("K3_FASTPATH_TRACE", str(tmp_path))
     cfg = SimpleNamespace(
         additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 4},
-        model_config=SimpleNamespace(enforce_eager=True, max_model_len=MAX_LEN,
+        model_config=SimpleNamespace(enforce_eager=True, max_model_len=MAX_LEN, dtype=torch.bfloat16,
                                      architectures=["KimiK3ForConditionalGeneration"]),
         scheduler_config=SimpleNamespace(max_num_seqs=16),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),

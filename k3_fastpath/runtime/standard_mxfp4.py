@@ -115,7 +115,9 @@ class HummingExperts:
             raise ValueError(f"standard_mxfp4_experts: the model's experts are {w.fmt}, not MXFP4")
         E = bank.num_experts
         dev = w.device
-        stacks = {n: [torch.stack(t) for t in zip(*(w.checkpoint(n, e) for e in range(E)), strict=True)]
+        # the bank's own [E, ...] stacks (packed, scale); compacted banks keep only fragments: rebuild them
+        stacks = {n: list(getattr(w, n)) if not w.compacted else
+                  [torch.stack(t) for t in zip(*(w.checkpoint(n, e) for e in range(E)), strict=True)]
                   for n in ("w1", "w3", "w2")}
         self.num_experts, self.inter, self.latent = E, stacks["w1"][0].shape[1], stacks["w1"][0].shape[2] * 2
         schema = HummingWeightSchema(b_dtype=dtypes.float4e2m1, bs_dtype=dtypes.float8e8m0,

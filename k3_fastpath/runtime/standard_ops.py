@@ -406,9 +406,9 @@ def moe_experts_humming(z, ids, weights, bank, norm_w=None, eps=1e-5, *, glue=No
     he = HummingExperts.of(bank)
     bk, k = ids.shape
     rows = bk * k
-    idx13 = align(ids, he.num_experts, he.block("w13", rows))
-    b2 = he.block("w2", rows)
-    idx2 = idx13 if b2 == he.block("w13", rows) else align(ids, he.num_experts, b2)
+    b13, b2 = he.block("w13", rows), he.block("w2", rows)
+    idx13 = align(ids, he.num_experts, b13)
+    idx2 = idx13 if b2 == b13 else align(ids, he.num_experts, b2)
     gu = he.gemm("w13", z, idx13, k, rows)  # [Bk * k, 2I], row t * k + j
     h = _glue(glue, "experts_glu", gu[:, :he.inter], gu[:, he.inter:], bank.beta, bank.linear_beta, torch.bfloat16)
     y = he.gemm("w2", h, idx2, 1, rows)  # [Bk * k, L]
