@@ -282,7 +282,7 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
         out.append(f"mamba_cache_mode={cc.mamba_cache_mode} (KDA prefix caching): vLLM copies KDA states between "
                    "blocks between steps, which the executor's pool rows would not follow")
     conv_dt, ssm_dt = getattr(cc, "mamba_cache_dtype", "auto"), getattr(cc, "mamba_ssm_cache_dtype", "auto")
-    model_dt = str(mc.dtype).removeprefix("torch.")
+    model_dt = str(getattr(mc, "dtype", "auto")).removeprefix("torch.")  # a VllmConfig may have no model_config
     if conv_dt not in ("auto", model_dt) or ssm_dt not in ("auto", "float32"):
         out.append(f"KDA cache dtypes mamba_cache_dtype={conv_dt} / mamba_ssm_cache_dtype={ssm_dt}: the executor "
                    "maps a conv state in the model dtype and an FP32 recurrent state, bit for bit")
