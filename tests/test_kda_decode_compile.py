@@ -4,8 +4,10 @@
    k3-mini: 96, k3-tiny: 4 heads of 32) and for the non-default rows-per-thread configs the bench sweeps.
 2. SASS (nvdisasm on the cubin the compile cache keeps): the recurrent state moves in 16-byte accesses
    only (exactly rows_per_thread LDG.E.128 for the state plus the 4 parameter vectors, rows_per_thread
-   STG.E.128 stores, and no narrower 32-bit global load/store that could be the state), no local memory
-   (no LDL/STL, zero EIATTR_FRAME_SIZE), two barriers. The counts are printed with ``-s``.
+   STG.E.128 stores per token, and no narrower 32-bit global load/store that could be the state), no local
+   memory (no LDL/STL, zero EIATTR_FRAME_SIZE), two barriers per token and one between tokens. The verify
+   builds (``tokens`` 4 and 8 at the TP16 rank's 6 heads) load the state once for all their tokens. The
+   counts are printed with ``-s``.
 """
 
 from __future__ import annotations
@@ -38,12 +40,15 @@ def _cases() -> list[tuple[str, dict]]:
     cases = [(p, v) for p in PRESETS for v in k.compile_variants(p)]
     for rpt in (8, 32):  # the bench's alternatives at D = 128 (512 / 128 threads)
         cases.append(("sweep", {"dtype": "bf16", "H": 12, "D": 128, "config": k.KDADecodeConfig(128, rpt)}))
+    for tokens in (4, 8):  # speculative verify steps (1 + 3 / 7 drafts)
+        cases.append(("verify", {"dtype": "bf16", "H": 6, "D": 128,
+                                 "config": k.KDADecodeConfig.from_heuristic(128, tokens=tokens)}))
     return cases
 
 
 def _id(case) -> str:
     p, v = case
-    return f"{p}-H{v['H']}-D{v['D']}-rpt{v['config'].rows_per_thread}"
+    return f"{p}-H{v['H']}-D{v['D']}-rpt{v['config'].rows_per_thread}-T{v['config'].tokens}"
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -85,7 +90,7 @@ def test_rank_head_counts():
 @pytest.mark.parametrize("case", _cases(), ids=_id)
 def test_sass_state_is_128bit_and_no_spills(case):
     _, v = case
-    rpt = v["config"].rows_per_thread
+    rpt, tokens = v["config"].rows_per_thread, v["config"].tokens
     cubin = _cubin(v)
     ops = _opcodes(cubin)
     mem = {op: n for op, n in sorted(ops.items()) if op.startswith(("LDG", "STG", "LDL", "STL", "LDS", "STS"))}
@@ -94,12 +99,12 @@ def test_sass_state_is_128bit_and_no_spills(case):
     assert _frame_sizes(cubin) and not any(_frame_sizes(cubin)), f"non-zero stack frame {_frame_sizes(cubin)}"
     # state rows: rpt 16-byte loads + 3 conv-weight vectors + the o_norm weight vector
     assert ops["LDG.E.128"] == rpt + 4, mem
-    assert ops["STG.E.128"] == rpt, mem
+    assert ops["STG.E.128"] == rpt * tokens, mem
     # the only other global accesses: bf16 scalars (inputs, conv state), A_log / slot / dt_bias (32-bit),
     # the 8-byte gate load and output stores; none can be a state access (those are all 128-bit above)
     assert set(mem) - {"LDS", "LDS.128", "STS", "STS.128"} <= {
         "LDG.E.128", "STG.E.128", "LDG.E.U16", "STG.E.U16", "LDG.E", "LDG.E.64", "STG.E.64"}, mem
-    assert ops["BAR.SYNC.DEFER_BLOCKING"] + ops["BAR.SYNC"] == 2, ops
+    assert ops["BAR.SYNC.DEFER_BLOCKING"] + ops["BAR.SYNC"] == 3 * tokens - 1, ops
 
 
 def test_cubins_recorded_compile_seconds():

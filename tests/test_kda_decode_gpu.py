@@ -208,3 +208,49 @@ def test_kda_decode_falls_back_with_reason(seed):
     assert counters.fallbacks(NAME) == n0 + 1
     assert y.shape == (B, H * D) and not torch.isnan(y).any()
     assert any("state dtype float64" in reason for reason in counters.snapshot()["fallbacks"][NAME])
+
+
+@pytest.mark.parametrize("T", (2, 4, 8))
+@pytest.mark.parametrize("H", (6, 96))
+def test_kda_verify_is_sequential_decode(T, H, seed):
+    """A verify launch (T tokens per sequence, ``slot_out``) is bitwise T decode launches of the same kernel:
+    every row's y, and the state / conv window after token t at ``slot_out[b*T + t]``; the sequences' own
+    slots and every other slot untouched; a padded token (slot_out 0) writes nothing; an empty sequence
+    (slot 0) gets zeros. One launch counted, no fallback; outputs NaN-poisoned before the call."""
+    from k3_fastpath.kernels import kda_decode as k
+
+    B, D = 5, 128
+    N = 1 + B + B * T
+    prm, inp, pools = _params(H, D), _inputs(B * T, H, D), _pools(N, H, D)
+    perm = random.sample(range(1, N), B + B * T)
+    slot = torch.tensor(perm[:B], dtype=torch.int32, device="cuda")
+    slot[2] = 0  # an empty sequence
+    out_slots = torch.tensor(perm[B:], dtype=torch.int32, device="cuda")
+    out_slots[1 * T + T - 1] = 0  # sequence 1: its last token is padding (one draft fewer)
+    out_slots[2 * T: 3 * T] = 0
+    before = {n: t.clone() for n, t in pools.items()}
+    what = f"B={B} H={H} T={T} seed={seed}"
+    y = torch.full((B * T, H * D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    snap = counters.snapshot()
+    k.op(inp["q"], inp["k"], inp["v"], inp["g"], inp["a"], inp["beta_logits"], prm["conv_q_w"], prm["conv_k_w"],
+         prm["conv_v_w"], prm["A_log"], prm["dt_bias"], prm["o_norm_w"], slot, pools["conv_q"], pools["conv_k"],
+         pools["conv_v"], pools["state"], eps=EPS, lower_bound=LOWER_BOUND, out=y, slot_out=out_slots, tokens=T)
+    after = counters.snapshot()
+    assert after["fallbacks"].get(NAME, {}) == snap["fallbacks"].get(NAME, {}), f"fell back {what}"
+    assert after["launches"].get(NAME, 0) == snap["launches"].get(NAME, 0) + 1, f"did not launch once {what}"
+    # the same tokens as T decode launches on a copy of the pools
+    seq = {n: t.clone() for n, t in before.items()}
+    written = torch.zeros(N, dtype=torch.bool, device="cuda")
+    for t in range(T):
+        rows = torch.arange(B, device="cuda") * T + t
+        y_t = _call(k, {n: x[rows] for n, x in inp.items()}, prm, slot, seq, None)
+        assert torch.equal(y[rows], y_t), f"token {t}: y differs from a decode step {what}"
+        for b in range(B):
+            o = int(out_slots[b * T + t])
+            if o and int(slot[b]):
+                written[o] = True
+                for n in seq:
+                    assert torch.equal(pools[n][o], seq[n][int(slot[b])]), f"token {t} seq {b}: {n} at slot_out {what}"
+    assert torch.equal(y[2 * T: 3 * T], torch.zeros_like(y[2 * T: 3 * T])), f"empty sequence's rows not zero {what}"
+    for n in pools:
+        assert torch.equal(pools[n][~written], before[n][~written]), f"{n}: a slot not in slot_out changed {what}"

@@ -1,20 +1,28 @@
-"""Torch-facing KDA decode step (T = 1): conv4 + SiLU, L2 norm, gates, delta-rule state update, gated
-RMSNorm, for a batch of sequences whose caches live in slot-indexed pools. One launch per layer.
+"""Torch-facing KDA decode step: conv4 + SiLU, L2 norm, gates, delta-rule state update, gated RMSNorm, for a
+batch of sequences whose caches live in slot-indexed pools. One launch per layer.
 
-    y = kda_decode(q, k, v, g, a, beta_logits,                 # [B, C] x5, [B, H]: bf16 projection outputs
+    y = kda_decode(q, k, v, g, a, beta_logits,                 # [B*T, C] x5, [B*T, H]: bf16 projection outputs
                    conv_q_w, conv_k_w, conv_v_w,               # [C, 4] (or [C, 1, 4]) fp32
                    A_log, dt_bias, o_norm_w,                   # [>= H] (first H used), [C], [D] fp32
                    slot,                                       # [B] int32 pool index per sequence; 0 = empty
-                   conv_q, conv_k, conv_v,                     # [N, 3, C] bf16 pools, updated in place
-                   state,                                      # [N, H, D, D] fp32 pool, updated in place
-                   eps=1e-5, lower_bound=-5.0)                 # -> y [B, C] bf16 (input of o_proj)
+                   conv_q, conv_k, conv_v,                     # [N, 3, C] bf16 pools
+                   state,                                      # [N, H, D, D] fp32 pool
+                   eps=1e-5, lower_bound=-5.0,                 # -> y [B*T, C] bf16 (input of o_proj)
+                   slot_out=None, tokens=1)                    # [B*T] int32: where each token's state goes
+
+``tokens = 1`` (``slot_out`` None) is the decode step: each sequence's caches are updated in place. A
+speculative verify step passes ``tokens = T`` (1 + drafts) and ``slot_out``: rows ``b*T .. b*T + T-1`` are
+sequence b's tokens in order, its caches are read at ``slot[b]`` and never written there; the conv
+window and recurrent state after its token t are written at ``slot_out[b*T + t]`` (0: not kept, e.g. a
+padded token of a sequence with fewer drafts), so committing ``a`` accepted tokens is taking the state at
+``slot_out[b*T + a - 1]``. One launch either way; bitwise T decode steps.
 
 Layout choice: q, k, v, g, a are separate contiguous [B, C] tensors (C = H*D), ``a`` being the f_b
 projection output (the decay pre-activation) and ``g`` the output-gate pre-activation. The conv pools use
 KDACache's [., W-1, C] layout (oldest input first), so a ``KDACache`` of N sequences *is* a pool.
 
-Empty slot: a sequence with ``slot[b] == 0`` leaves every cache untouched and gets y[b] = 0. Non-zero slots
-in one call must be distinct (two sequences sharing a slot race). ``pdl=True`` launches the PDL build
+Empty slot: a sequence with ``slot[b] == 0`` leaves every cache untouched and gets y = 0 on its rows. Non-zero
+slots (and ``slot_out`` entries) in one call must be distinct across sequences (two sequences sharing one race). ``pdl=True`` launches the PDL build
 (``KDADecodeConfig.pdl``: parameters before griddepcontrol.wait, caches after it; see kernel.py). Outside
 the envelope (see ``is_supported``) the call is served by ``reference.py`` (same semantics) and counted
 as a fallback.
@@ -30,14 +38,15 @@ import torch
 from ..._lib import compile_cache
 from ..._lib.dispatch import Support
 from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
-from .config import CONV_W, HEAD_DIMS, KDADecodeConfig
+from .config import CONV_W, HEAD_DIMS, MAX_TOKENS, KDADecodeConfig
 from .reference import kda_decode_ref
 
 NAME = "kda_decode"
 
 
 def compile_kda_decode(dtype: str, H: int, D: int, config: KDADecodeConfig) -> Any:
-    """Compile (or fetch) the step for H heads of dim D; the batch B and the pool size N stay symbolic."""
+    """Compile (or fetch) the step for H heads of dim D and ``config.tokens`` tokens per sequence; the batch B
+    and the pool size N stay symbolic."""
     if dtype != "bf16":
         raise ValueError(f"{NAME}: only bf16 activations / conv state are implemented, got {dtype}")
     key = compile_cache.CompileKey.make(NAME, dtype, (H, D), config)
@@ -55,7 +64,7 @@ def compile_kda_decode(dtype: str, H: int, D: int, config: KDADecodeConfig) -> A
         args = (*act, fake_tensor(bf, (None, H)),
                 *(fake_tensor(f32, (C, CONV_W)) for _ in range(3)),
                 fake_tensor(f32, (H,)), fake_tensor(f32, (C,)), fake_tensor(f32, (D,)),
-                fake_tensor(cutlass.Int32, (None,), align=4),
+                fake_tensor(cutlass.Int32, (None,), align=4), fake_tensor(cutlass.Int32, (None,), align=4),
                 *(fake_tensor(bf, (None, CONV_W - 1, C)) for _ in range(3)),
                 fake_tensor(f32, (None, H, D, D)), fake_tensor(bf, (None, C)))
         return cute.compile(KDADecodeKernel(H, D, config), *args, cutlass.Float32(1e-5), cutlass.Float32(-5.0),
@@ -89,54 +98,69 @@ def _conv_w(w: torch.Tensor) -> torch.Tensor:
 
 _bf, _f32 = torch.bfloat16, torch.float32
 SUPPORT = TensorSpec(
-    Arg("state", ("N", "H", "D", "D"), _f32),
-    *(Arg(n, ("B", "H*D")) for n in ("q", "k", "v", "g", "a")), Arg("beta_logits", ("B", "H")),
+    Arg("state", ("N", "H", "D", "D"), _f32), Arg("slot", ("B",), torch.int32, align=4),
+    *(Arg(n, ("B*T", "H*D")) for n in ("q", "k", "v", "g", "a")), Arg("beta_logits", ("B*T", "H")),
     *(Arg(n, ("H*D", "CONV_W"), _f32) for n in ("conv_q_w", "conv_k_w", "conv_v_w")),
     Arg("A_log", ("NA",), _f32, align=4), Arg("dt_bias", ("H*D",), _f32), Arg("o_norm_w", ("D",), _f32),
-    Arg("slot", ("B",), torch.int32, align=4),
+    Arg("slot_out", ("B*T",), torch.int32, align=4),
     *(Arg(n, ("N", "CONV_W-1", "H*D")) for n in ("conv_q", "conv_k", "conv_v")),
-    Arg("out", ("B", "H*D"), optional=True),
+    Arg("out", ("B*T", "H*D"), optional=True),
     rules=(Rule("D in HEAD_DIMS", "head dim {D} not in {HEAD_DIMS}"), Rule("B > 0", "B=0"),
-           Rule("B <= 65535", "B={B} > 65535 (grid y limit)"), Rule("NA >= H", "A_log needs >= H entries")),
-    constants={"CONV_W": CONV_W, "HEAD_DIMS": tuple(HEAD_DIMS)}, dtype=_bf)
+           Rule("B <= 65535", "B={B} > 65535 (grid limit)"), Rule("NA >= H", "A_log needs >= H entries"),
+           Rule("1 <= T <= MAX_TOKENS", "{T} tokens per sequence outside 1..{MAX_TOKENS}")),
+    constants={"CONV_W": CONV_W, "HEAD_DIMS": tuple(HEAD_DIMS), "MAX_TOKENS": MAX_TOKENS}, dtype=_bf)
 OP = KernelOp(NAME, SUPPORT)
 
 
 def _operands(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
-              conv_q, conv_k, conv_v, state, out) -> dict[str, Any]:
-    """The operands as the spec names them (conv weights as [C, W], dt_bias flat: how the kernel reads them)."""
+              conv_q, conv_k, conv_v, state, out, slot_out) -> dict[str, Any]:
+    """The operands as the spec names them (conv weights as [C, W], dt_bias flat: how the kernel reads them;
+    ``slot_out`` None: the decode step's in-place update, ``slot`` itself)."""
     return {"state": state, "q": q, "k": k, "v": v, "g": g, "a": a, "beta_logits": beta_logits,
             "conv_q_w": _conv_w(conv_q_w), "conv_k_w": _conv_w(conv_k_w), "conv_v_w": _conv_w(conv_v_w),
             "A_log": A_log, "dt_bias": dt_bias.reshape(-1), "o_norm_w": o_norm_w, "slot": slot,
+            "slot_out": slot if slot_out is None else slot_out,
             "conv_q": conv_q, "conv_k": conv_k, "conv_v": conv_v, "out": out}
 
 
+def _check_tokens(slot_out: torch.Tensor | None, tokens: int) -> None:
+    if slot_out is None and tokens != 1:
+        raise ValueError(f"{NAME}: {tokens} tokens per sequence need slot_out (where each token's state goes)")
+
+
 def is_supported(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
-                 conv_q, conv_k, conv_v, state, out=None) -> Support:
+                 conv_q, conv_k, conv_v, state, out=None, slot_out=None, tokens: int = 1) -> Support:
+    _check_tokens(slot_out, tokens)
     return OP.support(_operands(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
-                                slot, conv_q, conv_k, conv_v, state, out))
+                                slot, conv_q, conv_k, conv_v, state, out, slot_out), {"T": int(tokens)})
 
 
 def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
                conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0,
                out: torch.Tensor | None = None, config: KDADecodeConfig | None = None,
-               pdl: bool = False) -> torch.Tensor:
-    """One decode step of a KDA layer for B sequences; updates the pools in place; returns y [B, C] bf16.
-    ``config`` overrides the heuristic (benches); ``pdl``: the programmatic-dependent-launch build."""
+               pdl: bool = False, slot_out: torch.Tensor | None = None, tokens: int = 1) -> torch.Tensor:
+    """One decode (``tokens`` 1) or verify step of a KDA layer for B sequences; returns y [B*T, C] bf16
+    (module docstring). ``config`` overrides the heuristic (benches); ``pdl``: the PDL build."""
+    _check_tokens(slot_out, tokens)
     args = (q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
             conv_q, conv_k, conv_v, state)
-    return OP(_operands(*args, out), launch=lambda: _launch(*args, eps, lower_bound, out, config, pdl),
-              reference=lambda: kda_decode_ref(*args, eps=eps, lower_bound=lower_bound), outputs=(out,))
+    return OP(_operands(*args, out, slot_out), scalars={"T": int(tokens)},
+              launch=lambda: _launch(*args, eps, lower_bound, out, config, pdl, slot_out, tokens),
+              reference=lambda: kda_decode_ref(*args, eps=eps, lower_bound=lower_bound, slot_out=slot_out,
+                                               tokens=tokens),
+              outputs=(out,))
 
 
 def _launch(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
-            conv_q, conv_k, conv_v, state, eps, lower_bound, out, config, pdl):
+            conv_q, conv_k, conv_v, state, eps, lower_bound, out, config, pdl, slot_out, tokens):
     from ..._lib.tensor import current_stream, to_cute
 
     _, H, D, _ = state.shape
-    cfg = config or KDADecodeConfig.from_heuristic(D)
+    cfg = config or KDADecodeConfig.from_heuristic(D, tokens=tokens)
     if pdl and not cfg.pdl:
         cfg = dataclasses.replace(cfg, pdl=True)
+    if cfg.tokens != tokens:
+        raise ValueError(f"{NAME}: config for {cfg.tokens} tokens per sequence, call with {tokens}")
     fn = compile_kda_decode("bf16", H, D, cfg)
     if out is None:
         out = torch.empty_like(q)
@@ -145,11 +169,12 @@ def _launch(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_
        to_cute(_conv_w(conv_q_w), dynamic_dims=static), to_cute(_conv_w(conv_k_w), dynamic_dims=static),
        to_cute(_conv_w(conv_v_w), dynamic_dims=static), to_cute(A_log[:H], align=4, dynamic_dims=static),
        to_cute(dt_bias.reshape(-1), dynamic_dims=static), to_cute(o_norm_w, dynamic_dims=static),
-       to_cute(slot, align=4), to_cute(conv_q), to_cute(conv_k), to_cute(conv_v), to_cute(state), to_cute(out),
+       to_cute(slot, align=4), to_cute(slot if slot_out is None else slot_out, align=4), to_cute(conv_q), to_cute(conv_k), to_cute(conv_v), to_cute(state), to_cute(out),
        float(eps), float(lower_bound), current_stream(q.device))
     return out
 
 
 def step_op(*args: Any, pdl: bool = False, **kwargs: Any) -> torch.Tensor:
-    """The fast step's ``kda_step`` op (``runtime.fast_ops``): ``kda_decode`` itself."""
+    """The fast step's ``kda_step`` op (``runtime.fast_ops``): ``kda_decode`` itself (a verify step passes
+    ``slot_out`` and ``tokens``)."""
     return kda_decode(*args, pdl=pdl, **kwargs)

@@ -1,4 +1,4 @@
-"""Launch knobs of the KDA decode step (one CTA per (sequence, head))."""
+"""Launch knobs of the KDA decode step (one CTA per (sequence, head), ``tokens`` steps of its recurrence)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 VEC = 4  # FP32 state elements per 16-byte vector access (one thread owns 4 adjacent V columns)
 CONV_W = 4  # short-conv width the kernel implements (K3: 4)
 HEAD_DIMS = (32, 64, 128)  # D % 32 == 0 (L2-norm warp reads) and D / VEC <= 32 (a row group fits a warp)
+MAX_TOKENS = 8  # tokens per sequence of one launch: a decode step (1) or a verify step (1 + up to 7 drafts)
 
 # Bench that measures the knob below (H200, CUDA-graph medians, cold state pools):
 #   python -m k3_fastpath.kernels.kda_decode.bench --heads 12,6 --batch 1,2,8,64
@@ -28,8 +29,14 @@ class KDADecodeConfig:
     # was written by the previous step's launch: an activation); launch_dependents once every input load is
     # issued. Same arithmetic, same bits.
     pdl: bool = False
+    # Tokens per sequence of one launch (a compile-time constant): 1 is the decode step; 2..MAX_TOKENS a
+    # speculative verify step, the recurrence run over the sequence's rows in order with the state kept in
+    # registers and the state after each token stored to that token's own slot (kernel.py).
+    tokens: int = 1
 
     def __post_init__(self) -> None:
+        if not 1 <= self.tokens <= MAX_TOKENS:
+            raise ValueError(f"tokens per sequence must lie in 1..{MAX_TOKENS}, got {self.tokens}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
         if self.rows_per_thread < 1 or self.head_dim % self.rows_per_thread:
@@ -51,9 +58,10 @@ class KDADecodeConfig:
         return self.threads_per_row * self.row_groups
 
     @classmethod
-    def from_heuristic(cls, head_dim: int, arch: str = "sm_90a", pdl: bool = False) -> KDADecodeConfig:
+    def from_heuristic(cls, head_dim: int, arch: str = "sm_90a", pdl: bool = False, tokens: int = 1
+                       ) -> KDADecodeConfig:
         """D = 128: 16 rows x 4 columns per thread (64 state registers, 256 threads, 8 row groups);
-        smaller D: 8 row groups as well (D = 32: 4 rows per thread, 64 threads)."""
+        smaller D: 8 row groups as well (D = 32: 4 rows per thread, 64 threads). Any ``tokens``."""
         if head_dim == 128:
-            return cls(head_dim, ROWS_PER_THREAD_D128, pdl)
-        return cls(head_dim, head_dim // 8, pdl)
+            return cls(head_dim, ROWS_PER_THREAD_D128, pdl, tokens)
+        return cls(head_dim, head_dim // 8, pdl, tokens)

@@ -9,8 +9,10 @@ For every sequence b with ``slot[b] = s != 0`` (C = H*D, W = 4):
     y[b] = bf16(rms_norm(o, o_norm_w, eps) * sigmoid(g[b]))
 
 Sequences with ``slot[b] == 0`` touch no cache and get y[b] = 0. ``kda_decode_ref_outputs`` computes the
-new values without writing anything (in ``compute_dtype``: tests use FP64); ``kda_decode_ref`` is the op
-(same signature as ``api.kda_decode``) and writes the pools in place.
+new values of one token per sequence without writing anything (in ``compute_dtype``: tests use FP64);
+``kda_decode_ref`` is the op (same signature as ``api.kda_decode``): T = 1 writes the pools in place; a
+verify step (``tokens`` T, ``slot_out``) runs the T tokens of each sequence in order on a copy of its
+caches and writes the state after token t at ``slot_out[b*T + t]`` (0: not written), never at ``slot[b]``.
 """
 
 from __future__ import annotations
@@ -60,8 +62,13 @@ def kda_decode_ref_outputs(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_
 
 def kda_decode_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
                    conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0,
-                   out: torch.Tensor | None = None, config=None) -> torch.Tensor:
-    """The op in FP32 torch: updates the pools in place, returns y [B, C] in q.dtype."""
+                   out: torch.Tensor | None = None, config=None, slot_out: torch.Tensor | None = None,
+                   tokens: int = 1) -> torch.Tensor:
+    """The op in FP32 torch: returns y [B*T, C] in q.dtype (module docstring for the pool writes)."""
+    if slot_out is not None:
+        y = _verify_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                        conv_q, conv_k, conv_v, state, eps, lower_bound, slot_out, tokens)
+        return out.copy_(y) if out is not None else y
     r = kda_decode_ref_outputs(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias,
                                o_norm_w, slot, conv_q, conv_k, conv_v, state, eps=eps, lower_bound=lower_bound)
     idx = r["idx"]
@@ -74,6 +81,36 @@ def kda_decode_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_l
     if out is not None:
         out.copy_(y)
         return out
+    return y
+
+
+def _verify_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                conv_q, conv_k, conv_v, state, eps, lower_bound, slot_out, tokens):
+    """T tokens per sequence on working copies of the sequences' caches (slot b + 1 of the copies, slot 0
+    for empty sequences), each token's state copied out to ``slot_out``."""
+    B = int(slot.shape[0])
+    T = int(tokens)
+    if q.shape[0] != B * T or slot_out.shape[0] != B * T:
+        raise ValueError(f"kda_decode verify: {q.shape[0]} rows / {slot_out.shape[0]} slot_out entries for "
+                         f"{B} sequences x {T} tokens")
+    src = slot.long()
+    live = src != 0
+    work_slot = torch.where(live, torch.arange(1, B + 1, device=slot.device), 0).to(torch.int32)
+    pools = [torch.zeros((B + 1, *p.shape[1:]), dtype=p.dtype, device=p.device)
+             for p in (conv_q, conv_k, conv_v, state)]
+    for w, p in zip(pools, (conv_q, conv_k, conv_v, state), strict=True):
+        w[1:][live] = p[src[live]]
+    wq, wk, wv, ws = pools
+    y = torch.zeros_like(q)
+    for t in range(T):
+        rows = torch.arange(B, device=q.device) * T + t
+        y[rows] = kda_decode_ref(*(x[rows] for x in (q, k, v, g, a, beta_logits)), conv_q_w, conv_k_w, conv_v_w,
+                                 A_log, dt_bias, o_norm_w, work_slot, wq, wk, wv, ws, eps=eps,
+                                 lower_bound=lower_bound)
+        dst = slot_out[rows].long()
+        keep = live & (dst != 0)
+        for w, p in zip(pools, (conv_q, conv_k, conv_v, state), strict=True):
+            p[dst[keep]] = w[1:][keep]
     return y
 
 
