@@ -10,6 +10,12 @@ are never handed out. Slot 0 is the empty slot: the
 ``kda_decode`` kernel leaves it untouched and gives its rows output 0; the step sends padded and inactive
 rows there (their MLA latent writes land in slot 0's scratch row, never in a sequence's).
 
+The KDA pools of all layers are views of four stacked tensors (``kda_stacks``: conv q / k / v ``[L, N + S,
+W-1, C]``, state ``[L, N + S, h, D, D]``), where ``S = scratch`` extra slots past the sequences' ones hold
+the per-token states of a speculative verify step (``kernels/kda_decode`` with ``slot_out``; verify row r
+keeps its state at ``scratch_base + r``); ``commit_scratch`` copies the accepted ones back into the
+sequences' slots for every layer at once (one gather / scatter per stacked tensor).
+
 ``allocate(batch, max_len)`` returns a ``PooledCache``: a ``K3Cache`` whose per-layer caches are views of
 the contiguous slot range ``[first, first + batch)``, so the reference model's ``prefill`` / ``decode`` run
 on it unchanged (the standard path writes through the views into the pools). The range goes back to the
@@ -59,12 +65,15 @@ MLA_PAGE = 64  # kernels/mla_decode's page size (api.PAGE_SIZE): MLA pool length
 
 
 class CachePool:
-    """Every layer's decode state for ``slots`` sequences (slot 0 included, never allocated)."""
+    """Every layer's decode state for ``slots`` sequences (slot 0 included, never allocated), plus ``scratch``
+    KDA slots for verify steps (module docstring)."""
 
     def __init__(self, cfg: Any, slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str,
-                 kv_dtype: torch.dtype | None = None, kv_scale: float | None = None) -> None:
+                 kv_dtype: torch.dtype | None = None, kv_scale: float | None = None, scratch: int = 0) -> None:
         if slots < 2:
             raise ValueError(f"a cache pool needs at least 2 slots (slot 0 is the empty one), got {slots}")
+        if scratch < 0:
+            raise ValueError(f"scratch slots must be >= 0, got {scratch}")
         self.cfg = cfg
         self.slots = slots
         self.max_len = max_len
@@ -72,11 +81,17 @@ class CachePool:
         self.device = torch.device(device)
         self.kv_dtype = dtype if kv_dtype is None else kv_dtype
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.scratch = scratch
+        self.scratch_base = slots  # KDA slots [slots, slots + scratch): verify rows' per-token states
+        n_kda = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i))
+        one = KDACache.empty(cfg, 1, device="meta", conv_dtype=dtype, state_dtype=state_dtype)
+        self.kda_stacks = tuple(torch.zeros(n_kda, slots + scratch, *t.shape[1:], dtype=t.dtype, device=self.device)
+                                for t in one.tensors())
         self.layers: list[KDACache | MLACache] = []
         for i in range(cfg.num_hidden_layers):
             if cfg.is_kda_layer(i):
-                self.layers.append(KDACache.empty(cfg, slots, device=self.device, conv_dtype=dtype,
-                                                  state_dtype=state_dtype))
+                n = sum(1 for c in self.layers if isinstance(c, KDACache))
+                self.layers.append(KDACache(*(t[n] for t in self.kda_stacks)))
             else:
                 self.layers.append(MLACache.empty(cfg, slots, self.latent_length(max_len), self.kv_dtype,
                                                   self.device, scale=kv_scale))
@@ -135,6 +150,12 @@ class CachePool:
                             max_len=max_len, first_slot=first, slots=slots, length_bound=0, pool_id=self.id)
         cache._finalizer = weakref.finalize(cache, self._give, first, batch)
         return cache
+
+    def commit_scratch(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Every KDA layer's slots ``dst`` (device int) <- its scratch slots ``src`` (the states a verify step
+        kept after each sequence's accepted tokens)."""
+        for t in self.kda_stacks:
+            t.index_copy_(1, dst.long(), t.index_select(1, src.long()))
 
     def owns(self, cache: Any) -> bool:
         return isinstance(cache, PooledCache) and cache.pool_id == self.id and cache._finalizer is not None \

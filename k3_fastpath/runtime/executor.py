@@ -6,6 +6,8 @@
     logits = ex.prefill(ids, lengths, cache)             # always the standard path (recorded as a fallback)
     logits = ex.decode(tokens, cache)                    # [B, V] FP32, same semantics as K3ForCausalLM.decode
     logits = ex.mixed(tokens, cache, row, prompt)        # the others decode while `row` prefills (mixed_step.py)
+    logits = ex.verify(feed, cache, active)              # [B, T, V]: a speculative verify step (verify_step.py)
+    ex.commit_verify(cache, keep)                        # keep [B] accepted rows per sequence
     ex.trace.summary()                                   # per step: kernels, standard ops, fallbacks
 
 Every decode step is checked against the ``Envelope`` on the host (no GPU read): inside it the step pads
@@ -57,6 +59,7 @@ from .standard_ops import standard_op_table
 from .standard_prefill import prefill_op_table
 from .step_plan import ModelPlan
 from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
+from .verify_step import commit_verify, load_verify, verify_bucket, verify_io, verify_rows
 
 BACKENDS = ("latency_specialized", "standard", "standard_graph")
 STEP_BACKENDS = ("latency_specialized", "standard_graph")  # backends that run fast_step.run_step
@@ -88,7 +91,8 @@ class DecodeExecutor:
                  buckets: Sequence[int] = DEFAULT_BUCKETS, use_graphs: bool = True, trace_dir: str | None = None,
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
                  envelope: Envelope | None = None, options: DecodeOptions | None = None,
-                 pool_from: DecodeExecutor | None = None, ops: Mapping[str, OpImpl] | None = None) -> None:
+                 pool_from: DecodeExecutor | None = None, ops: Mapping[str, OpImpl] | None = None,
+                 spec_tokens: int = 0) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -103,6 +107,10 @@ class DecodeExecutor:
         self.kv_dtype = kv_dtype or self.dtype
         self.kv_scale = kv_scale
         self.buckets = _buckets(buckets, max_batch)
+        if not 0 <= spec_tokens <= 8:
+            raise ValueError(f"spec_tokens {spec_tokens}: a verify step holds 1..8 tokens per sequence (0: none)")
+        self.spec_tokens = spec_tokens  # the most tokens per sequence of a fused verify step (0: none)
+        self.verify_splits: dict[str, int] = {}  # why verify steps ran as decode steps, counted
         base = envelope or Envelope()
         self.envelope = dataclasses.replace(base, max_batch=min(base.max_batch, max_batch),
                                             max_context=min(base.max_context, max_len))
@@ -121,10 +129,12 @@ class DecodeExecutor:
         self.prefetcher = L2Prefetcher(self.device, opts.prefetch_budget, enabled=opts.prefetch and self.fast)
         self.pool: CachePool | None = None
         if pool_from is not None:  # e.g. the standard_graph backend timed on the fast backend's caches
-            if (pool_from.max_len, pool_from.max_batch, pool_from.kv_dtype, pool_from.kv_scale, pool_from.dtype) != (
-                    max_len, self.max_batch, self.kv_dtype, kv_scale, self.dtype) or pool_from.model is not model:
+            if (pool_from.max_len, pool_from.max_batch, pool_from.kv_dtype, pool_from.kv_scale, pool_from.dtype,
+                    pool_from.spec_tokens, pool_from.buckets) != (max_len, self.max_batch, self.kv_dtype, kv_scale,
+                                                                  self.dtype, spec_tokens, self.buckets) \
+                    or pool_from.model is not model:
                 raise ValueError("pool_from must be an executor over the same model with the same max_len, "
-                                 "max_batch, dtype, kv_dtype and kv_scale")
+                                 "max_batch, buckets, dtype, kv_dtype, kv_scale and spec_tokens")
             self.pool = pool_from._ensure_pool()
         self._plan: ModelPlan | None = None
         self._io: dict[int, StepIO] = {}
@@ -143,7 +153,7 @@ class DecodeExecutor:
                 "mla_pool_len": CachePool.latent_length(max_len),
                 "shared_experts_stream": self.side.stream is not None,
                 "standard_compiled_glue": opts.standard_compiled_glue,
-                "single_expert_copy": opts.single_expert_copy}
+                "single_expert_copy": opts.single_expert_copy, "spec_tokens": spec_tokens}
         self.trace = ExecutionTrace(trace_dir if trace_dir is not None else trace_dir_from_env(), meta)
         if self.fast:  # the routed experts' kernel weights (and W_UK / W_UV) once, here, never per step
             self._plan = ModelPlan.build(model, single_expert_copy=opts.single_expert_copy)
@@ -153,7 +163,8 @@ class DecodeExecutor:
     def _ensure_pool(self) -> CachePool:
         if self.pool is None:
             self.pool = CachePool(self.cfg, self.max_batch + 1, self.max_len, self.dtype, self.device,
-                                  kv_dtype=self.kv_dtype, kv_scale=self.kv_scale)
+                                  kv_dtype=self.kv_dtype, kv_scale=self.kv_scale,
+                                  scratch=verify_rows(self.spec_tokens, self.buckets) if self.fast else 0)
         return self.pool
 
     def new_cache(self, batch: int, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None,
@@ -179,9 +190,11 @@ class DecodeExecutor:
             self._plan = ModelPlan.build(self.model, single_expert_copy=self.single_expert_copy)
         return self._plan
 
-    def _io_for(self, bucket: int) -> StepIO:
+    def _io_for(self, bucket: Any) -> StepIO:
+        """A decode bucket's buffers, or (key ``("verify", Bk, T)``) a verify step's."""
         if bucket not in self._io:
-            self._io[bucket] = StepIO.zeros(bucket, self.cfg.vocab_size, self.device)
+            self._io[bucket] = (verify_io(bucket[1], bucket[2], self.cfg.vocab_size, self.device)
+                                if isinstance(bucket, tuple) else StepIO.zeros(bucket, self.cfg.vocab_size, self.device))
         return self._io[bucket]
 
     def _run(self, bucket: int) -> OpCalls:
@@ -191,8 +204,9 @@ class DecodeExecutor:
         return calls
 
     def _empty_rows(self, io: StepIO) -> None:
-        for t in (io.tokens, io.slot, io.pos, io.active):
-            t.zero_()
+        for t in (io.tokens, io.slot, io.pos, io.active, io.kda_slot, io.kda_out):
+            if t is not None:
+                t.zero_()
 
     @torch.no_grad()
     def _warm_up(self, bucket: int) -> None:
@@ -355,17 +369,7 @@ class DecodeExecutor:
         self._ensure_bucket(bucket)
         io = self._io_for(bucket)
         io.load(tokens, active, cache.slots, cache.lengths)
-        if self.graphs is not None and bucket in self.graphs:
-            cap = self.graphs.replay(bucket)
-            rec = StepRecord(0, self.backend, b, bucket, kernels=dict(cap.kernels),
-                             standard_ops=list(cap.standard_ops), kernel_fallbacks=dict(cap.kernel_fallbacks),
-                             graph=True)
-        else:
-            before = counters.snapshot()
-            calls = self._run(bucket)
-            kernels, fallbacks = counter_delta(before, counters.snapshot())
-            rec = StepRecord(0, self.backend, b, bucket, kernels=kernels, standard_ops=calls.standard_ops(),
-                             kernel_fallbacks=fallbacks)
+        rec = self._replay_or_run(bucket, StepRecord(0, self.backend, b, bucket))
         cache.lengths.add_(io.active[:b])
         cache.length_bound += 1
         self.trace.record(rec)
@@ -373,6 +377,74 @@ class DecodeExecutor:
             out[:b].copy_(io.logits[:b])
             return out[:b]
         return io.logits[:b].clone()
+
+    def _replay_or_run(self, key: Any, rec: StepRecord) -> StepRecord:
+        """Run the staged step of ``key`` (its graph, else eagerly) and fill ``rec`` with what it launched."""
+        if self.graphs is not None and key in self.graphs:
+            cap = self.graphs.replay(key)
+            return dataclasses.replace(rec, kernels=dict(cap.kernels), standard_ops=list(cap.standard_ops),
+                                       kernel_fallbacks=dict(cap.kernel_fallbacks), graph=True)
+        before = counters.snapshot()
+        calls = self._run(key)
+        kernels, fallbacks = counter_delta(before, counters.snapshot())
+        return dataclasses.replace(rec, kernels=kernels, standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks)
+
+    # ------------------------------------------------------------------ verify steps
+    def verify_reason(self, batch: int, tokens: int, cache: Any) -> str | None:
+        """Why a verify step of ``batch`` sequences x ``tokens`` rows on ``cache`` cannot run as one fused step
+        (``verify_step.py``; None: it can). The caller then runs its rows as decode steps."""
+        if self.backend == "standard" or not self.fast:
+            return "the standard backend runs no fused verify step" if self.backend == "standard" else self.model_reason
+        reason = self.step_reason(batch, cache)
+        if reason:
+            return reason
+        if tokens > self.spec_tokens:
+            return (f"{tokens} tokens per sequence > spec_tokens {self.spec_tokens} (the executor's verify "
+                    "scratch; DecodeExecutor(spec_tokens=1 + k))")
+        reason = self.envelope.check_step(batch=batch, context=cache.length_bound + tokens)
+        if reason and reason.startswith("context"):
+            cache.length_bound = int(cache.lengths.max())
+            reason = self.envelope.check_step(batch=batch, context=cache.length_bound + tokens)
+        if reason:
+            return reason
+        if verify_bucket(batch, tokens, self.buckets, self._ensure_pool().scratch) is None:
+            return (f"{batch} sequences x {tokens} tokens: more than {self.pool.scratch} rows in a bucket "
+                    "(the largest fused verify step)")
+        return None
+
+    def record_verify_split(self, reason: str) -> None:
+        """Count a verify step run as decode steps, with ``verify_reason``'s reason (trace metadata)."""
+        self.verify_splits[reason] = self.verify_splits.get(reason, 0) + 1
+        self.trace.set_meta(verify_splits=dict(self.verify_splits))
+
+    @torch.no_grad()
+    def verify(self, feed: torch.Tensor, cache: Any, active: torch.Tensor | None = None) -> torch.Tensor:
+        """One fused verify step (``verify_step.py``): ``feed [B, T]`` (the last emitted token and the drafts),
+        ``active [B, T]`` (default all) -> logits ``[B, T, V]`` FP32 (inactive rows 0). Nothing is committed
+        until ``commit_verify``. ``ValueError`` where ``verify_reason`` gives a reason."""
+        b, T = (int(n) for n in feed.shape)
+        reason = self.verify_reason(b, T, cache)
+        if reason:
+            raise ValueError(f"no fused verify step of {b} x {T}: {reason}")
+        if active is None:
+            active = torch.ones(b, T, dtype=torch.bool, device=self.device)
+        bucket = verify_bucket(b, T, self.buckets, self.pool.scratch)
+        key = ("verify", bucket, T)
+        self._ensure_bucket(key)
+        io = self._io_for(key)
+        load_verify(io, feed, active, cache.slots, cache.lengths, self.pool.scratch_base)
+        self.trace.record(self._replay_or_run(key, StepRecord(0, self.backend, b, bucket, kind="verify", tokens=T)))
+        self._pending_verify = (cache.slots, T)
+        return io.logits[: b * T].view(b, T, -1).clone()
+
+    def commit_verify(self, cache: Any, keep: torch.Tensor) -> None:
+        """After ``verify`` on ``cache``: each sequence's caches those after its first ``keep[b]`` rows (0: the
+        sequence untouched), lengths advanced by ``keep``."""
+        pending = getattr(self, "_pending_verify", None)
+        if pending is None or pending[0] is not cache.slots:
+            raise ValueError("commit_verify without a verify step on this cache just before it")
+        self._pending_verify = None
+        commit_verify(self.pool, cache, keep, pending[1])
 
     def close(self) -> None:
         self.trace.close()

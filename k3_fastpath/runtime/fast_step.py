@@ -16,7 +16,8 @@ bucket ``Bk``:
 3. ``attn_res`` with the final norm, ``lm_head`` with FP32 output into ``io.logits``; inactive rows 0.
 
 KDA: q, k, v, g, f_a -> f_b, beta logits are separate ``linear`` calls (``kda_decode`` takes contiguous
-[B, C] operands), then ``kda_step`` updates the slot pools in place. MLA: q_a -> RMSNorm -> q_b, kv_a, the
+[B, C] operands), then ``kda_step`` updates the slot pools in place (a verify step: from each sequence's
+slot into the scratch slots of its rows, ``StepIO.kda_out``; ``verify_step.py``). MLA: q_a -> RMSNorm -> q_b, kv_a, the
 gate projection, ``mla_attention`` (writes the latent at (slot, pos), absorbs q, ``mla_decode`` over the
 pool with the block table / ctx_len = pos + 1 derived once per step, the gate fused), o_proj. Rows are independent
 everywhere, so padded rows (slot 0, position 0) never touch a real sequence's cache or output.
@@ -51,6 +52,12 @@ class StepIO:
     # (block_table, ctx_len) of the MLA layers, derived from slot / pos by ``run_step`` for the step it runs
     # (None outside it; a caller that runs ``_mla`` without ``run_step`` gets them derived per layer)
     mla_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a verify step (``verify_step.py``): rows are ``tokens_per_seq`` consecutive tokens of each sequence;
+    # KDA reads each sequence's state at ``kda_slot`` [Bk / T] and keeps the state after each row at
+    # ``kda_out`` [Bk] (scratch slots, 0 for padded rows); None / 1: a decode step (KDA in place at ``slot``)
+    kda_slot: torch.Tensor | None = None
+    kda_out: torch.Tensor | None = None
+    tokens_per_seq: int = 1
 
     def load(self, tokens: torch.Tensor, active: torch.Tensor | None, slots: torch.Tensor,
              lengths: torch.Tensor) -> None:
@@ -101,9 +108,10 @@ def _kda(ops: OpCalls, a: KDAWeights, x: torch.Tensor, io: StepIO, cache: Any, e
     beta = ops("linear", x, a.b)
     if beta.shape[1] != a.heads:  # zero-padded rows of the beta projection (glue: a [Bk, heads] copy)
         beta = beta[:, : a.heads].contiguous()
+    verify = {} if io.kda_out is None else {"slot_out": io.kda_out, "tokens": io.tokens_per_seq}
     y = ops("kda_step", q, k, v, g, decay, beta, a.conv_q, a.conv_k, a.conv_v, a.A_log, a.dt_bias,
-            a.o_norm, io.slot, cache.conv_q, cache.conv_k, cache.conv_v, cache.state, eps=eps,
-            lower_bound=a.lower_bound)
+            a.o_norm, io.slot if io.kda_slot is None else io.kda_slot, cache.conv_q, cache.conv_k, cache.conv_v,
+            cache.state, eps=eps, lower_bound=a.lower_bound, **verify)
     ops("linear", y, a.o, residual=residual, out=out)
 
 

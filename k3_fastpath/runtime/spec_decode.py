@@ -6,16 +6,18 @@ One verify step of a request feeds ``[last emitted, d_1 .. d_n]`` (``n <= k`` dr
 target's logits scores the token after ``d_i`` (row 0 the token after the last emitted one).
 ``spec_sampler.verify_draft`` keeps ``a`` drafts and adds one token; the KDA recurrent and conv states
 and the MLA cache must then be those after ``[last emitted, d_1 .. d_a]``: rejected drafts leave no trace.
-``verify_step`` runs the positions as decode steps of the stepper (column ``i`` for the requests with at
-least ``i`` drafts), keeping a copy of every KDA layer's state after each (the per-token states a fused
-verify kernel keeps too); ``commit`` restores each request's state after its kept tokens and sets its
-length, so the MLA latents written for rejected drafts lie past the length and are never attended (the
-next step overwrites them). Each position is exactly a plain decode step, so greedy speculative decoding
-emits plain greedy decoding's tokens (bitwise, where the stepper's rows do not depend on each other:
-``tests/test_spec_decode.py``). Cost: ``n + 1`` decode steps per verify step and ``n`` copies of the KDA
-states; the fused verify kernels of issue #22 (the KDA recurrence over the ``k + 1`` tokens in one launch,
-MLA with causal masking inside the draft, GEMMs at M = B(k + 1)) are what make a verify step cost about
-one decode step.
+On a ``DecodeExecutor`` built with ``spec_tokens >= n + 1``, ``verify_step`` runs the verify step fused
+(``verify_step.py``: one step of ``B (n + 1)`` rows, GEMMs and experts at that M, the KDA recurrence over
+each request's rows in one launch keeping every row's state in scratch slots, MLA causal inside the
+draft) and ``commit`` copies back the states after the kept tokens. Otherwise (any other stepper, or the
+executor's ``verify_reason``, which it records) it runs the positions as decode steps of the stepper
+(column ``i`` for the requests with at least ``i`` drafts), keeping a copy of every KDA layer's state
+after each; ``commit`` restores each request's state after its kept tokens. Either way the lengths move
+to the kept tokens, so the MLA latents written for rejected drafts lie past the length and are never
+attended (the next step overwrites them). A column-by-column position is exactly a plain decode step, so
+greedy speculative decoding emits plain greedy decoding's tokens (bitwise, where the stepper's rows do not
+depend on each other: ``tests/test_spec_decode.py``); a fused step computes each row as a decode row of a
+larger batch (the same up to the rounding of GEMMs at another M).
 
 Drafters (``propose(b, prompt, emitted, k) -> (tokens, probs | None)``: at most ``k`` drafts for request
 ``b`` (its index in the generator call) after its prompt and emitted tokens, with the distributions they
@@ -227,14 +229,29 @@ def _kda_tensors(cache: Any) -> list[torch.Tensor]:
     return [t for layer in cache.layers if isinstance(layer, KDACache) for t in layer.tensors()]
 
 
-def verify_step(stepper: Any, cache: Any, feed: torch.Tensor, active: torch.Tensor
-                ) -> tuple[torch.Tensor, list[list[torch.Tensor]]]:
-    """``feed [B, n + 1]`` decoded column by column on ``cache``, column ``i`` for the rows ``active[:, i]``
-    (``active [B]``: the same rows every column): the logits ``[B, n + 1, V]`` (0 where inactive) and,
-    after each of the first ``n`` columns, a copy of every KDA tensor of the cache (``commit``; after the
-    last column the cache itself holds it)."""
+@dataclass(frozen=True)
+class FusedVerify:
+    """What ``commit`` needs after a fused verify step: the executor that ran it (it kept every row's KDA
+    state in its pool's scratch slots)."""
+
+    stepper: Any
+
+
+def verify_step(stepper: Any, cache: Any, feed: torch.Tensor, active: torch.Tensor, fused: bool = True
+                ) -> tuple[torch.Tensor, list[list[torch.Tensor]] | FusedVerify]:
+    """``feed [B, n + 1]`` on ``cache``, column ``i`` for the rows ``active[:, i]`` (``active [B]``: the same
+    rows every column) -> the logits ``[B, n + 1, V]`` (0 where inactive) and what ``commit`` needs. A
+    stepper with fused verify steps (``DecodeExecutor.verify``) runs them in one step where it can
+    (``verify_reason``, which it records otherwise); else (or ``fused=False``) the columns are decode steps, and
+    after each of the first ``n`` a copy of every KDA tensor of the cache is kept (after the last the cache
+    itself holds it)."""
     cols = feed.shape[1]
     act = active.reshape(-1, 1).expand(-1, cols) if active.dim() == 1 else active
+    if fused and hasattr(stepper, "verify_reason"):
+        reason = stepper.verify_reason(int(feed.shape[0]), int(cols), cache)
+        if reason is None:
+            return stepper.verify(feed, cache, act.contiguous()), FusedVerify(stepper)
+        stepper.record_verify_split(reason)
     logits, states = [], []
     for i in range(cols):
         logits.append(stepper.decode(feed[:, i].contiguous(), cache, act[:, i].contiguous()))
@@ -243,10 +260,14 @@ def verify_step(stepper: Any, cache: Any, feed: torch.Tensor, active: torch.Tens
     return torch.stack(logits, 1), states
 
 
-def commit(cache: Any, start: torch.Tensor, states: list[list[torch.Tensor]], keep: torch.Tensor) -> None:
+def commit(cache: Any, start: torch.Tensor, states: list[list[torch.Tensor]] | FusedVerify, keep: torch.Tensor
+           ) -> None:
     """Each request ``b`` with ``keep[b] > 0`` back to its state after ``keep[b]`` fed tokens (KDA from
-    ``states[keep[b] - 1]``, or the cache's own after all ``n + 1``; length ``start[b] + keep[b]``);
-    requests with ``keep[b] == 0`` are untouched."""
+    ``states[keep[b] - 1]``, or the cache's own after all ``n + 1``; a fused step's from its executor's
+    scratch slots; length ``start[b] + keep[b]``); requests with ``keep[b] == 0`` are untouched."""
+    if isinstance(states, FusedVerify):
+        states.stepper.commit_verify(cache, keep)
+        return
     tensors = _kda_tensors(cache)
     for n in range(1, len(states) + 1):
         group = (keep == n).nonzero().flatten()

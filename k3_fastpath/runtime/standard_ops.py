@@ -141,10 +141,18 @@ def kda_zero_empty_standard(y, idx, dtype):
 
 def kda_step_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
                       conv_q, conv_k, conv_v, state, *, eps: float = 1e-5, lower_bound: float = -5.0, out=None,
-                      glue=None):
+                      glue=None, slot_out=None, tokens: int = 1):
     """``kernels.kda_decode``'s op contract in library code. Rows of slot 0 compute on slot 0's (scratch)
     state like any row and are zeroed on output; real slots are distinct within a step. ``glue``: the
-    table's ``GlueSet`` (None: eager) for the conv update and the row mask."""
+    table's ``GlueSet`` (None: eager) for the conv update and the row mask. A verify step (``slot_out``,
+    ``tokens``) is ``standard_verify.kda_verify_standard``."""
+    if slot_out is not None:
+        from .standard_verify import kda_verify_standard
+
+        y = kda_verify_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
+                                slot, conv_q, conv_k, conv_v, state, eps=eps, lower_bound=lower_bound,
+                                slot_out=slot_out, tokens=tokens, glue=glue)
+        return out.copy_(y) if out is not None else y
     B, C = q.shape
     _, H, D, _ = state.shape
     idx = slot.long()

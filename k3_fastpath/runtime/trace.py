@@ -45,7 +45,8 @@ class StepRecord:
     kernel_fallbacks: dict[str, dict[str, int]] = field(default_factory=dict)
     fallback: str | None = None
     graph: bool = False
-    kind: str = "decode"  # "decode" | "prefill"
+    kind: str = "decode"  # "decode" | "prefill" | "mixed" | "verify" (a fused speculative verify step)
+    tokens: int = 1  # rows per sequence (a verify step's 1 + drafts)
 
     def to_dict(self, executor: str) -> dict[str, Any]:
         return {"type": "step", "executor": executor, **asdict(self)}
@@ -149,6 +150,9 @@ class ExecutionTrace:
         return [r for r in self.records if r.step >= step]
 
 
+DECODE_KINDS = ("decode", "verify")  # step kinds the fast path must serve
+
+
 def read_trace(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(meta lines, step lines) of a trace file, or of every ``trace-*.jsonl`` in a directory."""
     p = Path(path)
@@ -168,11 +172,11 @@ def read_trace(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[dict
 
 def summarize(steps: list[dict[str, Any]] | list[StepRecord], decode_only: bool = True) -> dict[str, Any]:
     """What a check asks of a trace: step counts, fallback reasons, kernel launches, standard ops and kernel
-    fallbacks, over ``steps`` (dicts from ``read_trace`` or ``StepRecord``s). ``decode_only`` leaves out
-    prefill steps (they run the standard path by design)."""
+    fallbacks, over ``steps`` (dicts from ``read_trace`` or ``StepRecord``s). ``decode_only`` keeps the
+    decode and verify steps (prefill and mixed steps run the standard path by design)."""
     rows = [asdict(s) if isinstance(s, StepRecord) else s for s in steps]
     if decode_only:
-        rows = [r for r in rows if r.get("kind", "decode") == "decode"]
+        rows = [r for r in rows if r.get("kind", "decode") in DECODE_KINDS]
     fallbacks: Counter = Counter()
     kernels: Counter = Counter()
     std: Counter = Counter()

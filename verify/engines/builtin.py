@@ -79,11 +79,12 @@ def _load_tokenizer(cfg: Any, checkpoint: Path | None, tokenizer_seed: int) -> t
     return build_tiny_tokenizer(cfg.vocab_size, seed=tokenizer_seed), f"tiny BPE (vocab {cfg.vocab_size}, seed {tokenizer_seed})"
 
 
-def _fast_stepper(model: Any, device: str, max_model_len: int, max_batch: int, defect: str | None = None
-                  ) -> tuple[Any, Any]:
+def _fast_stepper(model: Any, device: str, max_model_len: int, max_batch: int, defect: str | None = None,
+                  spec_tokens: int = 0) -> tuple[Any, Any]:
     """The fast-path ``DecodeExecutor`` over ``model``, every kernel compiled and every bucket's CUDA graph
     captured before the first request (a compile inside a request would be timed and could not be graphed),
-    and the ``verify.defects.PlantedDefect`` planted into it before the capture (None without ``defect``)."""
+    and the ``verify.defects.PlantedDefect`` planted into it before the capture (None without ``defect``).
+    ``spec_tokens``: 1 + the drafts of speculative decoding (its fused verify steps' scratch; 0: none)."""
     reason = fast_path_unavailable_reason(device)
     if reason:
         raise EngineError(f"builtin:fast is unavailable here: {reason}; use builtin:reference")
@@ -92,7 +93,7 @@ def _fast_stepper(model: Any, device: str, max_model_len: int, max_batch: int, d
     except ImportError as e:
         raise EngineError(f"builtin:fast: the fast-path executor cannot be imported ({e})") from e
     try:
-        ex = DecodeExecutor(model, max_len=max_model_len, max_batch=max_batch)
+        ex = DecodeExecutor(model, max_len=max_model_len, max_batch=max_batch, spec_tokens=spec_tokens)
         if ex.model_reason:
             raise EngineError(f"builtin:fast: the model is outside the fast path's envelope: {ex.model_reason}")
         planted = None
@@ -146,11 +147,6 @@ class BuiltinEngine:
                               f"({cfg.name}'s max_position_embeddings)")
         self.model = load_reference(cfg, sd, dtype=self.dtype, device=self.device).eval()
         del sd
-        if path == "fast":  # decode batches stay within the executor's slot pool (its largest bucket)
-            max_batch = min(max_batch, 64)
-            stepper, self.defect = _fast_stepper(self.model, self.device, self._max_model_len, max_batch, defect)
-        else:
-            stepper = self.model
         self.speculation: Any = None
         if "spec" in opts:
             from k3_fastpath.runtime.spec_decode import SpecConfig, Speculation
@@ -159,6 +155,12 @@ class BuiltinEngine:
                 self.speculation = Speculation.from_config(SpecConfig.parse(opts["spec"]), self.model, self.seed)
             except ValueError as e:
                 raise EngineError(f"{self.name}: {e}") from None
+        if path == "fast":  # decode batches stay within the executor's slot pool (its largest bucket)
+            max_batch = min(max_batch, 64)
+            stepper, self.defect = _fast_stepper(self.model, self.device, self._max_model_len, max_batch, defect,
+                                                 spec_tokens=self.speculation.k + 1 if self.speculation else 0)
+        else:
+            stepper = self.model
         self.generator = Generator(stepper, cfg.vocab_size, self._max_model_len, device=self.device,
                                    max_batch=max_batch, spec=self.speculation)
         self.tokenizer_seed = tokenizer_seed

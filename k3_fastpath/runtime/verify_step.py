@@ -1,0 +1,97 @@
+"""A speculative verify step on the executor's pools: ``T = 1 + drafts`` tokens per sequence in one model
+pass, one CUDA graph per (sequence bucket, T).
+
+The step is ``fast_step.run_step`` over ``Bk * T`` rows, row ``b*T + t`` holding token t of sequence b
+(``StepIO`` with ``tokens_per_seq = T``). Everything but attention is row-parallel, so the GEMMs, router and
+experts run once at ``M = Bk * T``. Attention:
+
+* MLA: each row is a decode row of its sequence's slot at position ``length + t`` (``write_latent`` stores
+  every row's latent before ``mla_decode`` reads the pool, and ``ctx_len = pos + 1`` masks the later
+  drafts: causal inside the draft). Latents of drafts that are rejected lie past the committed length and
+  are overwritten by the next step, never attended;
+* KDA: one ``kda_step`` launch runs each sequence's T tokens in order from its slot (``kda_slot``) and keeps
+  the state after row r in the pool's scratch slot ``scratch_base + r`` (``kda_out``); the sequence's own
+  slot is not written.
+
+``commit`` then makes each sequence's state that after its ``keep`` accepted rows: the scratch slot of row
+``b*T + keep - 1`` copied into its slot for every KDA layer (``CachePool.commit_scratch``) and its length
+advanced by ``keep``. Padded rows (a sequence with fewer drafts, or past the batch) are inactive: slot 0,
+no scratch slot, logits 0.
+
+A fused verify step needs the executor built with ``spec_tokens >= T`` (scratch slots in the pool) and at
+most ``MAX_VERIFY_ROWS`` rows (the skinny GEMM's and the router's largest M); otherwise
+``spec_decode.verify_step`` runs the T positions as T decode steps, and the executor records why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .fast_step import StepIO
+
+VerifyKey = tuple[str, int, int]  # ("verify", sequence bucket Bk, tokens per sequence T): a graph key
+MAX_VERIFY_ROWS = 64  # kernels/skinny_gemm MAX_M and kernels/moe_router MAX_M: the rows of one fused step
+
+
+def verify_rows(spec_tokens: int, buckets: Sequence[int]) -> int:
+    """Scratch KDA slots a pool needs for verify steps of up to ``spec_tokens`` tokens per sequence: one per
+    row of the largest fused step (0 when ``spec_tokens`` is 0)."""
+    if spec_tokens <= 0:
+        return 0
+    return min(MAX_VERIFY_ROWS, max(buckets) * spec_tokens)
+
+
+def verify_bucket(batch: int, tokens: int, buckets: Sequence[int], max_rows: int) -> int | None:
+    """The smallest sequence bucket holding ``batch`` sequences whose ``tokens`` rows each fit ``max_rows``
+    (None: none does)."""
+    for b in sorted(buckets):
+        if batch <= b and b * tokens <= max_rows:
+            return b
+    return None
+
+
+def verify_io(bucket: int, tokens: int, vocab: int, device: torch.device) -> StepIO:
+    """The static buffers of one (bucket, T) verify step: ``bucket * T`` rows, every row empty."""
+    io = StepIO.zeros(bucket * tokens, vocab, device)
+    io.kda_slot = torch.zeros(bucket, dtype=torch.int32, device=device)
+    io.kda_out = torch.zeros(bucket * tokens, dtype=torch.int32, device=device)
+    io.tokens_per_seq = tokens
+    return io
+
+
+def load_verify(io: StepIO, feed: torch.Tensor, active: torch.Tensor, slots: torch.Tensor, lengths: torch.Tensor,
+                scratch_base: int) -> None:
+    """Stage a verify step of ``feed [B, T]`` (``active [B, T]``: which rows are real; a row's later rows
+    never active after an inactive one) on sequences at ``slots`` / ``lengths`` without a host sync."""
+    T = io.tokens_per_seq
+    b = int(feed.shape[0])
+    n = b * T
+    dev = io.tokens.device
+    act = active.to(dev).reshape(n)
+    io.tokens[:n].copy_(feed.reshape(n), non_blocking=True)
+    io.active[:n].copy_(act)
+    seq_slot = slots.to(dev).to(torch.int32)
+    torch.mul(seq_slot.repeat_interleave(T), act, out=io.slot[:n])
+    pos = lengths.to(dev)[:, None] + torch.arange(T, device=dev)[None, :]
+    torch.mul(pos.reshape(n), act, out=io.pos[:n])
+    torch.mul(seq_slot, act.view(b, T)[:, 0], out=io.kda_slot[:b])
+    rows = torch.arange(n, dtype=torch.int32, device=dev) + scratch_base
+    torch.mul(rows, act, out=io.kda_out[:n])
+    for t in (io.tokens, io.slot, io.pos, io.active, io.kda_out):
+        t[n:].zero_()
+    io.kda_slot[b:].zero_()
+
+
+def commit_verify(pool, cache, keep: torch.Tensor, tokens: int) -> None:
+    """Each sequence b of ``cache`` with ``keep[b] > 0`` to its state after its first ``keep[b]`` rows of the
+    last verify step (module docstring); sequences with ``keep[b] == 0`` untouched."""
+    dev = cache.lengths.device
+    keep = keep.to(dev).long()
+    rows = (keep > 0).nonzero().flatten()
+    if len(rows):
+        src = pool.scratch_base + rows * tokens + keep[rows] - 1
+        pool.commit_scratch(cache.slots.index_select(0, rows), src)
+    cache.lengths = cache.lengths + keep
+    cache.length_bound += tokens  # a host-side bound (no read of the GPU)

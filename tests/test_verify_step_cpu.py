@@ -1,0 +1,156 @@
+"""The fused verify step (``k3_fastpath/runtime/verify_step.py``) on a CPU, k3-tiny in BF16, the fast step
+emulated (every kernel served by its reference) and the standard path's op table.
+
+A fused verify step of ``T`` rows per request gives the logits of the same rows run as ``T`` decode steps
+(to BF16 rounding at another M; on this CPU they agree bitwise or nearly), and ``commit_verify`` leaves each
+request's caches those after its kept rows: a rejected draft leaves no trace, the requests' own slots are not
+written by the step itself, and a request with ``keep`` 0 is untouched. The executor says why a verify step
+cannot be fused (no scratch, too many rows, a foreign cache) and ``spec_decode.verify_step`` then runs decode
+steps and counts the reason. The standard path's verify conv (``standard_verify._conv_verify``, what its fla
+path runs) equals the decode conv token by token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3_fastpath.presets import preset
+from k3_fastpath.reference.model import load_reference
+from k3_fastpath.runtime.cache_pool import copy_cache
+from k3_fastpath.runtime.envelope import Envelope
+from k3_fastpath.runtime.executor import DecodeExecutor
+from k3_fastpath.synthetic import synthetic_state_dict
+
+CFG = preset("k3-tiny").config
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_reference(CFG, synthetic_state_dict(CFG, 0, conditioning="stable"), dtype=torch.bfloat16)
+
+
+def _executor(model, backend="latency_specialized", spec_tokens=4, max_batch=8):
+    return DecodeExecutor(model, backend=backend, max_len=48, max_batch=max_batch, envelope=Envelope(emulate=True),
+                          spec_tokens=spec_tokens)
+
+
+def _prefilled(ex, seed, batch=3):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, CFG.vocab_size, (batch, 6), generator=g)
+    lens = torch.tensor([6, 4, 5, 3][:batch])
+    cache = ex.new_cache(batch)
+    ex.prefill(ids, lens, cache)
+    return cache, g
+
+
+def _kda_state(cache):
+    return [t.clone() for layer in cache.layers if hasattr(layer, "tensors") for t in layer.tensors()]
+
+
+def _close(a, b, what, rel=0.02):
+    d = (a.float() - b.float()).abs().max().item()
+    assert d <= rel * max(b.float().abs().max().item(), 1e-6), f"{what}: max diff {d:.3g}"
+
+
+@pytest.mark.parametrize("backend", ["latency_specialized", "standard_graph"])
+def test_fused_verify_is_decode_steps_and_commits_the_kept_rows(model, seed, backend):
+    from k3_fastpath.runtime.spec_decode import commit, verify_step
+
+    ex = _executor(model, backend)
+    fused, g = _prefilled(ex, seed)
+    cols = ex.new_cache(3)
+    copy_cache(cols, fused)
+    feed = torch.randint(3, CFG.vocab_size, (3, 4), generator=g)
+    active = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)  # ragged; one request idle
+    keep = torch.tensor([3, 1, 0])
+    own_before = _kda_state(fused)
+    logits = ex.verify(feed, fused, active)
+    assert logits.shape == (3, 4, CFG.vocab_size)
+    for a, b in zip(_kda_state(fused), own_before, strict=True):  # nothing written to the requests' own slots yet
+        assert torch.equal(a, b)
+    assert torch.equal(logits[~active], torch.zeros_like(logits[~active]))
+    ex.commit_verify(fused, keep)
+    start = cols.lengths.clone()  # the same rows as decode steps on the copy, committed by restoring copies
+    ref, states = verify_step(ex, cols, feed, active, fused=False)
+    commit(cols, start, states, keep)
+    for b, t in active.nonzero().tolist():
+        _close(logits[b, t], ref[b, t], f"{backend} request {b} row {t} logits")
+    assert fused.lengths.tolist() == cols.lengths.tolist() == [9, 5, 5]
+    for a, b in zip(_kda_state(fused), _kda_state(cols), strict=True):
+        _close(a, b, f"{backend} committed KDA state")
+    for la, lb in zip(fused.layers, cols.layers, strict=True):
+        if not hasattr(la, "tensors"):
+            for r, n in enumerate(cols.lengths.tolist()):
+                _close(la.latent[r, :n], lb.latent[r, :n], f"{backend} MLA latents of request {r}")
+    kinds = ex.trace.summary()["kinds"]
+    assert kinds.get("verify") == 1, kinds
+    rec = next(r for r in ex.trace.records if r.kind == "verify")
+    assert rec.tokens == 4 and rec.batch == 3 and rec.fallback is None
+
+
+def test_a_commit_of_the_wrong_row_is_caught_by_the_comparison(model, seed):
+    """The comparison above can fail: committing the state after every fed row (rejected drafts included)."""
+    from k3_fastpath.runtime.verify_step import commit_verify
+
+    ex = _executor(model)
+    fused, g = _prefilled(ex, seed)
+    cols = ex.new_cache(3)
+    copy_cache(cols, fused)
+    feed = torch.randint(3, CFG.vocab_size, (3, 4), generator=g)
+    ex.verify(feed, fused)
+    commit_verify(ex.pool, fused, torch.tensor([4, 4, 4]), 4)  # the planted defect: every row kept ...
+    fused.lengths -= 3  # ... while the lengths say one
+    ex.decode(feed[:, 0].contiguous(), cols)
+    with pytest.raises(AssertionError, match="committed KDA state"):
+        for a, b in zip(_kda_state(fused), _kda_state(cols), strict=True):
+            _close(a, b, "committed KDA state")
+
+
+def test_why_a_verify_step_is_not_fused(model):
+    from k3_fastpath.runtime.spec_decode import verify_step
+
+    ex = _executor(model, spec_tokens=0)
+    cache, _ = _prefilled(ex, 0)
+    assert "spec_tokens 0" in ex.verify_reason(3, 4, cache)
+    with pytest.raises(ValueError, match="no fused verify step of 3 x 4"):
+        ex.verify(torch.zeros(3, 4, dtype=torch.long), cache)
+    logits, states = verify_step(ex, cache, torch.zeros(3, 4, dtype=torch.long), torch.ones(3, dtype=torch.bool))
+    assert logits.shape == (3, 4, CFG.vocab_size) and isinstance(states, list)
+    assert list(ex.verify_splits.values()) == [1] and ex.trace.meta["verify_splits"] == ex.verify_splits
+    ex = _executor(model, spec_tokens=8, max_batch=16)
+    big, _ = _prefilled(ex, 0, batch=4)
+    assert ex.verify_reason(4, 8, big) is None
+    assert ex.verify_reason(9, 8, big)  # 9 requests: not this cache's batch / more rows than a fused step holds
+    assert ex.pool.scratch == 64
+    other = model.new_cache(3, 48)
+    assert "not allocated by this executor" in ex.verify_reason(3, 2, other)
+    with pytest.raises(ValueError, match="commit_verify without a verify step"):
+        ex.commit_verify(big, torch.ones(4, dtype=torch.long))
+    std = DecodeExecutor(model, backend="standard", max_len=48, max_batch=4, spec_tokens=4)
+    assert "runs no fused verify step" in std.verify_reason(1, 2, std.new_cache(1))
+
+
+def test_the_standard_verify_conv_is_the_decode_conv_token_by_token(seed):
+    from k3_fastpath.runtime.standard_ops import _conv_standard
+    from k3_fastpath.runtime.standard_verify import _conv_verify
+
+    g = torch.Generator().manual_seed(seed)
+    B, T, C, N = 3, 5, 16, 24
+    x = torch.randn(B * T, C, generator=g).bfloat16()
+    w = torch.randn(C, 4, generator=g)
+    pool = torch.randn(N, 3, C, generator=g).bfloat16()
+    slot = torch.tensor([2, 7, 0])
+    out = torch.arange(B * T) + 9
+    got_pool = pool.clone()
+    y = _conv_verify(x, w, got_pool, slot, out, T)
+    seq = pool.clone()
+    for t in range(T):
+        rows = torch.arange(B) * T + t
+        idx = slot if t == 0 else out[rows - 1]
+        work = seq.index_select(0, idx)
+        tmp = torch.cat([work, torch.zeros(1, 3, C, dtype=work.dtype)])
+        y_t = _conv_standard(x[rows], w, tmp, torch.arange(B))
+        assert torch.equal(y[rows], y_t), f"token {t}"
+        seq.index_copy_(0, out[rows], tmp[:B])
+        assert torch.equal(got_pool[out[rows]], tmp[:B]), f"token {t}: window kept at slot_out"
+    assert torch.equal(got_pool[:9], pool[:9])
