@@ -16,6 +16,14 @@ A point passes when the speculative tokens are the plain tokens (request by requ
 state differences are within ``state_tol``, every verify position ran as a fast step (``positions`` fast
 steps, no fallback, ``verify_steps <= positions <= (k + 1) verify_steps``) and at least one verify step
 ran. The check passes when every planned point passes.
+
+A fused point (``verify: "fused"``, the plan's default since fused verify steps exist; records without the
+field are column-by-column points) instead rests on its ``verify_step`` records (one per verify step, from
+``equivalence_spec.ShadowVerify``): as many as the point's verify steps, each with compared rows, every
+row's logit error within ``logit_tol`` of its largest logit, every argmax mismatch a near-tie
+(``within_row_error``), and after its commit the KDA state and MLA latent differences within ``state_tol``
+of their scale; every verify step a fused fast step (``fused_steps`` = ``verify_steps``, their rows =
+``positions``, no fallback, none split into decode steps). The tokens against plain greedy are information.
 """
 
 from __future__ import annotations
@@ -49,6 +57,9 @@ def spec_decode_problems(records: Records, metrics: Mapping[str, Any] | None = N
         if r["kind"] == "not_run":
             problems.append(f"{where}: not run ({r.get('why')})")
             continue
+        if r.get("verify") == "fused":
+            problems += _fused_point_problems(records, plan, r, batch, k, where)
+            continue
         plain, spec = r.get("plain_tokens") or [], r.get("spec_tokens") or []
         if len(plain) != batch or len(spec) != batch:
             problems.append(f"{where}: {len(plain)} plain and {len(spec)} speculative requests for batch {batch}")
@@ -74,6 +85,48 @@ def spec_decode_problems(records: Records, metrics: Mapping[str, Any] | None = N
         acc = r.get("acceptance") or {}
         if not acc.get("steps") or len(acc.get("accepted") or []) != k:
             problems.append(f"{where}: no acceptance counts for {k} draft positions")
+    return problems
+
+
+def _fused_point_problems(records: Records, plan: Mapping[str, Any], r: Mapping[str, Any], batch: int, k: int,
+                          where: str) -> list[str]:
+    """A fused point's problems (module docstring)."""
+    problems: list[str] = []
+    steps = r.get("verify_steps")
+    if not isinstance(steps, int) or steps < 1:
+        return [f"{where}: {steps!r} verify steps ran"]
+    if r.get("fused_steps") != steps or r.get("fast_positions") != r.get("positions") \
+            or r.get("fallback_positions") != 0 or r.get("verify_splits"):
+        problems.append(f"{where}: {r.get('fused_steps')} fused fast steps of {r.get('fast_positions')} rows for "
+                        f"{steps} verify steps of {r.get('positions')} positions, {r.get('fallback_positions')} "
+                        f"fallbacks, split into decode steps: {r.get('verify_splits') or 'none'}")
+    logit_tol, state_tol = plan.get("logit_tol"), plan.get("state_tol")
+    if not isinstance(logit_tol, (int, float)) or logit_tol < 0:
+        return problems + [f"{where}: logit_tol {logit_tol!r} is not a number >= 0"]
+    vs = [v for v in records if v.get("kind") == "verify_step" and v.get("batch") == batch and v.get("k") == k]
+    if len(vs) != steps:
+        problems.append(f"{where}: {len(vs)} verify_step records for {steps} verify steps")
+    if not sum(int(v.get("rows") or 0) for v in vs):
+        problems.append(f"{where}: no verify row was compared")
+    for v in vs:
+        at = f"{where} verify step {v.get('step')}"
+        err = v.get("max_rel_err")
+        if v.get("rows") and not (isinstance(err, (int, float)) and err <= logit_tol):
+            problems.append(f"{at}: logit error {err!r} > {logit_tol} of the row's largest logit")
+        for m in v.get("argmax_mismatches") or []:
+            if not m.get("within_row_error"):
+                problems.append(f"{at}: request {m.get('seq')} row {m.get('row')}: fused argmax {m.get('fused_token')} "
+                                f"!= decode steps' {m.get('ref_token')} beyond a near-tie (gaps "
+                                f"{m.get('ref_logit_gap')} / {m.get('fast_logit_gap')}, row error "
+                                f"{m.get('row_p99_abs_err')})")
+        for name, scale in (("state_max_abs_diff", "state_scale"), ("latent_max_abs_diff", "latent_scale")):
+            d, sc = v.get(name), v.get(scale)
+            if not (isinstance(d, (int, float)) and isinstance(sc, (int, float)) and d <= state_tol * max(sc, 1e-30)):
+                problems.append(f"{at}: {name} {d!r} > {state_tol} x {scale} {sc!r} (the committed state is not "
+                                "the decode steps')")
+    acc = r.get("acceptance") or {}
+    if not acc.get("steps") or len(acc.get("accepted") or []) != k:
+        problems.append(f"{where}: no acceptance counts for {k} draft positions")
     return problems
 
 
