@@ -103,7 +103,8 @@ def test_floor_for_states_cold_l2_by_volume():
     assert abs(saved - moe * front * 15 / 16) < 1e-6 * saved, (saved, moe, front)  # 15/16 of it not read
 
 
-def _sweep_bundle(root, points, allreduce, targets_override=None, status=None, mixed=(), mixed_metrics=None):
+def _sweep_bundle(root, points, allreduce, targets_override=None, status=None, mixed=(), mixed_metrics=None,
+                  spec=(), spec_metrics=None):
     from verify.bundle.writer import BundleWriter
     from verify.result import CheckResult
 
@@ -115,6 +116,8 @@ def _sweep_bundle(root, points, allreduce, targets_override=None, status=None, m
         w.record("perf.decode_sweep.allreduce", r)
     for r in mixed:
         w.record("perf.decode_sweep.mixed", r)
+    for r in spec:
+        w.record("perf.decode_sweep.spec", r)
     targets, problems = perf._sweep_targets(points, allreduce)
     targets.update(targets_override or {})
     status = status or ("failed" if problems else "passed")
@@ -123,6 +126,10 @@ def _sweep_bundle(root, points, allreduce, targets_override=None, status=None, m
         from verify.checks.perf_mixed import mixed_summary
 
         metrics["mixed"] = mixed_metrics or mixed_summary(list(mixed), points)
+    if spec:
+        from verify.checks.perf_spec import spec_summary
+
+        metrics["spec"] = spec_metrics or spec_summary(list(spec), points)
     w.add_result(CheckResult(id="perf.decode_sweep", status=status, reason=problems[0] if problems else
                              ("forged" if status == "failed" else ""), metrics=metrics))
     w.finalize()
@@ -208,3 +215,40 @@ def test_mixed_rows_are_summarised_apart_and_rederived(tmp_path):
     forged["by_point"]["b1 ctx1024 +256 prompt tokens"]["standard"]["step_us_median"] = 500.0
     lie = verify_bundle(_sweep_bundle(tmp_path / "lie", pts, [], mixed=mixed, mixed_metrics=forged), rescorers=resc)
     assert not lie.ok and any("metrics.mixed" in p for p in lie.problems)
+
+
+def _spec_row(backend: str, batch: int, k: int, step: float) -> dict:
+    st = S.stats([step * x for x in (0.99, 1.0, 1.02)])
+    return {"variant": "spec", "batch": batch, "context": 1024, "tp": 1, "routing": "uniform", "k": k,
+            "tokens_per_request": k + 1, "rows": batch * (k + 1), "backend": backend, **st,
+            "timer": "cuda_graph_replay", "tokens_per_s_user": {str(n): n * 1e6 / st["step_us_median"]
+                                                                for n in (2, 4, 6) if n <= k + 1}}
+
+
+def test_spec_rows_are_summarised_apart_and_rederived(tmp_path):
+    """The verify rows (stream ``spec``) never enter the decode targets; ``metrics.spec`` states each backend's
+    verify step over its decode step, tokens/s/user per acceptance length, fast's speed-up and the seeds'
+    target read at batch 1, k 7; ``bundle verify`` re-derives it and finds a summary that flatters the
+    fast path; a point that did not fit a fused step says why."""
+    from verify.bundle.verify import verify_bundle
+    from verify.checks.perf_spec import spec_summary
+
+    pts = [_point("fast", 1, 100.0, 90.0), _point("standard", 1, 300.0, 90.0)]
+    spec = [_spec_row("fast", 1, 7, 150.0), _spec_row("standard", 1, 7, 450.0), _spec_row("fast", 1, 1, 110.0),
+            {"variant": "spec", "batch": 16, "context": 1024, "tp": 1, "k": 7, "backend": "fast",
+             "not_fused": "16 sequences x 8 tokens: more than 64 rows"}]
+    summary = spec_summary(spec, pts)
+    b1k7 = summary["by_point"]["b1 ctx1024 k7"]
+    assert b1k7["fast"]["x_decode"] == 1.5 and b1k7["standard_over_fast"] == 3.0
+    assert b1k7["fast"]["tokens_per_s_user"]["6"] == 40000.0
+    assert summary["by_point"]["b1 ctx1024 k1"]["fast"]["tokens_per_s_user"] == {"2": pytest.approx(18181.8)}
+    assert "more than 64 rows" in summary["by_point"]["b16 ctx1024 k7"]["fast"]["not_fused"]
+    assert summary["seeds_target"]["measured_verify_over_decode"] == 1.5
+    assert summary["seeds_target"]["measured_tokens_per_s_user"] == 40000.0
+    resc = [("perf.decode_sweep", perf.rescore_decode_sweep)]
+    ok = verify_bundle(_sweep_bundle(tmp_path / "ok", pts, [], spec=spec), rescorers=resc)
+    assert ok.ok, ok.problems
+    forged = spec_summary(spec, pts)
+    forged["by_point"]["b1 ctx1024 k7"]["fast"]["x_decode"] = 1.1
+    lie = verify_bundle(_sweep_bundle(tmp_path / "lie", pts, [], spec=spec, spec_metrics=forged), rescorers=resc)
+    assert not lie.ok and any("metrics.spec" in p for p in lie.problems)

@@ -183,7 +183,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                  layer_times: bool = True, standard_compiled_glue: bool = False,
                  standard_mxfp4_experts: bool | None = None,
                  fast_variants: dict[str, dict[str, Any]] | None = None, single_expert_copy: bool = False,
-                 tp_fast_pdl: bool = False, kernel_profile: bool = False) -> Any:
+                 tp_fast_pdl: bool = False, kernel_profile: bool = False, spec_ks: list[int] = [],
+                 spec_batches: list[int] = [1, 8], spec_acceptance: list[int] = [2, 4, 6]) -> Any:
     """Decode step time, fast vs standard in one process, batch x context x TP, against the HBM floor
     measured in this run (verify/checks/perf_sweep.py says how each number is taken). ``reference_batches``:
     the batches that also time the eager reference model (information only, slow at long context; default
@@ -203,7 +204,9 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     and contexts up to ``mixed_max_context``, a mixed step (those sequences decode while one more prefills
     ``mixed_prefill_tokens``) on each backend, graph-captured, into the ``mixed`` stream, apart from the
     decode-only points (``perf_mixed.py``; ``mixed_reference`` adds the eager reference model's step,
-    information only). On a checkpoint run the
+    information only); ``spec_ks``: at ``spec_batches``, a fused speculative verify step of ``1 + k`` rows per
+    request for each k on the fast and standard backends, into the ``spec`` stream (``perf_spec.py``;
+    tokens/s/user at the synthetic acceptance lengths ``spec_acceptance``). On a checkpoint run the
     model is the checkpoint (TP1: the tensors the run read; TP > 1: each rank reads its slices from the same
     directory) and ``preset`` is not used."""
     import torch
@@ -214,6 +217,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.options import DecodeOptions, defaults
     from verify.checks import perf_mixed as M
+    from verify.checks import perf_spec as SP
     from verify.checks import perf_sweep as S
 
     routing = list(routing)
@@ -227,6 +231,10 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     kv_dtype = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}.get(kv_cache)
     if kv_dtype is None:
         return ctx.failed(f"kv_cache must be bf16 or fp8, got {kv_cache!r}")
+    if any(not 1 <= k <= 7 for k in spec_ks) or any(n < 1 for n in spec_acceptance):
+        return ctx.failed(f"spec_ks {spec_ks} must lie in 1..7 and spec_acceptance {spec_acceptance} be >= 1")
+    spec_tokens = max(spec_ks) + 1 if spec_ks else 0
+    spec_scratch = 64 if spec_ks else 0  # verify_step.MAX_VERIFY_ROWS KDA scratch slots
     from k3_fastpath.measure.rank_emulation import (
         RankEmulationError,
         cache_pool_bytes,
@@ -248,6 +256,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     ctx.record({"probe": "read_bandwidth", "read_bytes_per_s": bw, "preset": preset})
     points: list[dict] = []
     mixed_rows: list[dict] = []
+    spec_rows: list[dict] = []
     notes: list[str] = []
     allreduce: list[dict] = []
 
@@ -281,7 +290,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
         try:
             model, spec = emulation_model(preset, ctx.seed, "cuda", standard=standard_graph,
                                           single_copy=single_expert_copy, standard_experts=std_experts,
-                                          cache_bytes=cache_pool_bytes(cfg, rank_tp, slots=max(batches) + 1,
+                                          cache_bytes=cache_pool_bytes(cfg, rank_tp,
+                                                                       slots=max(batches) + 1 + spec_scratch,
                                                                        max_len=max_len,
                                                                        kv_bytes=1 if kv_cache == "fp8" else 2))
         except RankEmulationError as e:
@@ -308,10 +318,10 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
             mb = M.mixed_max_batch(batches, mixed and context <= mixed_max_context, mixed_batches)
             fast_opts = DecodeOptions(single_expert_copy=single_expert_copy)
             fast = DecodeExecutor(model, backend="latency_specialized", max_batch=mb, max_len=max_len,
-                                  kv_dtype=kv_dtype, options=fast_opts)
+                                  kv_dtype=kv_dtype, options=fast_opts, spec_tokens=spec_tokens)
             std = DecodeExecutor(model, backend="standard", max_batch=mb, max_len=max_len, kv_dtype=kv_dtype)
             strong = DecodeExecutor(model, backend="standard_graph", max_batch=mb, max_len=max_len,
-                                    kv_dtype=kv_dtype, pool_from=fast,
+                                    kv_dtype=kv_dtype, pool_from=fast, spec_tokens=spec_tokens,
                                     options=defaults("standard_graph").replace(
                                         single_expert_copy=single_expert_copy,
                                         standard_compiled_glue=standard_compiled_glue,
@@ -320,7 +330,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
             for name, opts in (fast_variants or {}).items():
                 variants[name] = (DecodeExecutor(model, backend="latency_specialized", max_batch=mb,
                                                  max_len=max_len, kv_dtype=kv_dtype, pool_from=fast,
-                                                 options=fast_opts.replace(**opts)), opts)
+                                                 options=fast_opts.replace(**opts), spec_tokens=spec_tokens), opts)
             notes.append(f"tp=1 context={context}: executors built in {time.perf_counter() - t_exec:.1f}s")
             for batch in sorted(batches):
                 for r in routing:
@@ -349,6 +359,15 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                         mixed_rows += rows
                     except torch.cuda.OutOfMemoryError as e:
                         notes.append(f"mixed batch={batch} context={context}: out of memory ({str(e)[:120]})")
+                        torch.cuda.empty_cache()
+                if spec_ks and batch in spec_batches and not over_budget(f"spec batch={batch} context={context}"):
+                    try:
+                        rows = SP.run_spec(model, [("fast", fast), ("standard", strong)], batch, context, spec_ks,
+                                           spec_acceptance, iters=iters, seed=ctx.seed)
+                        emit(rows, stream="spec")
+                        spec_rows += rows
+                    except torch.cuda.OutOfMemoryError as e:
+                        notes.append(f"spec batch={batch} context={context}: out of memory ({str(e)[:120]})")
                         torch.cuda.empty_cache()
             if mixed and context > mixed_max_context:
                 notes.append(f"mixed variant at context {context}: skipped (> mixed_max_context {mixed_max_context})")
@@ -393,6 +412,8 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                           "so every weight is cold when read; per point in records[cold_l2]"}
     if mixed_rows:
         metrics["mixed"] = M.mixed_summary(mixed_rows, points)
+    if spec_rows:
+        metrics["spec"] = SP.spec_summary(spec_rows, points)
     if not points:
         problems.insert(0, "no sweep point was measured" + (f": {notes[0]}" if notes else ""))
     return ctx.verdict(problems, metrics)
@@ -422,6 +443,11 @@ def rescore_decode_sweep(records: Any, result: Any) -> list[str]:
 
         if mixed_summary(list(records.get("perf.decode_sweep.mixed", [])), points) != result.metrics["mixed"]:
             problems.append("metrics.mixed is not what the perf.decode_sweep.mixed records give")
+    if "spec" in result.metrics:
+        from verify.checks.perf_spec import spec_summary
+
+        if spec_summary(list(records.get("perf.decode_sweep.spec", [])), points) != result.metrics["spec"]:
+            problems.append("metrics.spec is not what the perf.decode_sweep.spec records give")
     claimed = result.metrics.get("targets")
     if not isinstance(claimed, dict):  # a result that states no targets (an older writer): nothing to compare
         return problems
