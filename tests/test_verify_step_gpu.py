@@ -33,6 +33,14 @@ pytestmark = [pytest.mark.gpu,
 _models: dict = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _free_models():
+    """The module's models (k3-mini: ~10 GB) go when it ends: later GPU test modules need the memory."""
+    yield
+    _models.clear()
+    torch.cuda.empty_cache()
+
+
 def _model(name: str):
     if name not in _models:
         cfg = preset("k3-tiny").config
@@ -101,3 +109,6 @@ def test_fused_verify_step_on_graphs(name, backend, batch, tokens, seed):
             for r, n in enumerate(cols.lengths.tolist()):
                 _close(la.latent[r, :n], lb.latent[r, :n], f"MLA latents of request {r} {what}")
     print(f"\n[verify] {what}: worst row logit error {worst:.2e} of the row's largest logit")
+    ex.close()
+    del ex, fused, cols
+    torch.cuda.empty_cache()

@@ -15,7 +15,7 @@ speculative verify step passes ``tokens = T`` (1 + drafts) and ``slot_out``: row
 sequence b's tokens in order, its caches are read at ``slot[b]`` and never written there; the conv
 window and recurrent state after its token t are written at ``slot_out[b*T + t]`` (0: not kept, e.g. a
 padded token of a sequence with fewer drafts), so committing ``a`` accepted tokens is taking the state at
-``slot_out[b*T + a - 1]``. One launch either way; bitwise T decode steps.
+``slot_out[b*T + a - 1]``. One launch either way; T decode steps' arithmetic (to FP32 rounding of the state).
 
 Layout choice: q, k, v, g, a are separate contiguous [B, C] tensors (C = H*D), ``a`` being the f_b
 projection output (the decay pre-activation) and ``g`` the output-gate pre-activation. The conv pools use

@@ -34,8 +34,9 @@ Then per token t (rows in order, S and the conv windows staying in registers; o 
 6. RMSNorm over the head: the D/4 threads of a row group hold all D values of o; butterfly sum of o^2
    within that group (D = 128: the whole warp); y = o * rsqrt(mean(o^2) + eps) * o_norm_w * sigmoid(g)
    rounded to BF16; row group 0 stores y[row, h*D + cols] (8-byte stores). A barrier closes the token
-   (the next token's step 2 overwrites the shared vectors step 5 reads). A T-token launch is bitwise T
-   decode steps: the state stays FP32 and the windows hold the BF16 inputs, as the pools would.
+   (the next token's step 2 overwrites the shared vectors step 5 reads). A T-token launch is T decode
+   steps' arithmetic: the state stays FP32 and the windows hold the BF16 inputs, as the pools would; the
+   two builds contract the state update differently, so states agree to FP32 rounding (GPU test).
 
 Parameters first: before step 0 every thread loads the parameters it will need (the FP32 conv weights of
 its channel tasks, dt_bias of its decay channel, A_log[h], and for row group 0 its o_norm_w vector) into
