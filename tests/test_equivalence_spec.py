@@ -75,7 +75,10 @@ def test_forged_fused_records_fail_the_rule(fused_run):
     steps = [i for i, r in enumerate(recs) if r["kind"] == "verify_step"]
     forged = copy.deepcopy(recs)
     forged[steps[0]]["max_rel_err"] = 0.5
-    assert "logit error 0.5 > 0.05" in spec_decode_problems(forged)[0]
+    assert "logit error 0.5 > 0.25" in spec_decode_problems(forged)[0]
+    forged = copy.deepcopy(recs)
+    forged[steps[0]]["kl_sum"] = 1e3
+    assert "mean KL(decode steps || fused)" in spec_decode_problems(forged)[0]
     forged = copy.deepcopy(recs)
     forged[steps[1]]["argmax_mismatches"] = [{"seq": 0, "row": 1, "ref_token": 3, "fused_token": 4,
                                               "within_row_error": False}]

@@ -19,10 +19,10 @@ ran. The check passes when every planned point passes.
 
 A fused point (``verify: "fused"``, the plan's default since fused verify steps exist; records without the
 field are column-by-column points) instead rests on its ``verify_step`` records (one per verify step, from
-``equivalence_spec.ShadowVerify``): as many as the point's verify steps, each with compared rows, every
-row's logit error within ``logit_tol`` of its largest logit, every argmax mismatch a near-tie
-(``within_row_error``), and after its commit the KDA state and MLA latent differences within ``state_tol``
-of their scale; every verify step a fused fast step (``fused_steps`` = ``verify_steps``, their rows =
+``equivalence_spec.ShadowVerify``): as many as the point's verify steps, with compared rows, the mean KL
+over the point's rows within ``kl_tol``, every row's logit error within ``logit_tol`` of its largest logit,
+every argmax mismatch a near-tie (``within_row_error``), and after each commit the KDA state and MLA latent
+differences within ``state_tol`` of their scale; every verify step a fused fast step (``fused_steps`` = ``verify_steps``, their rows =
 ``positions``, no fallback, none split into decode steps). The tokens against plain greedy are information.
 """
 
@@ -106,8 +106,14 @@ def _fused_point_problems(records: Records, plan: Mapping[str, Any], r: Mapping[
     vs = [v for v in records if v.get("kind") == "verify_step" and v.get("batch") == batch and v.get("k") == k]
     if len(vs) != steps:
         problems.append(f"{where}: {len(vs)} verify_step records for {steps} verify steps")
-    if not sum(int(v.get("rows") or 0) for v in vs):
+    n_rows = sum(int(v.get("rows") or 0) for v in vs)
+    if not n_rows:
         problems.append(f"{where}: no verify row was compared")
+    kl_tol = plan.get("kl_tol")
+    if isinstance(kl_tol, (int, float)) and n_rows:  # plans before the KL rule have none
+        kl_mean = sum(float(v.get("kl_sum") or 0.0) for v in vs) / n_rows
+        if not kl_mean <= kl_tol:
+            problems.append(f"{where}: mean KL(decode steps || fused) {kl_mean:.3g} over {n_rows} rows > {kl_tol}")
     for v in vs:
         at = f"{where} verify step {v.get('step')}"
         err = v.get("max_rel_err")
