@@ -81,7 +81,7 @@ def test_forged_fused_records_fail_the_rule(fused_run):
     assert "mean KL(decode steps || fused)" in spec_decode_problems(forged)[0]
     forged = copy.deepcopy(recs)
     forged[steps[1]]["argmax_mismatches"] = [{"seq": 0, "row": 1, "ref_token": 3, "fused_token": 4,
-                                              "within_row_error": False}]
+                                              "ref_token_rank_in_fast": 2, "fast_token_rank_in_ref": 6}]
     assert "beyond a near-tie" in spec_decode_problems(forged)[0]
     forged = copy.deepcopy(recs)
     forged[steps[2]]["state_max_abs_diff"] = forged[steps[2]]["state_scale"]

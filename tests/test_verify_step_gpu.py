@@ -8,8 +8,8 @@ of the same executor on a copy of the cache (``spec_decode.verify_step(fused=Fal
 
 * logits: mean KL(decode steps || fused) over the active rows <= 0.01 and every row within 25% of its largest
   logit (``equivalence.spec_decode``'s ``kl_tol`` / ``logit_tol``; a fused step computes each row at
-  M = B*T, a decode step at M = B: k3-mini on an H100 showed up to 7% at one row of 64), argmax equal or a
-  near-tie (``tie_margins``); inactive rows 0;
+  M = B*T, a decode step at M = B: k3-mini on an H100 showed up to 7% at one row of 64), argmax equal or
+  each side's token in the other's top 5 (``equivalence.decode``'s rule); inactive rows 0;
 * the committed KDA conv / recurrent state and MLA latents (up to each length) within 5% of their scale;
 * the step was one captured graph replay (trace ``graph``), with ``kda_decode`` launched once per KDA layer
   (one launch for all T tokens) and no kernel fallback.
@@ -102,7 +102,8 @@ def test_fused_verify_step_on_graphs(name, backend, batch, tokens, seed):
         kls.append(float((pr.exp() * (pr - pf)).sum()))
         if logits[b, t].argmax() != want[b, t].argmax():
             m = tie_margins(want[b, t], logits[b, t], int(want[b, t].argmax()), int(logits[b, t].argmax()))
-            assert m["within_row_error"], f"request {b} row {t}: argmax differs beyond a near-tie {m} {what}"
+            assert max(m["ref_token_rank_in_fast"], m["fast_token_rank_in_ref"]) <= 5, \
+                f"request {b} row {t}: argmax differs beyond the top 5 {m} {what}"
     assert fused.lengths.tolist() == cols.lengths.tolist(), what
     for la, lb in zip(fused.layers, cols.layers, strict=True):
         if hasattr(la, "tensors"):

@@ -363,7 +363,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
                 if spec_ks and batch in spec_batches and not over_budget(f"spec batch={batch} context={context}"):
                     try:
                         rows = SP.run_spec(model, [("fast", fast), ("standard", strong)], batch, context, spec_ks,
-                                           spec_acceptance, iters=iters, seed=ctx.seed)
+                                           spec_acceptance, iters=iters, seed=ctx.seed, tp=rank_tp)
                         emit(rows, stream="spec")
                         spec_rows += rows
                     except torch.cuda.OutOfMemoryError as e:

@@ -30,8 +30,9 @@ SEEDS_TARGET = {"tokens_per_s_user": 842.0, "batch": 1, "k": 7, "acceptance_leng
 
 
 def run_spec(model: Any, execs: list[tuple[str, Any]], batch: int, context: int, ks: list[int],
-             acceptance: list[int], *, iters: int, seed: int) -> list[dict[str, Any]]:
-    """The verify rows at one (batch, context): one per (backend, k) (module docstring)."""
+             acceptance: list[int], *, iters: int, seed: int, tp: int = 1) -> list[dict[str, Any]]:
+    """The verify rows at one (batch, context): one per (backend, k) (module docstring). ``tp``: the TP size
+    the rows stand for (an emulated rank's, as its decode rows say)."""
     fast = execs[0][1]
     cache = fast.new_cache(batch, context + max(ks) + 1 + CONTEXT_SLACK)
     fill_cache(cache, context, FILL_SEED + seed)
@@ -41,7 +42,7 @@ def run_spec(model: Any, execs: list[tuple[str, Any]], batch: int, context: int,
         for k in ks:
             T = k + 1
             feed = torch.randint(3, model.cfg.vocab_size, (batch, T), generator=g).to(model.device)
-            common = {"variant": "spec", "batch": batch, "context": context, "tp": 1, "routing": "uniform", "k": k,
+            common = {"variant": "spec", "batch": batch, "context": context, "tp": tp, "routing": "uniform", "k": k,
                       "tokens_per_request": T, "rows": batch * T, "note": SPEC_NOTE}
             for name, ex in execs:
                 if ex is None:
@@ -75,18 +76,18 @@ def run_spec(model: Any, execs: list[tuple[str, Any]], batch: int, context: int,
 
 def spec_summary(rows: list[dict[str, Any]], points: list[dict[str, Any]]) -> dict[str, Any]:
     """The check's ``metrics.spec`` (information only; ``rescore_decode_sweep`` re-derives it): per (batch,
-    context, k) each backend's median verify step, over the same backend's decode step at that point
+    context, k) each backend's median verify step, over the same backend's decode step at that point and TP
     (``x_decode``, uniform routing), tokens/s/user per acceptance length, fast's speed-up over standard; the
     seeds' target (``SEEDS_TARGET``) read at batch 1, k 7."""
-    decode = {(p["backend"], p["batch"], p["context"]): p["step_us_median"] for p in points
-              if p.get("variant") == "decode" and p.get("routing") == "uniform" and p.get("tp") == 1}
+    decode = {(p["backend"], p["batch"], p["context"], p.get("tp")): p["step_us_median"] for p in points
+              if p.get("variant") == "decode" and p.get("routing") == "uniform"}
     out: dict[str, Any] = {}
     for r in rows:
         key = f"b{r['batch']} ctx{r['context']} k{r['k']}"
         if "not_fused" in r:
             out.setdefault(key, {})[r["backend"]] = {"not_fused": r["not_fused"]}
             continue
-        d = decode.get((r["backend"], r["batch"], r["context"]))
+        d = decode.get((r["backend"], r["batch"], r["context"], r.get("tp", 1)))
         out.setdefault(key, {})[r["backend"]] = {
             "step_us_median": round(r["step_us_median"], 1), "timer": r["timer"],
             "x_decode": round(r["step_us_median"] / d, 3) if d else None,
