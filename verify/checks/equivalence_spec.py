@@ -6,11 +6,11 @@ of ``equivalence.decode`` (k3-mini on a GPU, the run's preset on a CPU; or the r
 
 1. plain greedy decoding of ``steps`` tokens from seeded random prompts;
 2. greedy speculative decoding of the same prompts (``k3_fastpath.runtime.spec_decode``): verify steps of
-   ``1 + k`` positions, drafts that steps accept some of and reject others: ``SyntheticDrafter`` (the plain
-   tokens with probability ``p``, another token otherwise) where the verify steps are decode steps; with
-   fused steps, whose tokens may leave plain greedy's at a near-tie, ``DraftModelDrafter`` (the reference
-   model's greedy continuation of each request's own context, each token kept with probability ``p``), so
-   drafts stay acceptable after a divergence.
+   ``1 + k`` positions, drafts from ``SyntheticDrafter`` (the plain tokens with probability ``p``, another
+   token otherwise, so steps accept some drafts and reject others). With fused steps a request's tokens may
+   leave plain greedy's at a near-tie; its drafts are then mostly rejected (every row is still compared and
+   committed; ``DraftModelDrafter``, which would follow the request's own context, costs an eager reference
+   prefill per verify step: 240 s were not enough for the six k3-mini points on an H100).
 
 ``fused`` (default): the executor is built with ``spec_tokens = k + 1``, so each verify step is ONE fused
 step of ``batch (k + 1)`` rows (``k3_fastpath/runtime/verify_step.py``: GEMMs at that M, the KDA recurrence
@@ -162,7 +162,7 @@ def spec_decode(ctx: CheckContext, batches: list[int] = [1, 8], ks: list[int] = 
     states' scale for fused ones unless given."""
     from k3_fastpath.runtime.envelope import Envelope
     from k3_fastpath.runtime.executor import DecodeExecutor
-    from k3_fastpath.runtime.spec_decode import DraftModelDrafter, SyntheticDrafter, speculative_generate
+    from k3_fastpath.runtime.spec_decode import SyntheticDrafter, speculative_generate
 
     if not 0.0 < p < 1.0 or steps < 2 or any(not 1 <= k <= 7 for k in ks):
         return ctx.failed(f"p {p} must lie in (0, 1), steps {steps} >= 2, every k in 1..7 (got {ks})")
@@ -192,9 +192,8 @@ def spec_decode(ctx: CheckContext, batches: list[int] = [1, 8], ks: list[int] = 
             cache.release()
             stepper = ShadowVerify(ex, batch, max_len) if fused else ex
             begin = len(ex.trace)
-            drafter = (DraftModelDrafter(model, p, ctx.seed + i) if fused
-                       else SyntheticDrafter(plain, p, model.cfg.vocab_size, ctx.seed + i))
-            res = speculative_generate(stepper, ids, lens, drafter, k, steps)
+            res = speculative_generate(stepper, ids, lens,
+                                       SyntheticDrafter(plain, p, model.cfg.vocab_size, ctx.seed + i), k, steps)
             spec_steps = ex.trace.since(begin)
             if fused:
                 kda = mla = None
