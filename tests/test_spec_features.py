@@ -216,3 +216,31 @@ def test_a_flipped_status_in_a_written_bundle_fails_verify(which, request, tmp_p
 
     res, recs, _ = request.getfixturevalue(which)
     assert_a_flipped_status_fails_verify(tmp_path / "b", res, recs)
+
+
+def test_the_verify_steps_an_engine_served_are_recorded_after_its_requests():
+    """A fast engine's description after the requests says how many verify steps ran fused and why the rest
+    were split into decode steps; an engine without a fast-path trace says nothing (None, no record)."""
+    from verify.checks.spec_features import verify_steps_served
+
+    class Ctx:
+        def __init__(self):
+            self.rows = []
+
+        def record(self, row):
+            self.rows.append(row)
+
+    class Engine:
+        def __init__(self, d):
+            self.d = d
+
+        def describe(self):
+            return self.d
+
+    ctx = Ctx()
+    fast = Engine({"steps": {"verify_steps": 5}, "fast_path_trace": {"kinds": {"verify": 3, "decode": 8}},
+                   "verify_splits": {"64 sequences x 4 tokens: more than 64 rows": 2}})
+    assert verify_steps_served(ctx, fast) == {"verify_steps": 5, "fused_verify_steps": 3,
+                                              "split_reasons": {"64 sequences x 4 tokens: more than 64 rows": 2}}
+    assert ctx.rows[0]["kind"] == "engine_after" and ctx.rows[0]["fused_verify_steps"] == 3
+    assert verify_steps_served(ctx, Engine({"steps": {"verify_steps": 5}})) is None and len(ctx.rows) == 1

@@ -68,6 +68,23 @@ def _spec_engines(ctx: CheckContext, speculative: str) -> tuple[Any, Any, dict[s
     return eut, base, info
 
 
+def verify_steps_served(ctx: CheckContext, eut: Any) -> dict[str, Any] | None:
+    """After the requests: how the engine under test served its verify steps, from its own description
+    (a builtin fast engine's trace): verify steps the generator ran, those the executor ran as one fused step,
+    and why the others ran as decode steps (``verify_splits``). Recorded (``engine_after``) and returned for
+    the metrics (information: which verify path the sampling / acceptance numbers rest on); None for an
+    engine that does not say."""
+    d = eut.describe()
+    trace = d.get("fast_path_trace")
+    if trace is None:
+        return None
+    out = {"verify_steps": (d.get("steps") or {}).get("verify_steps"),
+           "fused_verify_steps": (trace.get("kinds") or {}).get("verify", 0),
+           "split_reasons": d.get("verify_splits") or {}}
+    ctx.record({"kind": "engine_after", "engine_under_test": d, **out})
+    return out
+
+
 def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(3, vocab, size=length)] for _ in range(n)]
@@ -93,10 +110,13 @@ def spec_acceptance(ctx: CheckContext, speculative: str = "synthetic:3:p=0.8", p
             acc = c.extra.get("acceptance") or {}
             ctx.record({"kind": "request", "role": role, "prompt": i, "tokens": c.token_ids,
                         "steps": acc.get("steps"), "examined": acc.get("examined"), "accepted": acc.get("accepted")})
+    served = verify_steps_served(ctx, eut)
     cmp = acceptance_comparison(ctx.recorded)
     metrics = dict(info, positions=cmp["positions"], mean_acceptance_length=cmp["mean_acceptance_length"],
                    margin=margin, alpha=alpha, test="one-sided two-proportion z-test per draft position, "
                    "Bonferroni", min_detectable_drop=[p.get("min_detectable_drop") for p in cmp["positions"]])
+    if served is not None:
+        metrics["verify_steps_served"] = served
     return ctx.verdict(spec_acceptance_problems(ctx.recorded), metrics)
 
 
@@ -210,7 +230,10 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
                     "max_tol": max((x for s in seqs for x in s["tol"]), default=logit_tol),
                     "examined": sum(s["examined"] for s in seqs), "accepted": sum(s["accepted"] for s in seqs),
                     "alpha_per_test": alpha / len(cells)})
+    served = verify_steps_served(ctx, eut) if speculative is not None else None
     metrics = dict(info, cells=len(cells), samples_per_cell=samples, tokens_per_sample=max_tokens,
                    alpha_family=alpha, alpha_per_test=alpha / len(cells), min_p_value=worst,
                    reference_engine=plain.name, test=f"randomized PIT of every token, {bins} bins, G-test")
+    if served is not None:
+        metrics["verify_steps_served"] = served
     return ctx.verdict(spec_sampling_problems(ctx.recorded), metrics)

@@ -331,6 +331,8 @@ class BuiltinEngine:
             "xgrammar": xgrammar_version(), "steps": dict(self.generator.steps),
             **({"fast_path_trace": self.generator.stepper.trace.summary()}
                if hasattr(self.generator.stepper, "trace") else {}),
+            **({"verify_splits": dict(self.generator.stepper.verify_splits)}
+               if hasattr(self.generator.stepper, "verify_splits") else {}),
             **({"planted_defect": self.defect.describe()} if self.defect is not None else {}),
             **({"speculative": self.speculation.label, "acceptance": self.generator.acceptance.record()}
                if self.speculation is not None else {}),
