@@ -238,15 +238,19 @@ class DecodeExecutor:
 
     def warmup_and_capture(self) -> None:
         """Compile every kernel each bucket launches and capture one CUDA graph per bucket (largest first, so
-        the shared graph memory pool is sized by the largest step). No-op for steps that fall back."""
+        the shared graph memory pool is sized by the largest step), and with ``spec_tokens`` one per verify
+        step the pool can take (each T in 1..spec_tokens at each bucket whose rows fit the scratch): a request
+        never compiles or captures. No-op for steps that fall back."""
         if not self.fast:
             return
-        self._ensure_pool()
-        for bucket in sorted(self.buckets, reverse=True):
+        pool = self._ensure_pool()
+        keys: list[Any] = [("verify", b, t) for t in range(self.spec_tokens, 0, -1) for b in
+                           sorted(self.buckets, reverse=True) if b * t <= pool.scratch]
+        for key in sorted(keys, key=lambda k: -k[1] * k[2]) + sorted(self.buckets, reverse=True):
             if self.graphs is not None:
-                self._ensure_bucket(bucket)
-            elif self.device.type == "cuda" and bucket not in self._calls:
-                self._warm_up(bucket)
+                self._ensure_bucket(key)
+            elif self.device.type == "cuda" and key not in self._calls:
+                self._warm_up(key)
 
     # ------------------------------------------------------------------ steps
     def step_reason(self, batch: int, cache: Any) -> str | None:
