@@ -58,13 +58,14 @@ def test_expressions_constants_requires_and_dtype_forms():
     kda = {"state": torch.randn(N, H, D, D), **{n: bf(B, C) for n in "qkvga"}, "beta_logits": bf(B, H),
            **{n: torch.randn(C, 4) for n in ("conv_q_w", "conv_k_w", "conv_v_w")}, "A_log": torch.randn(H),
            "dt_bias": torch.randn(C), "o_norm_w": torch.randn(D), "slot": torch.arange(B, dtype=torch.int32),
-           **{n: bf(N, 3, C) for n in ("conv_q", "conv_k", "conv_v")}}
+           "slot_out": torch.arange(B, dtype=torch.int32), **{n: bf(N, 3, C) for n in ("conv_q", "conv_k", "conv_v")}}
     assert KDA.check(kda).reason in DEVICE_REASONS
     dims, s = KDA.dims({**kda, "conv_q": bf(N, 3, 60)})
     assert dims == {"N": 5, "H": 2, "D": 32, "B": 3, "NA": 2} and s.reason == (
         "conv_q shape [5, 3, 60] (needs [N, CONV_W-1, H*D] = [5, 3, 64])")
     assert KDA.check({**kda, "state": torch.randn(N, H, D, 16)}).reason.startswith("state shape [5, 2, 32, 16]")
     assert KDA.check({**kda, "A_log": torch.randn(1)}).reason == "A_log needs >= H entries"
+    assert KDA.check(kda, {"T": 2}).reason.startswith("q shape [3, 64] (needs [B*T, H*D] = [6, 64])")  # a verify step
     cache = torch.randn(4, 64, 576).to(torch.float16)
     ops = {"q_lat": bf(2, 8, 512), "q_pe": bf(2, 8, 64), "cache": cache,
            "block_table": torch.zeros(2, 4, dtype=torch.int32), "ctx_len": torch.ones(2, dtype=torch.int32),

@@ -118,14 +118,17 @@ def _attn_res(S: int):
     return build
 
 
-def _kda(pdl: bool):
-    from k3_fastpath.kernels.kda_decode import KDADecodeConfig, compile_kda_decode
+def _kda(tokens: int):
+    """The decode build (``tokens`` 1) or a speculative verify build."""
+    def build(pdl: bool):
+        from k3_fastpath.kernels.kda_decode import KDADecodeConfig, compile_kda_decode
 
-    p = _tp8()
-    H, D = p.shapes.kda_heads, p.config.linear_attn_config.head_dim
-    cfg = KDADecodeConfig.from_heuristic(D, pdl=pdl)
-    compile_kda_decode("bf16", H, D, cfg)
-    return compile_cache.CompileKey.make("kda_decode", "bf16", (H, D), cfg)
+        p = _tp8()
+        H, D = p.shapes.kda_heads, p.config.linear_attn_config.head_dim
+        cfg = KDADecodeConfig.from_heuristic(D, pdl=pdl, tokens=tokens)
+        compile_kda_decode("bf16", H, D, cfg)
+        return compile_cache.CompileKey.make("kda_decode", "bf16", (H, D), cfg)
+    return build
 
 
 def _router(pdl: bool):
@@ -220,10 +223,11 @@ CASES = [
     Case("attn_res_mix-S9-reload", _attn_res(9),
          ("sources", "norm_w", "proj_w", "mix", "out_w", "normed", "eps", "out_eps"),
          frozenset({"norm_w", "proj_w", "out_w"}), True),
-    Case("kda_decode", _kda, ("q", "k", "v", "g", "a", "beta", "conv_q_w", "conv_k_w", "conv_v_w", "A_log",
-                              "dt_bias", "o_norm_w", "slot", "conv_q", "conv_k", "conv_v", "state", "out", "eps",
-                              "lower_bound"),
-         frozenset({"conv_q_w", "conv_k_w", "conv_v_w", "A_log", "dt_bias", "o_norm_w"}), True),
+    *(Case(name, _kda(tokens), ("q", "k", "v", "g", "a", "beta", "conv_q_w", "conv_k_w", "conv_v_w", "A_log",
+                                "dt_bias", "o_norm_w", "slot", "slot_out", "conv_q", "conv_k", "conv_v", "state", "out",
+                                "eps", "lower_bound"),
+           frozenset({"conv_q_w", "conv_k_w", "conv_v_w", "A_log", "dt_bias", "o_norm_w"}), True)
+      for name, tokens in (("kda_decode", 1), ("kda_decode-verify-T8", 8))),
     Case("moe_router", _router, ("logits", "bias", "ids", "weights", "scale"), frozenset({"bias"}), True),
     Case("mla_decode-attention-bf16", _mla_attention("bf16"),
          ("q_lat", "q_pe", "cache", "block_table", "ctx_len", "cache_scale", "o_part", "lse", "scale_log2", "chunk"),

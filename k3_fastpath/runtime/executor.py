@@ -130,14 +130,14 @@ class DecodeExecutor:
         self.pool: CachePool | None = None
         if pool_from is not None:  # e.g. the standard_graph backend timed on the fast backend's caches
             if (pool_from.max_len, pool_from.max_batch, pool_from.kv_dtype, pool_from.kv_scale, pool_from.dtype,
-                    pool_from.spec_tokens, pool_from.buckets) != (max_len, self.max_batch, self.kv_dtype, kv_scale,
-                                                                  self.dtype, spec_tokens, self.buckets) \
-                    or pool_from.model is not model:
+                    verify_rows(pool_from.spec_tokens, pool_from.buckets)) != (
+                    max_len, self.max_batch, self.kv_dtype, kv_scale, self.dtype,
+                    verify_rows(spec_tokens, self.buckets)) or pool_from.model is not model:
                 raise ValueError("pool_from must be an executor over the same model with the same max_len, "
-                                 "max_batch, buckets, dtype, kv_dtype, kv_scale and spec_tokens")
+                                 "max_batch, dtype, kv_dtype, kv_scale and verify scratch (spec_tokens x buckets)")
             self.pool = pool_from._ensure_pool()
         self._plan: ModelPlan | None = None
-        self._io: dict[int, StepIO] = {}
+        self._io: dict[Any, StepIO] = {}  # decode bucket or ("verify", bucket, T) -> its static buffers
         self._calls: dict[int, OpCalls] = {}
         self.eager_buckets: dict[int, dict[str, dict[str, int]]] = {}  # bucket -> kernel fallbacks at warm-up
         self.graphs = BucketGraphs(self.device) if self.use_graphs else None

@@ -53,6 +53,7 @@ from ..reference.kda import kda_gate, kda_recurrent_step, l2_normalize
 from .compiled_glue import GLUE_COMPILED, GLUE_EAGER, GlueSet, compile_unavailable
 from .fast_ops import OpImpl, route_from_logits
 from .standard_mxfp4 import HUMMING_LIB, HummingExperts, align, humming_unavailable
+from .standard_verify import kda_verify_standard
 
 CUBLAS = "standard path: cuBLAS (torch.nn.functional.linear)"
 TORCH = "standard path: PyTorch ops in the CUDA graph"
@@ -147,11 +148,10 @@ def kda_step_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, 
     table's ``GlueSet`` (None: eager) for the conv update and the row mask. A verify step (``slot_out``,
     ``tokens``) is ``standard_verify.kda_verify_standard``."""
     if slot_out is not None:
-        from .standard_verify import kda_verify_standard
-
         y = kda_verify_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
                                 slot, conv_q, conv_k, conv_v, state, eps=eps, lower_bound=lower_bound,
-                                slot_out=slot_out, tokens=tokens, glue=glue)
+                                slot_out=slot_out, tokens=tokens, fla=fla_kda() if q.is_cuda else None,
+                                decode_step=kda_step_standard, glue=glue)
         return out.copy_(y) if out is not None else y
     B, C = q.shape
     _, H, D, _ = state.shape

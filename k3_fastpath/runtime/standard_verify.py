@@ -18,6 +18,8 @@ slot to slot (the same math).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..kernels.kda_decode.reference import _conv_w3
@@ -40,17 +42,15 @@ def _conv_verify(x: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, slot: tor
 
 def kda_verify_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
                         conv_q, conv_k, conv_v, state, *, eps: float, lower_bound: float, slot_out: torch.Tensor,
-                        tokens: int, glue=None) -> torch.Tensor:
-    """The verify step (module docstring) -> y [B*T, C] in q's dtype."""
-    from .standard_ops import fla_kda, kda_step_standard
-
+                        tokens: int, fla: Any, decode_step: Any, glue=None) -> torch.Tensor:
+    """The verify step (module docstring) -> y [B*T, C] in q's dtype. ``fla``: ``standard_ops.fla_kda()``'s
+    pair or None; ``decode_step``: the decode op (``standard_ops.kda_step_standard``) the CPU path repeats."""
     B, T = int(slot.shape[0]), int(tokens)
     R, C = q.shape
     _, H, D, _ = state.shape
     if R != B * T or slot_out.shape[0] != R:
         raise ValueError(f"kda verify: {R} rows / {slot_out.shape[0]} slot_out entries for {B} sequences x {T}")
     src, dst = slot.long(), slot_out.long()
-    fla = fla_kda() if q.is_cuda else None
     if fla is None:
         y = torch.empty_like(q)
         prev = src
@@ -59,9 +59,9 @@ def kda_verify_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w
             cur = dst[rows] * (src != 0)
             for pool in (conv_q, conv_k, conv_v, state):
                 pool.index_copy_(0, cur, pool.index_select(0, prev))
-            y[rows] = kda_step_standard(*(x[rows] for x in (q, k, v, g, a, beta_logits)), conv_q_w, conv_k_w,
-                                        conv_v_w, A_log, dt_bias, o_norm_w, cur.to(torch.int32), conv_q, conv_k,
-                                        conv_v, state, eps=eps, lower_bound=lower_bound, glue=glue)
+            y[rows] = decode_step(*(x[rows] for x in (q, k, v, g, a, beta_logits)), conv_q_w, conv_k_w,
+                                  conv_v_w, A_log, dt_bias, o_norm_w, cur.to(torch.int32), conv_q, conv_k,
+                                  conv_v, state, eps=eps, lower_bound=lower_bound, glue=glue)
             prev = cur
         return y
     fused_recurrent_kda_fwd, rms_norm_gated = fla

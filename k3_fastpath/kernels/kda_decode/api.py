@@ -108,7 +108,8 @@ SUPPORT = TensorSpec(
     rules=(Rule("D in HEAD_DIMS", "head dim {D} not in {HEAD_DIMS}"), Rule("B > 0", "B=0"),
            Rule("B <= 65535", "B={B} > 65535 (grid limit)"), Rule("NA >= H", "A_log needs >= H entries"),
            Rule("1 <= T <= MAX_TOKENS", "{T} tokens per sequence outside 1..{MAX_TOKENS}")),
-    constants={"CONV_W": CONV_W, "HEAD_DIMS": tuple(HEAD_DIMS), "MAX_TOKENS": MAX_TOKENS}, dtype=_bf)
+    constants={"CONV_W": CONV_W, "HEAD_DIMS": tuple(HEAD_DIMS), "MAX_TOKENS": MAX_TOKENS, "T": 1},  # T: a call's
+    dtype=_bf)  # scalar (tokens per sequence) overrides the decode step's 1
 OP = KernelOp(NAME, SUPPORT)
 
 
