@@ -56,7 +56,8 @@ def test_envelope_step_reasons():
     assert env.check_step(batch=2, new_tokens=7) == PREFILL_REASON
     assert env.check_step(batch=2, context=101) == "context 101 > max 100"
     assert env.check_step(batch=2, context=100) is None
-    assert env.check_step(batch=2, speculative_tokens=3).startswith("speculative decoding")
+    assert env.check_step(batch=2, speculative_tokens=3) is None  # fused verify steps are served
+    assert Envelope(speculative=False).check_step(batch=2, speculative_tokens=3).startswith("speculative decoding")
     assert env.check_step(batch=2, model_reason="device cpu is not sm_90") == "device cpu is not sm_90"
 
 

@@ -126,6 +126,9 @@ def test_why_a_verify_step_is_not_fused(model):
     assert "not allocated by this executor" in ex.verify_reason(3, 2, other)
     with pytest.raises(ValueError, match="commit_verify without a verify step"):
         ex.commit_verify(big, torch.ones(4, dtype=torch.long))
+    off = DecodeExecutor(model, max_len=48, max_batch=4, envelope=Envelope(emulate=True, speculative=False),
+                         spec_tokens=4)
+    assert off.verify_reason(1, 3, off.new_cache(1)) == "speculative decoding (2 draft tokens)"
     std = DecodeExecutor(model, backend="standard", max_len=48, max_batch=4, spec_tokens=4)
     assert "runs no fused verify step" in std.verify_reason(1, 2, std.new_cache(1))
 

@@ -48,7 +48,7 @@ class Envelope:
     max_context: int = 1_048_576  # positions a sequence may reach (the executor lowers it to its max_len)
     dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     kv_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, FP8)
-    speculative: bool = False  # draft tokens in a decode step (not served)
+    speculative: bool = True  # fused verify steps: 1 + drafts rows per sequence (runtime/verify_step.py)
     emulate: bool = False
 
     # ------------------------------------------------------------------ model

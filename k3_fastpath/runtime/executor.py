@@ -405,10 +405,14 @@ class DecodeExecutor:
         if tokens > self.spec_tokens:
             return (f"{tokens} tokens per sequence > spec_tokens {self.spec_tokens} (the executor's verify "
                     "scratch; DecodeExecutor(spec_tokens=1 + k))")
-        reason = self.envelope.check_step(batch=batch, context=cache.length_bound + tokens)
+        def check() -> str | None:
+            return self.envelope.check_step(batch=batch, context=cache.length_bound + tokens,
+                                            speculative_tokens=tokens - 1)
+
+        reason = check()
         if reason and reason.startswith("context"):
             cache.length_bound = int(cache.lengths.max())
-            reason = self.envelope.check_step(batch=batch, context=cache.length_bound + tokens)
+            reason = check()
         if reason:
             return reason
         if verify_bucket(batch, tokens, self.buckets, self._ensure_pool().scratch) is None:
