@@ -147,10 +147,12 @@ def test_bad_parameters_fail_before_anything_runs(tmp_path):
     assert res.status == "failed" and "every k in 1..7" in res.reason and recs == []
 
 
-def test_a_flipped_status_in_a_written_bundle_fails_verify(clean_run, tmp_path):
-    """The clean run's result and records in a bundle written by ``BundleWriter`` verify; the status flipped to
-    failed in results.jsonl and re-sealed, ``bundle verify`` re-derives 'passed' from the records and refuses."""
+@pytest.mark.parametrize("which", ["clean_run", "fused_run"])
+def test_a_flipped_status_in_a_written_bundle_fails_verify(which, request, tmp_path):
+    """Each clean run's result and records (column-by-column and fused verify steps) in a bundle written by
+    ``BundleWriter`` verify; the status flipped to failed in results.jsonl and re-sealed, ``bundle verify``
+    re-derives 'passed' from the records and refuses."""
     from test_status_rescore import assert_a_flipped_status_fails_verify
 
-    res, recs = clean_run
+    res, recs = request.getfixturevalue(which)
     assert_a_flipped_status_fails_verify(tmp_path / "b", res, recs)

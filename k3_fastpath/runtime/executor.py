@@ -111,6 +111,7 @@ class DecodeExecutor:
             raise ValueError(f"spec_tokens {spec_tokens}: a verify step holds 1..8 tokens per sequence (0: none)")
         self.spec_tokens = spec_tokens  # the most tokens per sequence of a fused verify step (0: none)
         self.verify_splits: dict[str, int] = {}  # why verify steps ran as decode steps, counted
+        self._pending_verify: tuple[torch.Tensor, int] | None = None  # (the verified cache's slots, T)
         base = envelope or Envelope()
         self.envelope = dataclasses.replace(base, max_batch=min(base.max_batch, max_batch),
                                             max_context=min(base.max_context, max_len))
@@ -448,7 +449,7 @@ class DecodeExecutor:
     def commit_verify(self, cache: Any, keep: torch.Tensor) -> None:
         """After ``verify`` on ``cache``: each sequence's caches those after its first ``keep[b]`` rows (0: the
         sequence untouched), lengths advanced by ``keep``."""
-        pending = getattr(self, "_pending_verify", None)
+        pending = self._pending_verify
         if pending is None or pending[0] is not cache.slots:
             raise ValueError("commit_verify without a verify step on this cache just before it")
         self._pending_verify = None

@@ -29,10 +29,12 @@ from collections.abc import Sequence
 
 import torch
 
+from ..kernels.moe_router.api import MAX_M as ROUTER_MAX_M
+from ..kernels.skinny_gemm.config import MAX_M as GEMM_MAX_M
 from .fast_step import StepIO
 
 VerifyKey = tuple[str, int, int]  # ("verify", sequence bucket Bk, tokens per sequence T): a graph key
-MAX_VERIFY_ROWS = 64  # kernels/skinny_gemm MAX_M and kernels/moe_router MAX_M: the rows of one fused step
+MAX_VERIFY_ROWS = min(GEMM_MAX_M, ROUTER_MAX_M)  # the rows of one fused step: the largest M both kernels take
 
 
 def verify_rows(spec_tokens: int, buckets: Sequence[int]) -> int:
@@ -88,10 +90,10 @@ def commit_verify(pool, cache, keep: torch.Tensor, tokens: int) -> None:
     """Each sequence b of ``cache`` with ``keep[b] > 0`` to its state after its first ``keep[b]`` rows of the
     last verify step (module docstring); sequences with ``keep[b] == 0`` untouched."""
     dev = cache.lengths.device
-    keep = keep.to(dev).long()
-    rows = (keep > 0).nonzero().flatten()
+    keep = keep.long()
+    rows = (keep > 0).nonzero().flatten()  # on keep's device (the generator's: the host, no GPU sync)
     if len(rows):
-        src = pool.scratch_base + rows * tokens + keep[rows] - 1
-        pool.commit_scratch(cache.slots.index_select(0, rows), src)
-    cache.lengths = cache.lengths + keep
+        src = (pool.scratch_base + rows * tokens + keep[rows] - 1).to(dev)
+        pool.commit_scratch(cache.slots.index_select(0, rows.to(dev)), src)
+    cache.lengths = cache.lengths + keep.to(dev)
     cache.length_bound += tokens  # a host-side bound (no read of the GPU)

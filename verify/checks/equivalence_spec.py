@@ -70,16 +70,8 @@ def _plain(ex: Any, ids: torch.Tensor, lens: torch.Tensor, steps: int, feed_to: 
 
 
 def _max_diff(a: Any, b: Any) -> tuple[float, float]:
-    """(KDA conv/state, MLA latents up to each length) largest absolute differences of two caches."""
-    kda = mla = 0.0
-    for x, y in zip(a.layers, b.layers, strict=True):
-        if hasattr(x, "tensors"):
-            for s, t in zip(x.tensors(), y.tensors(), strict=True):
-                kda = max(kda, float((s.float() - t.float()).abs().max()))
-        else:
-            for r, n in enumerate(b.lengths.tolist()):
-                if n:
-                    mla = max(mla, float((x.latent[r, :n].float() - y.latent[r, :n].float()).abs().max()))
+    """(KDA conv/state, MLA latents up to ``b``'s lengths) largest absolute differences of two caches."""
+    kda, _, mla, _ = _state_diff(a, b, b.lengths.tolist())
     return kda, mla
 
 

@@ -216,6 +216,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     from k3_fastpath.presets import get_config
     from k3_fastpath.runtime.executor import DecodeExecutor
     from k3_fastpath.runtime.options import DecodeOptions, defaults
+    from k3_fastpath.runtime.verify_step import MAX_VERIFY_ROWS
     from verify.checks import perf_mixed as M
     from verify.checks import perf_spec as SP
     from verify.checks import perf_sweep as S
@@ -234,7 +235,7 @@ def decode_sweep(ctx: CheckContext, batches: list[int] = [1], contexts: list[int
     if any(not 1 <= k <= 7 for k in spec_ks) or any(n < 1 for n in spec_acceptance):
         return ctx.failed(f"spec_ks {spec_ks} must lie in 1..7 and spec_acceptance {spec_acceptance} be >= 1")
     spec_tokens = max(spec_ks) + 1 if spec_ks else 0
-    spec_scratch = 64 if spec_ks else 0  # verify_step.MAX_VERIFY_ROWS KDA scratch slots
+    spec_scratch = MAX_VERIFY_ROWS if spec_ks else 0  # the KDA scratch slots of the executors' pools
     from k3_fastpath.measure.rank_emulation import (
         RankEmulationError,
         cache_pool_bytes,
