@@ -76,3 +76,63 @@ def test_the_stand_in_catches_a_state_modified_after_the_call(fake_fla):
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         o.sum().backward()
 
+
+
+# ---------------------------------------------------------------- pinned configs (no Triton autotuning)
+def _tuned_module(monkeypatch, name: str):
+    """A module with two autotuned Triton kernels as fla declares them (one under ``heuristics``, one with
+    an ``early_config_prune``), registered as ``name``."""
+    triton = pytest.importorskip("triton")
+    import triton.language as tl
+
+    configs = [triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+               for bk in (32, 64, 128) for bv in (32, 64) for w in (2, 4, 8) for s in (2, 3, 4)]
+
+    def no_128(configs, nargs, **kw):
+        return [c for c in configs if c.kwargs["BK"] != 64]  # the shape rules out BK 64 for this call
+
+    @triton.heuristics({"EVEN": lambda args: True})
+    @triton.autotune(configs=configs, key=["n"])
+    @triton.jit
+    def kernel_a(x, n, BK: tl.constexpr, BV: tl.constexpr, EVEN: tl.constexpr):
+        pass
+
+    @triton.autotune(configs=configs, key=["n"], prune_configs_by={"early_config_prune": no_128})
+    @triton.jit
+    def kernel_b(x, n, BK: tl.constexpr, BV: tl.constexpr):
+        pass
+
+    mod = types.ModuleType(name)
+    mod.kernel_a, mod.kernel_b = kernel_a, kernel_b
+    monkeypatch.setitem(sys.modules, name, mod)
+    return mod
+
+
+def test_pinning_leaves_one_config_per_call_chosen_by_the_rule(monkeypatch):
+    mod = _tuned_module(monkeypatch, "fla.ops.k3_test_kernels")
+    pinned = fla_kda.PinnedConfigs()
+    monkeypatch.setattr(fla_kda, "PINNED", pinned)
+    tuners = fla_kda.autotuners(("fla.ops.k3_test_kernels",))
+    assert len(tuners) == 2  # the heuristics wrapper is looked through
+    assert fla_kda.pin_fla_configs(("fla.ops.k3_test_kernels",)) == 2
+    a, b = tuners
+    for t in tuners:
+        t.nargs = {}
+        assert len(t.configs) == 54  # Triton still sees many configs, so its pruning runs per call
+    (ca,) = a.prune_configs({})
+    assert (ca.kwargs, ca.num_warps, ca.num_stages) == ({"BK": 64, "BV": 64}, 4, 2)
+    (cb,) = b.prune_configs({})  # the kernel's own pruning applies first: BK 64 is not offered
+    assert cb.kwargs["BV"] == 64 and cb.kwargs["BK"] in (32, 128) and cb.num_warps == 4 and cb.num_stages == 2
+    assert set(pinned.used) == {"kernel_a", "kernel_b"} and "BK: 64" in pinned.used["kernel_a"]
+    fla_kda.pin_fla_configs(("fla.ops.k3_test_kernels",))  # pinning twice wraps once
+    assert len(b.prune_configs({})) == 1
+    del mod
+
+
+def test_the_rule_is_what_the_pinning_uses():
+    """The control: a different rule picks a different config, so the assertion above can fail."""
+    triton = pytest.importorskip("triton")
+    configs = [triton.Config({"BK": bk}, num_warps=w, num_stages=2) for bk in (32, 64) for w in (2, 4)]
+    assert fla_kda.PinnedConfigs.choose(configs).kwargs == {"BK": 64}
+    assert fla_kda.PinnedConfigs.choose(list(reversed(configs))).num_warps == 4
+    assert fla_kda.PinnedConfigs.choose(configs[:2]).kwargs == {"BK": 32}

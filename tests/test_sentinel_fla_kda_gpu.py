@@ -1,7 +1,8 @@
 """fla's chunk_kda as the sentinel's training recurrence: outputs, final state and every input's gradient
 held to ``reference.kda.kda_chunked`` (FP32) on fresh random inputs at the sentinel's head shape (6 heads
 of 128), with a sequence that is not a multiple of the chunk and a padded tail; a 2% change of beta must
-break the same tolerance (the comparison can fail)."""
+break the same tolerance (the comparison can fail). fla runs the pinned configs training runs
+(``fla_kda.pin_fla_configs``)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,10 @@ def test_fla_matches_the_reference_recurrence_and_its_gradients(t, pad):
 
     if fla_unavailable_reason("cuda"):
         pytest.skip(fla_unavailable_reason("cuda"))
+    import fla.ops.kda  # noqa: F401
+
+    from k3_fastpath.sentinel.fla_kda import pin_fla_configs
+    assert pin_fla_configs() > 10  # the configs training runs (no autotuning: the test compiles in seconds)
     b, h, d = 3, 6, 128
     inputs = _inputs(b, t, h, d, seed=t + pad, pad=pad)
     gen = torch.Generator(device="cuda").manual_seed(7)

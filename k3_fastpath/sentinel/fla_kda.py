@@ -9,12 +9,26 @@ layers); fla computes the same recurrence in fused kernels. ``fla_kda_chunked`` 
 ``tests/test_sentinel_fla_kda_gpu.py`` holds its outputs and gradients to the reference's. Only training
 uses it (``TrainPlan.kda``): the reference model the fast path is compared against keeps its own
 formulation.
+
+fla's kernels are autotuned by Triton: the first call of each compiles and times every config (534 configs
+over the ~30 kernels ``chunk_kda`` forward and backward launch; the backward alone did not finish within
+270 s on a fresh H200). ``pin_fla_configs`` makes each of them take one config, chosen by a fixed rule
+from those Triton's own pruning keeps for the call (``PinnedConfigs.choose``): every kernel compiles once
+and no timing decides anything, so a training run is also bit-reproducible across runs on one GPU model
+(autotuning picks by measured time, which can differ between runs and change the rounding). The configs
+used are recorded (``training.json``'s ``fla_configs``).
 """
 
 from __future__ import annotations
 
+import math
+import sys
+from typing import Any
+
 import torch
 from torch import Tensor
+
+FLA_MODULES = ("fla.ops", "fla.modules")  # the packages whose autotuned kernels ``pin_fla_configs`` pins
 
 
 def fla_unavailable_reason(device: str) -> str | None:
@@ -43,3 +57,78 @@ def fla_kda_chunked(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor
                          initial_state=state.to(f32).clone(), output_final_state=True,
                          chunk_size=64 if chunk_size >= 64 else 32)
     return o, final.to(state.dtype)
+
+
+class PinnedConfigs:
+    """The config each pinned fla kernel took (kernel name -> its config as Triton prints it)."""
+
+    def __init__(self) -> None:
+        self.used: dict[str, str] = {}
+
+    @staticmethod
+    def choose(configs: list) -> Any:
+        """The rule: block sizes nearest 64, then 4 warps, then 2 pipeline stages (the middle of fla's
+        lists: moderate registers and shared memory), the earliest config on a tie."""
+        def cost(i_cfg):
+            i, c = i_cfg
+            blocks = sum(abs(math.log2(v) - 6) for n, v in c.kwargs.items()
+                         if n.startswith("B") and isinstance(v, int) and v > 0)
+            return (blocks, abs(c.num_warps - 4), abs(c.num_stages - 2), i)
+        return min(enumerate(configs), key=cost)[1]
+
+    def pin(self, tuner: Any) -> None:
+        """Make ``tuner`` (a Triton ``Autotuner``) run the config ``choose`` picks among those its own
+        pruning keeps for each call (shape-dependent pruning still applies; one config left: no timing)."""
+        if getattr(tuner, "_k3_pinned", False):
+            return
+        prune = tuner.prune_configs
+        name = _kernel_name(tuner)
+
+        def prune_to_one(kwargs, *args, **kw):
+            cfg = self.choose(list(prune(kwargs, *args, **kw)))
+            self.used[name] = str(cfg)
+            return [cfg]
+
+        tuner.prune_configs = prune_to_one
+        tuner._k3_pinned = True
+
+
+PINNED = PinnedConfigs()
+
+
+def _kernel_name(tuner: Any) -> str:
+    fn = tuner.fn
+    while hasattr(fn, "fn"):
+        fn = fn.fn
+    return getattr(fn, "__name__", repr(fn))
+
+
+def autotuners(module_prefixes: tuple[str, ...] = FLA_MODULES) -> list[Any]:
+    """Every Triton ``Autotuner`` (also under ``triton.heuristics``) of the imported modules under
+    ``module_prefixes``, once each."""
+    try:
+        from triton.runtime.autotuner import Autotuner
+    except ImportError:  # no Triton: nothing of fla can run either
+        return []
+    found, seen = [], set()
+    for name, mod in list(sys.modules.items()):
+        if mod is None or not any(name == p or name.startswith(p + ".") for p in module_prefixes):
+            continue
+        for obj in list(vars(mod).values()):
+            for _ in range(4):  # Heuristics -> Autotuner -> JITFunction
+                if isinstance(obj, Autotuner) or not hasattr(obj, "fn"):
+                    break
+                obj = obj.fn
+            if isinstance(obj, Autotuner) and id(obj) not in seen:
+                seen.add(id(obj))
+                found.append(obj)
+    return found
+
+
+def pin_fla_configs(module_prefixes: tuple[str, ...] = FLA_MODULES) -> int:
+    """Pin every autotuned kernel of the imported fla modules (``PinnedConfigs.pin``); returns how many.
+    Import what will run first (``fla.ops.kda`` imports all that ``chunk_kda`` launches)."""
+    tuners = autotuners(module_prefixes)
+    for t in tuners:
+        PINNED.pin(t)
+    return len(tuners)

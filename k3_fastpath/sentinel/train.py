@@ -45,6 +45,7 @@ from ..tokenizer import EOS_ID, PAD_ID
 from ..weights import checkpoint_digest
 from . import tasks
 from .checkpoint import training_config, write_trained_checkpoint
+from .fla_kda import PINNED
 from .tokenizer import build_sentinel_tokenizer, save_tokenizer
 
 EVAL_SEEDS = (0,)  # the eval files' seeds the tiers use (verify/checks/evals.py)
@@ -74,6 +75,8 @@ class TrainPlan:
     mrcr_chars: int = 1500
     time_limit_s: float | None = None
     kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
+    fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
+    # choices) instead of pinned configs (fla_kda.pin_fla_configs)
 
     def __post_init__(self) -> None:
         if self.kda not in KDA_IMPLS:
@@ -155,9 +158,10 @@ def _profile(prof, device: str, log):
     return None
 
 
-def _use_kda(model, choice: str, device: str) -> str:
+def _use_kda(model, choice: str, device: str, autotune: bool = False) -> str:
     """Set every KDA layer's T > 1 recurrence per ``choice``; returns the one used (``reference``/``fla``).
-    ``fla`` where it cannot run raises ValueError with the reason."""
+    ``fla`` where it cannot run raises ValueError with the reason. fla's kernels take pinned configs
+    (``fla_kda.pin_fla_configs``) unless ``autotune``."""
     from ..reference.kda import KimiDeltaAttention
     from .fla_kda import fla_kda_chunked, fla_unavailable_reason
 
@@ -169,6 +173,11 @@ def _use_kda(model, choice: str, device: str) -> str:
     for mod in model.modules():
         if isinstance(mod, KimiDeltaAttention):
             mod.chunked = fla_kda_chunked
+    if not autotune:
+        import fla.ops.kda  # noqa: F401  (imports every kernel chunk_kda launches)
+
+        from .fla_kda import pin_fla_configs
+        pin_fla_configs()
     return "fla"
 
 
@@ -212,7 +221,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     tcfg = training_config(cfg)
     model = load_reference(tcfg, synthetic_state_dict(tcfg, plan.seed, "stable"), dtype=torch.float32).to(device)
     model.train()
-    kda = _use_kda(model, plan.kda, device)
+    kda = _use_kda(model, plan.kda, device, plan.fla_autotune)
     tok = build_sentinel_tokenizer(cfg.vocab_size, plan.seed)
     data = Batches(plan, tok)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -269,7 +278,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
               "first_step_s": None if first_step_s is None else round(first_step_s, 2),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
               "torch": torch.__version__, "eval_seeds_excluded": list(EVAL_SEEDS), "eval_items_excluded": EVAL_EXCLUDE,
-              "loss_curve": curve}
+              "loss_curve": curve, "fla_configs": None if kda != "fla" or plan.fla_autotune else dict(PINNED.used)}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -290,7 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true", help="log where steps 3-5 spend their time (torch.profiler)")
     for f in dataclasses.fields(TrainPlan):
-        if f.type in ("int", "float", "str", "float | None"):
+        if f.type == "bool":
+            p.add_argument("--" + f.name.replace("_", "-"), action="store_true", default=None)
+        elif f.type in ("int", "float", "str", "float | None"):
             p.add_argument("--" + f.name.replace("_", "-"), type=float if "float" in f.type else (int if f.type == "int" else str),
                            default=None)
     args = p.parse_args(argv)
