@@ -136,3 +136,35 @@ def test_the_rule_is_what_the_pinning_uses():
     assert fla_kda.PinnedConfigs.choose(configs).kwargs == {"BK": 64}
     assert fla_kda.PinnedConfigs.choose(list(reversed(configs))).num_warps == 4
     assert fla_kda.PinnedConfigs.choose(configs[:2]).kwargs == {"BK": 32}
+
+
+def test_a_pick_that_does_not_fit_the_gpu_is_dropped_and_the_rule_picks_again(monkeypatch):
+    """Triton raises OutOfResources when it loads a kernel whose config needs more shared memory than the
+    GPU has (before anything runs): the pinned tuner drops that config and the rule picks the next."""
+    from triton.runtime.errors import OutOfResources
+
+    mod = _tuned_module(monkeypatch, "fla.ops.k3_test_oor")
+    pinned = fla_kda.PinnedConfigs()
+    monkeypatch.setattr(fla_kda, "PINNED", pinned)
+    tuner = fla_kda.autotuners(("fla.ops.k3_test_oor",))[0]
+    launched = []
+
+    class Kernel:  # stands in for the JIT function: loading a BV 64 config exceeds shared memory
+        __name__ = "kernel_oor"
+
+        def run(self, *args, **kw):
+            if kw["BV"] == 64:
+                raise OutOfResources(294912, 232448, "shared memory")
+            launched.append((kw["BK"], kw["BV"]))
+            return "ran"
+
+    tuner.fn = Kernel()
+    fla_kda.pin_fla_configs(("fla.ops.k3_test_oor",))
+    assert tuner.run(None, 7) == "ran" and launched == [(64, 32)]
+    assert pinned.used == {"kernel_oor": str(tuner.best_config)} and "BV: 32" in pinned.used["kernel_oor"]
+    # tried: BK 64 / BV 64, then BK 32 / BV 64 (each at 4 warps, 2 stages: the same blocks at more stages
+    # or other warps are not tried again)
+    skipped = pinned.skipped["kernel_oor"]
+    assert len(skipped) == 2 and all("BV: 64" in c and "num_stages: 2" in c for c in skipped)
+    assert tuner.run(None, 7) == "ran" and len(pinned.skipped["kernel_oor"]) == 2  # not retried
+    del mod

@@ -60,10 +60,12 @@ def fla_kda_chunked(q: Tensor, k: Tensor, v: Tensor, g_log: Tensor, beta: Tensor
 
 
 class PinnedConfigs:
-    """The config each pinned fla kernel took (kernel name -> its config as Triton prints it)."""
+    """The config each pinned fla kernel took (kernel name -> its config as Triton prints it; a config that
+    did not fit the GPU's shared memory or registers is listed under ``skipped``)."""
 
     def __init__(self) -> None:
         self.used: dict[str, str] = {}
+        self.skipped: dict[str, list[str]] = {}
 
     @staticmethod
     def choose(configs: list) -> Any:
@@ -78,19 +80,39 @@ class PinnedConfigs:
 
     def pin(self, tuner: Any) -> None:
         """Make ``tuner`` (a Triton ``Autotuner``) run the config ``choose`` picks among those its own
-        pruning keeps for each call (shape-dependent pruning still applies; one config left: no timing)."""
+        pruning keeps for each call (shape-dependent pruning still applies; one config left: no timing).
+        A pick the GPU cannot launch (Triton's ``OutOfResources``, raised when the kernel is loaded,
+        before it runs) is dropped, with every config of the same block sizes and no fewer pipeline stages
+        (they need at least its shared memory), and the rule picks again, as autotuning skips such a
+        config."""
         if getattr(tuner, "_k3_pinned", False):
             return
-        prune = tuner.prune_configs
-        name = _kernel_name(tuner)
+        from triton.runtime.errors import OutOfResources
+
+        prune, run, name, dropped = tuner.prune_configs, tuner.run, _kernel_name(tuner), []
+
+        def fits(c) -> bool:  # not ruled out by a dropped config: same blocks, no fewer stages
+            return not any(c.kwargs == d.kwargs and c.num_stages >= d.num_stages for d in dropped)
 
         def prune_to_one(kwargs, *args, **kw):
-            cfg = self.choose(list(prune(kwargs, *args, **kw)))
+            left = [c for c in prune(kwargs, *args, **kw) if fits(c)]
+            if not left:
+                raise RuntimeError(f"fla kernel {name}: none of its configs fits this GPU "
+                                   f"(dropped {[str(d) for d in dropped]})")
+            cfg = self.choose(left)
             self.used[name] = str(cfg)
             return [cfg]
 
-        tuner.prune_configs = prune_to_one
-        tuner._k3_pinned = True
+        def run_pinned(*args, **kwargs):
+            while True:
+                try:
+                    return run(*args, **kwargs)
+                except OutOfResources:
+                    dropped.append(tuner.best_config)  # the config this call just tried
+                    self.skipped[name] = [str(d) for d in dropped]
+                    tuner.cache.clear()  # every key picks again, without it
+
+        tuner.prune_configs, tuner.run, tuner._k3_pinned = prune_to_one, run_pinned, True
 
 
 PINNED = PinnedConfigs()

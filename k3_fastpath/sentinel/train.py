@@ -278,7 +278,8 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
               "first_step_s": None if first_step_s is None else round(first_step_s, 2),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
               "torch": torch.__version__, "eval_seeds_excluded": list(EVAL_SEEDS), "eval_items_excluded": EVAL_EXCLUDE,
-              "loss_curve": curve, "fla_configs": None if kda != "fla" or plan.fla_autotune else dict(PINNED.used)}
+              "loss_curve": curve, "fla_configs": None if kda != "fla" or plan.fla_autotune else
+              {"used": dict(PINNED.used), "skipped": dict(PINNED.skipped)}}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
