@@ -162,9 +162,10 @@ def test_a_pick_that_does_not_fit_the_gpu_is_dropped_and_the_rule_picks_again(mo
     fla_kda.pin_fla_configs(("fla.ops.k3_test_oor",))
     assert tuner.run(None, 7) == "ran" and launched == [(64, 32)]
     assert pinned.used == {"kernel_oor": str(tuner.best_config)} and "BV: 32" in pinned.used["kernel_oor"]
-    # tried: BK 64 / BV 64, then BK 32 / BV 64 (each at 4 warps, 2 stages: the same blocks at more stages
-    # or other warps are not tried again)
+    # tried at 2 stages: BK 64 / BV 64 at 4, 2 and 8 warps, then BK 32 / BV 64 at 4 warps (the same
+    # blocks and warps at more stages are not tried: they need at least the shared memory that did not fit)
     skipped = pinned.skipped["kernel_oor"]
-    assert len(skipped) == 2 and all("BV: 64" in c and "num_stages: 2" in c for c in skipped)
-    assert tuner.run(None, 7) == "ran" and len(pinned.skipped["kernel_oor"]) == 2  # not retried
+    assert len(skipped) == 4 and all("BV: 64" in c and "num_stages: 2" in c for c in skipped)
+    assert [c.split(", ")[2] for c in skipped] == ["num_warps: 4", "num_warps: 2", "num_warps: 8", "num_warps: 4"]
+    assert tuner.run(None, 7) == "ran" and len(pinned.skipped["kernel_oor"]) == 4  # not retried
     del mod

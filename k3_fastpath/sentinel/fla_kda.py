@@ -69,30 +69,31 @@ class PinnedConfigs:
 
     @staticmethod
     def choose(configs: list) -> Any:
-        """The rule: block sizes nearest 64, then 4 warps, then 2 pipeline stages (the middle of fla's
+        """The rule: block sizes nearest 64, then 2 pipeline stages, then 4 warps (the middle of fla's
         lists: moderate registers and shared memory), the earliest config on a tie."""
         def cost(i_cfg):
             i, c = i_cfg
             blocks = sum(abs(math.log2(v) - 6) for n, v in c.kwargs.items()
                          if n.startswith("B") and isinstance(v, int) and v > 0)
-            return (blocks, abs(c.num_warps - 4), abs(c.num_stages - 2), i)
+            return (blocks, abs(c.num_stages - 2), abs(c.num_warps - 4), i)
         return min(enumerate(configs), key=cost)[1]
 
     def pin(self, tuner: Any) -> None:
         """Make ``tuner`` (a Triton ``Autotuner``) run the config ``choose`` picks among those its own
         pruning keeps for each call (shape-dependent pruning still applies; one config left: no timing).
         A pick the GPU cannot launch (Triton's ``OutOfResources``, raised when the kernel is loaded,
-        before it runs) is dropped, with every config of the same block sizes and no fewer pipeline stages
-        (they need at least its shared memory), and the rule picks again, as autotuning skips such a
-        config."""
+        before it runs) is dropped, with every config of the same block sizes and warps at more pipeline
+        stages (they need at least its shared memory), and the rule picks again, as autotuning skips such a
+        config (on Hopper 4 warps may take wgmma's larger shared-memory tiles where 2 warps fit)."""
         if getattr(tuner, "_k3_pinned", False):
             return
         from triton.runtime.errors import OutOfResources
 
         prune, run, name, dropped = tuner.prune_configs, tuner.run, _kernel_name(tuner), []
 
-        def fits(c) -> bool:  # not ruled out by a dropped config: same blocks, no fewer stages
-            return not any(c.kwargs == d.kwargs and c.num_stages >= d.num_stages for d in dropped)
+        def fits(c) -> bool:  # not ruled out by a dropped config: same blocks and warps, no fewer stages
+            return not any(c.kwargs == d.kwargs and c.num_warps == d.num_warps and c.num_stages >= d.num_stages
+                           for d in dropped)
 
         def prune_to_one(kwargs, *args, **kw):
             left = [c for c in prune(kwargs, *args, **kw) if fits(c)]
