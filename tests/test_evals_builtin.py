@@ -176,3 +176,26 @@ def test_tiers_and_registry_match_the_check_functions() -> None:
         for tier in ("standard", "full"):
             spec = {c.id: c for c in load_tier(tier).checks}[cid]
             inspect.signature(fn).bind(None, **{**decl.params, **spec.params})
+
+
+def test_mrcr_at_two_lengths_is_two_gated_task_sets_that_rescore(engine, tmp_path) -> None:
+    """``lengths``: one synthetic MRCR data set per conversation length, tasks named by length, prompts
+    measured in tokens, re-derived by ``bundle verify``; lengths need synthetic data."""
+    loose = tmp_path / "loose.yaml"
+    loose.write_text(PERMISSIVE)
+    params = {"data_dir": "synthetic", "max_tokens": 3, "limit": 1, "needles": [2], "thresholds": str(loose),
+              "lengths": [160, 480]}
+    root = tmp_path / "lengths"
+    r = _run_bundle(root, [("evals.mrcr", "mrcr", params)], _Engines(engine, engine), tmp_path)["evals.mrcr"]
+    assert r.status == "passed", (r.reason, r.metrics.get("problems"))
+    assert set(r.metrics["tasks"]) == {"k3_mrcr_2needle@160c", "k3_mrcr_2needle@480c"}
+    short, long_ = (r.metrics["prompt_tokens"][f"k3_mrcr_2needle@{n}c"]["median"] for n in (160, 480))
+    assert 0 < short < long_  # the longer conversation is the longer prompt
+    assert [d["mrcr_chars"] for d in r.metrics["data"]] == [160, 480]
+    assert verify_bundle(root).ok
+    bad = _run_bundle(tmp_path / "nosynth", [("evals.mrcr", "mrcr", {**params, "data_dir": str(tmp_path)})],
+                      _Engines(engine, engine), tmp_path)["evals.mrcr"]
+    assert bad.status == "error" and "needs data_dir: synthetic" in bad.reason
+    bad = _run_bundle(tmp_path / "dup", [("evals.mrcr", "mrcr", {**params, "lengths": [160, 160]})],
+                      _Engines(engine, engine), tmp_path)["evals.mrcr"]
+    assert bad.status == "error" and "distinct positive integers" in bad.reason

@@ -12,6 +12,11 @@
 5. pass iff every gate of every task passed; the metrics carry each task's numbers, and ``bundle verify``
    re-derives all of it from the records (``verify.evals.rescore``).
 
+``evals.mrcr``'s ``lengths`` (synthetic data only): one data set per conversation length in characters, its
+tasks named ``k3_mrcr_<n>needle@<chars>c`` and gated each on its own (a model trained on short chats scored
+long: the KDA state and the MLA cache carry it); ``metrics.prompt_tokens`` gives each task's prompt lengths
+in tokens as the engine reported them.
+
 ``model``: None scores the run's model; ``sentinel`` the trained sentinel checkpoint
 (``k3_fastpath.sentinel.checkpoint.sentinel_dir()``), a directory that checkpoint: read and validated like
 ``--checkpoint``, served by the run's builtin engines, named (path, digest, training record) in the records
@@ -57,9 +62,9 @@ def aime25(ctx: CheckContext, limit: int | None = None, repeats: int = 8, max_to
        imports=("lm_eval",))
 def mrcr(ctx: CheckContext, limit: int | None = None, needles: list[int] = [2, 4, 8],
          max_tokens: int | None = None, data_dir: str | None = None, thresholds: str | None = None,
-         model: str | None = None) -> CheckResult:
+         model: str | None = None, lengths: list[int] | None = None) -> CheckResult:
     return _run(ctx, "mrcr", limit=limit, repeats=None, needles=tuple(needles), max_tokens=max_tokens,
-                data_dir=data_dir, thresholds=thresholds, model=model)
+                data_dir=data_dir, thresholds=thresholds, model=model, lengths=lengths)
 
 
 def _error(ctx: CheckContext, reason: str) -> CheckResult:
@@ -74,14 +79,15 @@ def _positive_int(name: str, value: Any, allow_none: bool = True) -> str | None:
     return None
 
 
-def _data_sources(ctx: CheckContext, dataset: str, needles: tuple[int, ...], data_dir: str | None):
+def _data_sources(ctx: CheckContext, dataset: str, needles: tuple[int, ...], data_dir: str | None,
+                  length: int | None = None):
     from evals.data.sources import kind_for, resolve
 
     if data_dir == SYNTHETIC:
         from evals.data.make_synthetic import make_all
 
-        out = Path(ctx.tmp_dir) / f"eval-data-{ctx.check_id}"
-        make_all(out, seed=ctx.seed)
+        out = Path(ctx.tmp_dir) / f"eval-data-{ctx.check_id}{'' if length is None else f'-{length}c'}"
+        make_all(out, seed=ctx.seed, **({} if length is None else {"mrcr_chars": length}))
         data_dir = str(out)
     kinds = [kind_for(dataset, n) for n in needles] if dataset == "mrcr" else [kind_for(dataset)]
     return data_dir, [resolve(k, data_dir) for k in kinds]
@@ -115,8 +121,25 @@ def _scored_model(ctx: CheckContext, model: str | None) -> tuple[Any, dict[str, 
     return source, about
 
 
+def _label(task: str, length: int | None) -> str:
+    """A task's name in the records: the lm-eval task, ``@<chars>c`` where the MRCR length was chosen."""
+    return task if length is None else f"{task}@{length}c"
+
+
+def _lengths_error(lengths: Any, synthetic: bool) -> str | None:
+    if lengths is None:
+        return None
+    if not synthetic:
+        return "param lengths (MRCR conversation lengths in characters) needs data_dir: synthetic"
+    if (not isinstance(lengths, list) or not lengths or len(set(lengths)) != len(lengths)
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths)):
+        return f"param lengths must be a list of distinct positive integers (characters), got {lengths!r}"
+    return None
+
+
 def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | None, needles: tuple[int, ...],
-         max_tokens: int | None, data_dir: str | None, thresholds: str | None, model: str | None) -> CheckResult:
+         max_tokens: int | None, data_dir: str | None, thresholds: str | None, model: str | None,
+         lengths: list[int] | None = None) -> CheckResult:
     from evals.data.sources import DataError, NoDataError
     from verify.engines.base import EngineError
     from verify.evals.gates import ThresholdsError, compare, headline, load_thresholds
@@ -124,24 +147,27 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
     from verify.evals.runner import run_tasks, task_names
     from verify.model_source import ModelSourceError
 
+    synthetic = data_dir == SYNTHETIC
     bad = [p for p in (_positive_int("limit", limit), _positive_int("max_tokens", max_tokens),
-                       _positive_int("repeats", repeats)) if p]
+                       _positive_int("repeats", repeats), _lengths_error(lengths, synthetic)) if p]
     if bad:
         return _error(ctx, bad[0])
-    synthetic = data_dir == SYNTHETIC
+    parts: list[int | None] = list(lengths) if lengths else [None]  # one data set per MRCR length
     try:
-        tasks = task_names(dataset, needles) if dataset == "mrcr" else task_names(dataset)
+        base_tasks = task_names(dataset, needles) if dataset == "mrcr" else task_names(dataset)
+        tasks = [_label(t, n) for n in parts for t in base_tasks]
         th = load_thresholds(dataset, thresholds)
-        data_dir, sources = _data_sources(ctx, dataset, needles, data_dir)
+        dirs = {n: _data_sources(ctx, dataset, needles, data_dir, n) for n in parts}
         scored, about_model = _scored_model(ctx, model)
     except NoDataError as e:  # nothing to score here: skipped with the whole reason, never cut short
         return CheckResult(id=ctx.check_id, status="skipped", reason=" ".join(str(e).split()))
     except (ThresholdsError, DataError, EvalRunError, ModelSourceError) as e:
         return _error(ctx, str(e))
-    data = [src.describe() for src in sources]
+    data = [{**src.describe(), **({} if n is None else {"mrcr_chars": n})} for n in parts for src in dirs[n][1]]
     ctx.record({"type": "config", "dataset": dataset, "tasks": tasks, "thresholds": th.as_dict(), "seed": ctx.seed,
-                "limit": limit, "repeats": repeats, "max_tokens": max_tokens, "data_dir": data_dir,
-                "synthetic_data": synthetic, "model": about_model})
+                "limit": limit, "repeats": repeats, "max_tokens": max_tokens,
+                "data_dir": dirs[None][0] if lengths is None else {str(n): dirs[n][0] for n in parts},
+                "lengths": lengths, "synthetic_data": synthetic, "model": about_model})
     for d in data:
         ctx.record({"type": "data", **d})
     try:
@@ -151,17 +177,23 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
     runs: dict[str, dict] = {}
     for side, engine in engines.items():
         t0 = time.monotonic()
-        try:
-            runs[side] = run_tasks(engine, dataset, tasks, limit=limit, max_tokens=max_tokens, repeats=repeats,
-                                   data_dir=data_dir, seed=ctx.seed)
-        except (EvalRunError, DataError) as e:
-            return _error(ctx, f"{side} ({engine.name}): {e}")
-        n = 0
+        runs[side] = {}
+        for n in parts:
+            try:
+                got = run_tasks(engine, dataset, base_tasks, limit=limit, max_tokens=max_tokens, repeats=repeats,
+                                data_dir=dirs[n][0], seed=ctx.seed)
+            except (EvalRunError, DataError) as e:
+                return _error(ctx, f"{side} ({engine.name}): {e}")
+            for task, run in got.items():
+                for rec in run.samples:
+                    rec["task"] = _label(task, n)
+                runs[side][_label(task, n)] = run
+        k = 0
         for task in tasks:
             for rec in runs[side][task].samples:
                 ctx.record({**rec, "side": side, "engine": engine.name})
-                n += 1
-        ctx.note(f"{side} {engine.name}: {n} samples of {', '.join(tasks)} in {time.monotonic() - t0:.1f}s")
+                k += 1
+        ctx.note(f"{side} {engine.name}: {k} samples of {', '.join(tasks)} in {time.monotonic() - t0:.1f}s")
     problems: list[str] = []
     per_task: dict[str, Any] = {}
     for task in tasks:
@@ -172,14 +204,23 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
     metrics: dict[str, Any] = headline(per_task)  # scalars first: summary.md's key-metrics table shows them
     metrics |= {
         "tasks": per_task,
+        "prompt_tokens": {task: _prompt_tokens(runs["under_test"][task].samples) for task in tasks},
         "engines": {side: e.name for side, e in engines.items()},
         "model": about_model,
         "lm_eval_models": {side: runs[side][tasks[0]].model for side in runs},
         "lm_eval": {side: {t: runs[side][t].lm_eval for t in tasks} for side in runs},
         "thresholds": th.as_dict(),
-        "data": [{"kind": d["kind"], "origin": d["origin"],
+        "data": [{"kind": d["kind"], "origin": d["origin"], **({"mrcr_chars": d["mrcr_chars"]} if "mrcr_chars" in d else {}),
                   "files": {f["name"]: f["sha256"] for f in d["files"]}} for d in data],
         "params": {"limit": limit, "repeats": repeats, "max_tokens": max_tokens, "needles": list(needles) or None,
-                   "synthetic_data": synthetic},
+                   "synthetic_data": synthetic, "lengths": lengths},
     }
     return ctx.verdict(problems, metrics)
+
+
+def _prompt_tokens(samples: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The prompts' token counts the engine reported (min / median / max), None where it reported none."""
+    counts = sorted(c for s in samples for c in s.get("prompt_tokens") or [] if isinstance(c, int))
+    if not counts:
+        return None
+    return {"min": counts[0], "median": counts[len(counts) // 2], "max": counts[-1], "n": len(counts)}

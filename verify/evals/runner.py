@@ -160,6 +160,7 @@ def _sample_record(dataset: str, task: str, s: dict[str, Any], log: Any, max_tok
         "scores": [x["score"] for x in scored], "extracted": [x["extracted"] for x in scored],
         "rules": [x["rule"] for x in scored], "extraction_failed": [bool(x["extraction_failed"]) for x in scored],
         "output_tokens": [i["output_tokens"] for i in infos], "output_chars": [len(r) for r in responses],
+        "prompt_tokens": [i.get("prompt_tokens") for i in infos],
         "finish_reasons": [i["finish_reason"] for i in infos], "truncated": truncated,
         "seeds": [i["seed"] for i in infos], "max_tokens": limit_tokens,
         "lm_eval": {k: _jsonable(s[k]) for k in s.get("metrics", []) if k in s},
