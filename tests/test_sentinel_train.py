@@ -87,3 +87,28 @@ def test_profile_logs_where_the_profiled_steps_spend_their_time(tmp_path):
     rec = sentinel_train.train(plan, tmp_path / "p", "cpu", log=lines.append, profile=True)
     table = next(x for x in lines if x.startswith("profile of 3 steps"))
     assert "aten::mm" in table and rec["steps_done"] == 7
+
+
+def test_packed_rows_hold_whole_items_and_lose_none():
+    """``pack``: a row is whole items back to back within seq_len; the item that does not fit starts the
+    next row, so the stream of items is the unpacked one, in order."""
+    tok = build_sentinel_tokenizer(512)
+    plan = dataclasses.replace(PLAN, seq_len=400)
+    packed = sentinel_train.Batches(plan, tok)
+    single = sentinel_train.Batches(dataclasses.replace(plan, pack=False), tok)
+    stream, rows = [], [packed.row() for _ in range(6)]
+    while sum(len(s[0]) for s in stream) < sum(len(r[0]) for r in rows):
+        stream.append(single.row())
+    assert [t for r in rows for t in r[0]] == [t for s in stream for t in s[0]]
+    assert [m for r in rows for m in r[1]] == [m for s in stream for m in s[1]]
+    assert all(len(r[0]) <= plan.seq_len for r in rows)
+    ends, at = [], 0  # where each unpacked item ends in the concatenation
+    for item in stream:
+        at += len(item[0])
+        ends.append(at)
+    at = 0
+    for r in rows:  # every row ends at an item's end, and the next item would not have fit
+        at += len(r[0])
+        j = ends.index(at)
+        assert j + 1 == len(ends) or len(r[0]) + len(stream[j + 1][0]) > plan.seq_len
+    assert len(stream) > len(rows)  # several items per row

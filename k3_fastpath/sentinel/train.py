@@ -8,8 +8,10 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   deterministic algorithms (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, warnings for ops without one) so that one
   GPU model and software stack can rebuild the checkpoint digest ``training.json`` records (the GPU
   driver's ``sentinel-repro`` step trains twice and compares);
-- each row: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
-  with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only;
+- each item: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
+  with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only; a row
+  holds as many whole items as fit ``seq_len`` one after another (``pack``; no state reset between them,
+  as language-model pretraining packs documents), or one item (``--no-pack``);
 - the KDA recurrence: fla's fused ``chunk_kda`` on CUDA (``fla_kda``; ``--kda reference`` keeps the
   reference's chunked form), the reference's elsewhere;
 - AdamW (FP32 master weights, BF16 autocast on CUDA), linear warm-up then cosine decay, gradient clip;
@@ -74,6 +76,7 @@ class TrainPlan:
     mrcr_needles: tuple[int, ...] = (2, 4)
     mrcr_chars: int = 1500
     time_limit_s: float | None = None
+    pack: bool = True  # rows hold as many whole items as fit seq_len (one after another, no reset between)
     kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
     fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
     # choices) instead of pinned configs (fla_kda.pin_fla_configs)
@@ -92,6 +95,7 @@ class Batches:
 
     def __init__(self, plan: TrainPlan, tokenizer) -> None:
         self.plan, self.tok = plan, tokenizer
+        self._pending: tuple[list[int], list[int]] | None = None  # the item that did not fit the last row
         self.rng = random.Random(f"k3-sentinel-mix:{plan.seed}")
         self.streams = {}
         for task, _ in plan.mix:
@@ -101,6 +105,19 @@ class Batches:
                 self.streams.setdefault(task, []).append(tasks.train_items(task, plan.seed, exclude, **kw))
 
     def row(self) -> tuple[list[int], list[int]]:
+        """One training row: an item, or with ``plan.pack`` as many whole items as fit ``seq_len`` (an item
+        that does not fit starts the next row)."""
+        ids, mask = self._pending or self._item()
+        self._pending = None
+        while self.plan.pack:
+            nxt = self._item()
+            if len(ids) + len(nxt[0]) > self.plan.seq_len:
+                self._pending = nxt
+                break
+            ids, mask = ids + nxt[0], mask + nxt[1]
+        return ids, mask
+
+    def _item(self) -> tuple[list[int], list[int]]:
         task = self.rng.choices([t for t, _ in self.plan.mix], weights=[w for _, w in self.plan.mix])[0]
         item = next(self.rng.choice(self.streams[task]))
         prompt = self.tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
@@ -301,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="log where steps 3-5 spend their time (torch.profiler)")
     for f in dataclasses.fields(TrainPlan):
         if f.type == "bool":
-            p.add_argument("--" + f.name.replace("_", "-"), action="store_true", default=None)
+            p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None)
         elif f.type in ("int", "float", "str", "float | None"):
             p.add_argument("--" + f.name.replace("_", "-"), type=float if "float" in f.type else (int if f.type == "int" else str),
                            default=None)
