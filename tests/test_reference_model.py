@@ -242,6 +242,22 @@ def test_prefill_split_in_two_equals_prefill_at_once(m64, gen):
     assert _rel(m64.decode(nxt, cache), m64.decode(nxt, c_full)) < 1e-9
 
 
+def test_a_long_prefill_attends_in_query_slices_with_the_same_result(m64, gen, monkeypatch):
+    """Past ``SCORE_ELEMENTS`` scores the plain MLA attends in slices of queries: same logits (FP64),
+    ragged lengths and padding included; the slicing really happens (each MLA layer attends 3+ times)."""
+    from k3_fastpath.reference import mla as mla_mod
+
+    ids, lens = _ids(gen, 2, 9), torch.tensor([9, 6])
+    whole = m64.prefill(ids, lens, m64.new_cache(2, 9))
+    calls = []
+    real = GatedMLA._attend_plain
+    monkeypatch.setattr(GatedMLA, "_attend_plain", lambda self, *a: calls.append(a[0].shape[1]) or real(self, *a))
+    monkeypatch.setattr(mla_mod, "SCORE_ELEMENTS", 2 * CFG.num_attention_heads * 9 * 4)  # 4 queries a pass
+    sliced = m64.prefill(ids, lens, m64.new_cache(2, 9))
+    assert calls == [4, 4, 1] * len(CFG.mla_layer_ids)
+    assert _rel(sliced, whole) < 1e-12 and torch.equal(sliced[1, 6:], torch.zeros_like(sliced[1, 6:]))
+
+
 def test_forward_is_a_fresh_prefill(m64, gen):
     ids = _ids(gen, 2, 5)
     lens = torch.tensor([5, 3])

@@ -93,6 +93,10 @@ class MLACache:
         return lat.to(dtype)
 
 
+SCORE_ELEMENTS = 1 << 28  # the most attention scores (FP32: 1 GiB) one pass materialises; a longer prefill
+# attends in slices of queries (an 8K-token prompt batch of 10 would otherwise hold ~16 GB per copy)
+
+
 class GatedMLA(nn.Module):
     """One K3 MLA layer; parameter names are the checkpoint's (``self_attn.q_a_proj.weight`` ...)."""
 
@@ -210,7 +214,13 @@ class GatedMLA(nn.Module):
 
         q_nope, q_pe = self.project_q(x)
         attend = self._attend_plain if mode == "plain" else self._attend_absorbed
-        o = attend(q_nope, q_pe, lat, mask).reshape(b, t, self.num_heads * self.v_dim)
+        rows = max(1, SCORE_ELEMENTS // max(1, b * self.num_heads * s))  # queries per pass
+        if rows >= t:
+            o = attend(q_nope, q_pe, lat, mask)
+        else:  # a long prefill: the queries in slices (each row's softmax is its own), scores bounded
+            o = torch.cat([attend(q_nope[:, i: i + rows], q_pe[:, i: i + rows], lat, mask[:, i: i + rows])
+                           for i in range(0, t, rows)], dim=1)
+        o = o.reshape(b, t, self.num_heads * self.v_dim)
         if self.g_proj is not None:
             cdt = compute_dtype(x.dtype)
             o = (o.to(cdt) * torch.sigmoid(self.g_proj(x).to(cdt))).to(x.dtype)
