@@ -12,6 +12,8 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only; a row
   holds as many whole items as fit ``seq_len`` one after another (``pack``; no state reset between them,
   as language-model pretraining packs documents), or one item (``--no-pack``);
+- the routed experts grouped once per layer (``moe_grouped``; ``--moe reference`` keeps the reference's
+  per-expert loop);
 - the KDA recurrence: fla's fused ``chunk_kda`` on CUDA (``fla_kda``; ``--kda reference`` keeps the
   reference's chunked form), the reference's elsewhere;
 - AdamW (FP32 master weights, BF16 autocast on CUDA), linear warm-up then cosine decay, gradient clip;
@@ -48,6 +50,7 @@ from ..weights import checkpoint_digest
 from . import tasks
 from .checkpoint import training_config, write_trained_checkpoint
 from .fla_kda import PINNED
+from .moe_grouped import use_grouped_routed
 from .tokenizer import build_sentinel_tokenizer, save_tokenizer
 
 EVAL_SEEDS = (0,)  # the eval files' seeds the tiers use (verify/checks/evals.py)
@@ -56,6 +59,7 @@ EVAL_EXCLUDE = {"gsm8k": 2000, "aime25": 2000, "mrcr": 200}  # eval items per fi
 
 
 KDA_IMPLS = ("auto", "reference", "fla")
+MOE_IMPLS = ("grouped", "reference")
 
 
 @dataclass(frozen=True)
@@ -78,12 +82,15 @@ class TrainPlan:
     time_limit_s: float | None = None
     pack: bool = True  # rows hold as many whole items as fit seq_len (one after another, no reset between)
     kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
+    moe: str = "grouped"  # the routed experts: grouped (moe_grouped: one host read per layer) or reference
     fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
     # choices) instead of pinned configs (fla_kda.pin_fla_configs)
 
     def __post_init__(self) -> None:
         if self.kda not in KDA_IMPLS:
             raise ValueError(f"kda must be one of {KDA_IMPLS}, got {self.kda!r}")
+        if self.moe not in MOE_IMPLS:
+            raise ValueError(f"moe must be one of {MOE_IMPLS}, got {self.moe!r}")
         if self.steps < 1 or self.batch < 1 or self.seq_len < 16 or not self.lr > 0:
             raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16 and lr > 0: {self}")
         if {t for t, _ in self.mix} - set(tasks.TASKS) or not all(w > 0 for _, w in self.mix):
@@ -239,6 +246,8 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     model = load_reference(tcfg, synthetic_state_dict(tcfg, plan.seed, "stable"), dtype=torch.float32).to(device)
     model.train()
     kda = _use_kda(model, plan.kda, device, plan.fla_autotune)
+    if plan.moe == "grouped":
+        use_grouped_routed(model)
     tok = build_sentinel_tokenizer(cfg.vocab_size, plan.seed)
     data = Batches(plan, tok)
     params = [p for p in model.parameters() if p.requires_grad]
