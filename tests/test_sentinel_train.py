@@ -112,3 +112,22 @@ def test_packed_rows_hold_whole_items_and_lose_none():
         j = ends.index(at)
         assert j + 1 == len(ends) or len(r[0]) + len(stream[j + 1][0]) > plan.seq_len
     assert len(stream) > len(rows)  # several items per row
+
+
+def test_batches_made_ahead_are_the_same_sequence():
+    tok = build_sentinel_tokenizer(512)
+    plain = sentinel_train.Batches(PLAN, tok)
+    ahead = sentinel_train.BatchesAhead(sentinel_train.Batches(PLAN, tok))
+    for _ in range(4):
+        for a, b in zip(plain.batch("cpu"), ahead.next("cpu"), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_an_error_making_a_batch_reaches_the_training_loop():
+    class Broken:
+        def batch(self, device):
+            raise ValueError("no rows")
+
+    ahead = sentinel_train.BatchesAhead(Broken())
+    with pytest.raises(ValueError, match="no rows"):
+        ahead.next("cpu")

@@ -32,10 +32,12 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -146,6 +148,32 @@ class Batches:
         return ids.to(device), lengths.to(device), mask.to(device)
 
 
+class BatchesAhead:
+    """``Batches`` made ahead on a thread while the GPU runs a step: one producer in order, so the sequence
+    of batches is exactly ``Batches``' own; an error there is raised by the ``next`` that would have got
+    the batch."""
+
+    def __init__(self, batches: Batches, depth: int = 2) -> None:
+        self.q: queue.Queue = queue.Queue(maxsize=depth)
+        self.thread = threading.Thread(target=self._fill, args=(batches,), daemon=True)
+        self.thread.start()
+
+    def _fill(self, batches: Batches) -> None:
+        while True:
+            try:
+                item = batches.batch("cpu")
+            except BaseException as e:  # handed to the consumer, which raises it
+                self.q.put(e)
+                return
+            self.q.put(item)
+
+    def next(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        item = self.q.get()
+        if isinstance(item, BaseException):
+            raise item
+        return tuple(t.to(device) for t in item)
+
+
 def _lr(plan: TrainPlan, step: int, steps: int) -> float:
     """The learning rate at ``step`` of a schedule of ``steps`` (warm-up, then cosine to a tenth)."""
     if step < plan.warmup:
@@ -249,7 +277,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     if plan.moe == "grouped":
         use_grouped_routed(model)
     tok = build_sentinel_tokenizer(cfg.vocab_size, plan.seed)
-    data = Batches(plan, tok)
+    data = BatchesAhead(Batches(plan, tok))
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": plan.weight_decay},
@@ -272,7 +300,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
         if plan.time_limit_s is not None and time.monotonic() - t0 > plan.time_limit_s:
             log(f"time limit {plan.time_limit_s:.0f} s reached after {done} steps")
             break
-        ids, lengths, mask = data.batch(device)
+        ids, lengths, mask = data.next(device)
         for group in opt.param_groups:
             group["lr"] = _lr(plan, step, steps)
         for c in loads:
