@@ -76,7 +76,9 @@ def test_a_time_limit_fits_the_schedule_and_names_the_steps_that_replay_it():
     assert sentinel_train._fitted_steps(plan, 10, 0.01) == 1000  # never past plan.steps
     assert sentinel_train._fitted_steps(plan, 10, 500.0) == 11  # already past the limit: one more step
     # a first step of 20 s (compile, autotune) is spent once: 9 more at 0.25 s, 72.75 of the 95 s left -> 291 more
-    assert sentinel_train._fitted_steps(plan, 10, 22.25, first_step_s=20.0) == 301
+    assert sentinel_train._fitted_steps(plan, 10, 22.25, mark=(1, 20.0)) == 301
+    # the pace from step 6 on (steps 3-5 profiled, slower): 4 steps at 0.25 s after 24 s -> 285 more
+    assert sentinel_train._fitted_steps(plan, 10, 25.0, mark=(6, 24.0)) == 10 + int((95 - 25.0) / 0.25)
     lrs = [sentinel_train._lr(plan, s, 475) for s in (0, 9, 10, 474)]
     assert lrs[0] < lrs[1] == plan.lr and lrs[3] == pytest.approx(plan.lr * 0.1, rel=1e-3)
 
@@ -87,6 +89,10 @@ def test_profile_logs_where_the_profiled_steps_spend_their_time(tmp_path):
     rec = sentinel_train.train(plan, tmp_path / "p", "cpu", log=lines.append, profile=True)
     table = next(x for x in lines if x.startswith("profile of 3 steps"))
     assert "aten::mm" in table and rec["steps_done"] == 7
+    parts = next(x for x in lines if x.startswith("forward by layer part")).splitlines()[1:]
+    names = {line.split()[0] for line in parts}
+    assert {"self_attn.KimiDeltaAttention", "self_attn.GatedMLA", "block_sparse_moe.LatentMoE", "mlp.GLUMLP"} <= names
+    assert all(float(line.split()[2]) > 0 for line in parts)  # host ms of each part's forward
 
 
 def test_packed_rows_hold_whole_items_and_lose_none():

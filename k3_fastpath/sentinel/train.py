@@ -182,15 +182,15 @@ def _lr(plan: TrainPlan, step: int, steps: int) -> float:
     return plan.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _fitted_steps(plan: TrainPlan, done: int, elapsed_s: float, first_step_s: float | None = None) -> int:
+def _fitted_steps(plan: TrainPlan, done: int, elapsed_s: float, mark: tuple[int, float] | None = None) -> int:
     """With a time limit, the schedule's length once ``done`` steps took ``elapsed_s``: as many steps as the
-    limit holds (5% kept back) at the pace of the steps after the first (``first_step_s``, which compiles and
-    autotunes, is spent once; None: the first step ran at the others' pace), at most ``plan.steps``; the
-    record names it so ``--steps N`` without a limit replays the same schedule."""
-    if first_step_s is None or done < 2:
+    limit holds (5% kept back) at the pace of the steps since ``mark`` (step, elapsed s when it started:
+    after the first step, which compiles, and after any profiled steps, which run slower; None: all steps),
+    at most ``plan.steps``; the record names it so ``--steps N`` without a limit replays the same schedule."""
+    if mark is None or done <= mark[0]:
         pace = elapsed_s / max(1, done)
     else:
-        pace = max(elapsed_s - first_step_s, 1e-9) / (done - 1)
+        pace = max(elapsed_s - mark[1], 1e-9) / (done - mark[0])
     return max(done + 1, min(plan.steps, done + int((plan.time_limit_s * 0.95 - elapsed_s) / pace)))
 
 
@@ -206,8 +206,38 @@ def _profile(prof, device: str, log):
     prof.__exit__(None, None, None)
     key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     n = PROFILED_STEPS[1] - PROFILED_STEPS[0]
-    log(f"profile of {n} steps, by {key}:\n" + prof.key_averages().table(sort_by=key, row_limit=25))
+    events = prof.key_averages()
+    log(f"profile of {n} steps, by {key}:\n" + events.table(sort_by=key, row_limit=25))
+    parts = sorted(((e.key, getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0), e.cpu_time_total)
+                    for e in events if e.key.startswith(PART_LABEL)), key=lambda r: -r[1])
+    log("forward by layer part (device / host ms, all profiled steps):\n" + "\n".join(
+        f"  {k[len(PART_LABEL):]:<28} {d / 1e3:9.1f} {c / 1e3:9.1f}" for k, d, c in parts))
     return None
+
+
+PART_LABEL = "k3:"  # the profiler ranges ``_label_parts`` opens
+
+
+def _label_parts(model) -> None:
+    """Profiler ranges around each layer part's forward (``k3:<layer kind>.<part class>``: KDA / MLA /
+    LatentMoE / dense MLP / AttnRes sums), so a profile says where the forward's time goes by part."""
+    from torch.autograd.profiler import record_function
+
+    for name, mod in model.named_modules():
+        bits = name.split(".")
+        if len(bits) != 4 or bits[:2] != ["model", "layers"] or not list(mod.parameters()):
+            continue
+        label = f"{PART_LABEL}{bits[3]}.{type(mod).__name__}"
+
+        def enter(m, _args, _label=label) -> None:
+            m._k3_range = record_function(_label)
+            m._k3_range.__enter__()
+
+        def leave(m, _args, _out) -> None:
+            m._k3_range.__exit__(None, None, None)
+
+        mod.register_forward_pre_hook(enter)
+        mod.register_forward_hook(leave)
 
 
 def _use_kda(model, choice: str, device: str, autotune: bool = False) -> str:
@@ -284,19 +314,25 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
                             lr=plan.lr, betas=(0.9, 0.95))
     gates, loads = _gate_loads(model)
+    if profile:
+        _label_parts(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
     curve, t0, done, steps = [], time.monotonic(), 0, plan.steps
-    prof, first_step_s = None, None
+    prof, first_step_s, mark = None, None, None
+    # the pace the schedule is fitted at: from the step after the first (compile) and the profiled ones
+    pace_from = PROFILED_STEPS[1] if profile and plan.warmup > PROFILED_STEPS[1] else 1
     log(f"step 0: the first forward and backward ({kda} KDA recurrence) compile and autotune what they launch")
     for step in range(plan.steps):
         if step >= steps:
             break
         if profile and step in PROFILED_STEPS:
             prof = _profile(prof, device, log)
+        if step == pace_from:
+            mark = (step, time.monotonic() - t0)
         if step == plan.warmup and plan.time_limit_s is not None:
-            steps = _fitted_steps(plan, step, time.monotonic() - t0, first_step_s)
-            first = "" if first_step_s is None else f" (the first {first_step_s:.1f} s)"
-            log(f"{step} steps in {time.monotonic() - t0:.1f} s{first}: the schedule is fitted to {steps} steps")
+            steps = _fitted_steps(plan, step, time.monotonic() - t0, mark)
+            since = "" if mark is None else f" ({(time.monotonic() - t0 - mark[1]) / (step - mark[0]):.2f} s a step since step {mark[0]})"
+            log(f"{step} steps in {time.monotonic() - t0:.1f} s{since}: the schedule is fitted to {steps} steps")
         if plan.time_limit_s is not None and time.monotonic() - t0 > plan.time_limit_s:
             log(f"time limit {plan.time_limit_s:.0f} s reached after {done} steps")
             break
@@ -332,7 +368,8 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
               "first_step_s": None if first_step_s is None else round(first_step_s, 2),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
               "torch": torch.__version__, "eval_seeds_excluded": list(EVAL_SEEDS), "eval_items_excluded": EVAL_EXCLUDE,
-              "loss_curve": curve, "fla_configs": None if kda != "fla" or plan.fla_autotune else
+              "loss_curve": curve,
+              "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None, "fla_configs": None if kda != "fla" or plan.fla_autotune else
               {"used": dict(PINNED.used), "skipped": dict(PINNED.skipped)}}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
