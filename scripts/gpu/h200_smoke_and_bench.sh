@@ -27,7 +27,8 @@
 #   tier:NAME k3-verify run --tier scripts/gpu/NAME.yaml (any tier file there, e.g. tier:decode-sweep-s5,
 #             tier:rank-emulation-s5, tier:equivalence-b64); K3_STEP_TIMEOUT applies as for the others
 #   sentinel-train  python -m k3_fastpath.sentinel.train --out /tmp/sentinel, its schedule fitted to 60 s
-#             under K3_STEP_TIMEOUT, K3_TRAIN_PROFILE=1 adds --profile (training.json and the log come
+#             under K3_STEP_TIMEOUT, K3_TRAIN_PROFILE=1 adds --profile, K3_TRAIN_ARGS more options (e.g.
+#             "--batch 64"; training.json and the log come
 #             back; the checkpoint stays in /tmp for a later call on the same warm machine)
 #   sentinel-repro  two 20-step sentinel trainings from the same seed: their checkpoint digests must match
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
@@ -102,7 +103,7 @@ for what in "$@"; do
       sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
       tp2) timeout -s TERM "$T" python3 scripts/gpu/tp2_check.py 2>&1 | tail -60 | tee "$OUT/tp2.log" || rc=1 ;;
       sentinel-train) rm -rf /tmp/sentinel
-        timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel --time-limit-s $((T - 60)) ${K3_TRAIN_PROFILE:+--profile} 2>&1 | tee "$OUT/sentinel-train.log" | tail -8
+        timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel --time-limit-s $((T - 60)) ${K3_TRAIN_PROFILE:+--profile} ${K3_TRAIN_ARGS:-} 2>&1 | tee "$OUT/sentinel-train.log" | tail -8
         [ -f /tmp/sentinel/training.json ] && cp /tmp/sentinel/training.json "$OUT/sentinel-training.json" || rc=1 ;;
       sentinel-repro) rm -rf /tmp/sentinel-r1 /tmp/sentinel-r2
         for i in 1 2; do timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel-r$i --steps 20 --warmup 5 2>&1 | tail -1 | tee -a "$OUT/sentinel-repro.log"; done
