@@ -246,3 +246,28 @@ def test_time_limit_stops_before_a_check_that_would_not_fit_and_resume_finishes(
     assert "time limit: none of the 1 checks left" in (root / "logs" / "run.log").read_text()
     verdict, root = _run(t, root, resume=True)
     assert verdict == "pass" and verify_bundle(root).ok
+
+
+def test_only_and_budget_narrow_the_tier_and_the_bundle_says_so(tmp_path):
+    """``--only`` plans and runs the named checks in tier order; ``--budget`` replaces a check's budget;
+    both are recorded (``config.tier_selection``, the check plan), and bad selections exit 2 naming why."""
+    t = _tier(tmp_path, "  - id: reference.determinism\n    budget_s: 30\n"
+                        "  - id: weights.roundtrip\n    budget_s: 30\n"
+                        "  - id: reference.prefill_decode_consistency\n    budget_s: 10\n")
+    verdict, root = _run(t, tmp_path / "b", only=["reference.prefill_decode_consistency", "reference.determinism"],
+                         budgets={"reference.determinism": 45})
+    m = json.loads((root / "manifest.json").read_text())
+    assert m["planned_checks"] == ["reference.determinism", "reference.prefill_decode_consistency"]
+    assert m["config"]["tier_selection"] == {"only": ["reference.prefill_decode_consistency", "reference.determinism"],
+                                             "budgets": {"reference.determinism": 45}}
+    assert m["config"]["check_plan"]["reference.determinism"]["budget_s"] == 45.0
+    assert set(m["config"]["check_plan"]) == set(m["planned_checks"]) and m["config"]["tier_budget_s"] == 55.0
+    assert verdict == "pass" and verify_bundle(root).ok
+    for args, why in ((["--only", "kernels.compile"], "is not in tier 't'"),
+                      (["--budget", "weights.roundtrip=-3"], "positive number of seconds"),
+                      (["--budget", "weights.roundtrip"], "expected CHECK=SECONDS"),
+                      (["--only", " , "], "at least one check id")):
+        r = subprocess.run([*CLI, "run", "--tier", str(t), "--device", "cpu", "--output", str(tmp_path / "x"), *args],
+                           capture_output=True, text=True, cwd=REPO, timeout=300)
+        assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
+        assert not (tmp_path / "x").exists()  # nothing half-written

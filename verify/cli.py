@@ -71,6 +71,10 @@ def run(
                                             "would end past this (the bundle ends interrupted; --resume goes on)"),
     sign: Path | None = typer.Option(None, "--sign", help="Ed25519 private key (keys new): sign the finished "
                                      "bundle (attestation.dsse.json, in the directory and the .tar.gz)"),
+    only: str | None = typer.Option(None, "--only", help="comma-separated check ids of the tier: plan and run "
+                                    "only those (in tier order; recorded in the bundle)"),
+    budget: list[str] = typer.Option([], "--budget", help="CHECK=SECONDS: that check's budget instead of the "
+                                     "tier's (repeatable; recorded in the bundle)"),
     fmt: str = FormatOpt,
 ) -> None:
     """Run a tier of checks and write a result bundle (directory + .tar.gz)."""
@@ -87,12 +91,33 @@ def run(
     verdict, root = run_tier(tier, output, preset, device, seed, out, argv=["k3-verify", *sys.argv[1:]],
                              engine=engine, baseline_engine=baseline_engine,
                              model_dir=str(model_dir) if model_dir else None, resume=resume,
-                             time_limit_s=time_limit)
+                             time_limit_s=time_limit, only=_check_ids(only), budgets=_budgets(budget))
     if signer is not None:
         _sign(root, signer, out)
     out.finish()
     if verdict == "fail" or (require_complete and verdict != "pass"):
         raise _Exit(EXIT_FAILED)
+
+
+def _check_ids(only: str | None) -> list[str] | None:
+    ids = [c.strip() for c in (only or "").split(",") if c.strip()]
+    if only is not None and not ids:
+        raise UserError("--only needs at least one check id")
+    return ids or None
+
+
+def _budgets(items: list[str]) -> dict[str, float] | None:
+    out: dict[str, float] = {}
+    for item in items:
+        cid, sep, value = item.partition("=")
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = 0.0
+        if not sep or not cid.strip() or not seconds > 0 or seconds == float("inf"):
+            raise UserError(f"--budget {item!r}: expected CHECK=SECONDS with a positive number of seconds")
+        out[cid.strip()] = seconds
+    return out or None
 
 
 @app.command()

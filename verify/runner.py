@@ -185,9 +185,12 @@ def _resume_problem(manifest: dict[str, Any], tier: Any, preset: str, device: st
 def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed: int, out: Output,
              argv: list[str], overrides: dict[str, dict[str, Any]] | None = None, engine: str | None = None,
              baseline_engine: str | None = None, model_dir: str | None = None,
-             resume: bool = False, time_limit_s: float | None = None) -> tuple[str, Path]:
+             resume: bool = False, time_limit_s: float | None = None, only: list[str] | None = None,
+             budgets: dict[str, float] | None = None) -> tuple[str, Path]:
     """Run ``tier_name`` into the bundle at ``output`` (or a new ``bundles/local/<stamp>``); ``resume``
-    continues the unfinished bundle at ``output``, running only the checks without a result.
+    continues the unfinished bundle at ``output``, running only the checks without a result. ``only`` /
+    ``budgets``: the tier's checks narrowed to those ids / given other budgets (``tiers.select_checks``;
+    the bundle plans only those and records the selection as ``config.tier_selection``).
     ``time_limit_s``: start no check whose budget would end past this many seconds from now (the first
     check of the part always starts); the bundle then ends ``interrupted``, to be resumed."""
     import json
@@ -195,10 +198,12 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
     from verify import environment
     from verify.bundle.schema import BundleError
     from verify.bundle.writer import BundleWriter, sealed_results
-    from verify.tiers import TierError, load_tier
+    from verify.tiers import TierError, load_tier, select_checks
 
     try:
         tier = load_tier(tier_name)
+        if only or budgets:
+            tier = select_checks(tier, only, budgets)
     except TierError as e:
         raise UserError(str(e)) from None
     # every check's parameters (tier overrides, then the caller's) and budget, resolved once: what runs, and
@@ -256,7 +261,9 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
                 config={"preset": preset, "weights": source.weights(), "model": source.manifest(), "device": device,
                         "tier_source": tier.source, "cpu_threads": cpu_threads,
                         "tier_budget_s": tier.budget_s, "tier_target_s": tier.target_s,
-                        "check_plan": check_plan},
+                        "check_plan": check_plan,
+                        **({"tier_selection": {"only": list(only or []), "budgets": dict(budgets or {})}}
+                           if only or budgets else {})},
                 seeds={"global": seed}, env=env, part=part,
             )
     except BundleError as e:

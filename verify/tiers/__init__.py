@@ -20,6 +20,7 @@ field (the CLI exits 2 with it).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,3 +128,21 @@ def load_tier(name_or_path: str) -> Tier:
                         f"{target:.0f} s (lower a check's size or budget, or raise target_s)")
     return Tier(str(raw["name"]), str(raw["description"]), float(target), tuple(specs), str(path),
                 None if part_limit is None else float(part_limit))
+
+
+def select_checks(tier: Tier, only: list[str] | None = None, budgets: dict[str, float] | None = None) -> Tier:
+    """``tier`` narrowed to the checks ``only`` names (tier order kept) and with the check budgets
+    ``budgets`` gives (seconds); the caller records the selection. Unknown or unplanned ids and non-positive
+    budgets raise ``TierError`` naming the tier's checks."""
+    known = tier.check_ids
+    for cid in [*(only or []), *(budgets or {})]:
+        if cid not in known:
+            raise TierError(f"check {cid!r} is not in tier {tier.name!r} (its checks: {', '.join(known)})")
+    bad = [f"{c}={b}" for c, b in (budgets or {}).items()
+           if isinstance(b, bool) or not isinstance(b, (int, float)) or b <= 0]
+    if bad:
+        raise TierError(f"a check budget must be a positive number of seconds, got {', '.join(bad)}")
+    keep = set(only) if only else set(known)
+    checks = tuple(dataclasses.replace(c, budget_s=float((budgets or {}).get(c.id, c.budget_s)))
+                   for c in tier.checks if c.id in keep)
+    return dataclasses.replace(tier, checks=checks)
