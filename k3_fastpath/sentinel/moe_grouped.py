@@ -39,8 +39,11 @@ def grouped_routed(moe, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
     block = z.new_zeros(n_exp, cap, z.shape[-1]).index_put((expert, slot), z[rows])
     first = moe.experts[0]
 
-    def stacked(name: str) -> Tensor:
-        return torch.stack([getattr(e, name).dense(dt) for e in moe.experts]).transpose(1, 2)
+    def stacked(name: str) -> Tensor:  # [E, in, out]: BF16 training weights stacked, then cast once
+        mats = [getattr(e, name) for e in moe.experts]
+        if all(isinstance(getattr(m, "weight", None), torch.nn.Parameter) for m in mats):
+            return torch.stack([m.weight for m in mats]).to(dt).transpose(1, 2)
+        return torch.stack([m.dense(dt) for m in mats]).transpose(1, 2)
 
     h = situ_glu(torch.bmm(block, stacked("w1")), torch.bmm(block, stacked("w3")), first.beta, first.linear_beta)
     y = torch.bmm(h.to(dt), stacked("w2"))[expert, slot]  # [pairs, latent] in the sorted order
