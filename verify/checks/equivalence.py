@@ -188,13 +188,12 @@ def check_model(ctx: CheckContext, preset: str, conditioning: str | None) -> tup
 
 def _keep_reference_experts_dense(model: Any, when: Any) -> int:
     """``cache_dense_experts`` per ``when`` (True / False / "auto"); the bytes kept."""
-    from k3_fastpath.reference.moe import cache_dense_experts, mxfp4_expert_dense_bytes
+    from k3_fastpath.reference.moe import cache_dense_experts, keep_dense_experts_if_room
 
     if when not in (True, False, "auto"):
         raise ValueError(f"reference_dense_experts must be true, false or 'auto', got {when!r}")
     if when == "auto":
-        need = mxfp4_expert_dense_bytes(model)
-        when = model.device.type == "cuda" and need < 0.4 * torch.cuda.mem_get_info(model.device)[0]
+        return keep_dense_experts_if_room(model)
     return cache_dense_experts(model) if when else 0
 
 

@@ -12,7 +12,9 @@
 - speculative decoding (``path`` with ``+spec=ngram:K``, ``k3_fastpath.runtime.spec_decode``): every
   request of more than one token runs verify steps of up to ``K`` drafts on the stepper; each
   completion's ``extra["acceptance"]`` holds its per-position acceptance counts;
-- the stepper: ``path="reference"`` runs the PyTorch reference (``K3ForCausalLM``, the standard path);
+- the stepper: ``path="reference"`` runs the PyTorch reference (``K3ForCausalLM``, the standard path; on
+  a GPU with room its MXFP4 experts are kept dequantised, ``describe()["dense_experts_bytes"]``: bitwise
+  the same results without dequantising every expert at every step);
   ``path="fast"`` runs the fast-path ``DecodeExecutor`` (``k3_fastpath/runtime/executor.py``), which needs
   the CuTe DSL and an sm_90 GPU: anywhere else it raises ``EngineError`` saying what is missing;
 - the text side: a checkpoint's own tokenizer, or for a synthetic model the tiny trained tokenizer
@@ -147,6 +149,12 @@ class BuiltinEngine:
                               f"({cfg.name}'s max_position_embeddings)")
         self.model = load_reference(cfg, sd, dtype=self.dtype, device=self.device).eval()
         del sd
+        self.dense_experts_bytes = 0  # the reference path keeps its MXFP4 experts dequantised where they fit
+        if path == "reference":
+            from k3_fastpath.reference.moe import keep_dense_experts_if_room
+
+            # a tenth of the free memory at most: the engine stays alive beside later checks' models
+            self.dense_experts_bytes = keep_dense_experts_if_room(self.model, share=0.1)
         self.speculation: Any = None
         if "spec" in opts:
             from k3_fastpath.runtime.spec_decode import SpecConfig, Speculation
@@ -328,6 +336,7 @@ class BuiltinEngine:
             "max_model_len": self.max_model_len, "vocab_size": self.vocab_size,
             "eos_token_ids": list(self.eos_token_ids), "tokenizer": self._tokenizer_desc or self._no_tokenizer,
             "stepper": type(self.generator.stepper).__name__, "torch": torch.__version__,
+            "dense_experts_bytes": self.dense_experts_bytes,
             "xgrammar": xgrammar_version(), "steps": dict(self.generator.steps),
             **({"fast_path_trace": self.generator.stepper.trace.summary()}
                if hasattr(self.generator.stepper, "trace") else {}),
