@@ -137,3 +137,10 @@ def test_an_error_making_a_batch_reaches_the_training_loop():
     ahead = sentinel_train.BatchesAhead(Broken())
     with pytest.raises(ValueError, match="no rows"):
         ahead.next("cpu")
+
+
+def test_a_one_step_warmup_with_a_time_limit_fits_the_schedule(tmp_path):
+    """The pace is measured from step 1; with ``warmup 1`` the schedule is fitted at step 1 itself."""
+    plan = dataclasses.replace(PLAN, steps=4, time_limit_s=600.0)
+    rec = sentinel_train.train(plan, tmp_path / "w1", "cpu", log=lambda _: None)
+    assert rec["steps_done"] == 4 and rec["steps_scheduled"] == 4

@@ -12,8 +12,8 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only; a row
   holds as many whole items as fit ``seq_len`` one after another (``pack``; no state reset between them,
   as language-model pretraining packs documents), or one item (``--no-pack``);
-- the routed experts grouped once per layer (``moe_grouped``; ``--moe reference`` keeps the reference's
-  per-expert loop);
+- the routed experts as three batched GEMMs over all experts (``moe_grouped``; ``--moe reference`` keeps
+  the reference's per-expert loop);
 - the KDA recurrence: fla's fused ``chunk_kda`` on CUDA (``fla_kda``; ``--kda reference`` keeps the
   reference's chunked form), the reference's elsewhere;
 - AdamW (FP32 master weights, BF16 autocast on CUDA), linear warm-up then cosine decay, gradient clip;
@@ -84,7 +84,7 @@ class TrainPlan:
     time_limit_s: float | None = None
     pack: bool = True  # rows hold as many whole items as fit seq_len (one after another, no reset between)
     kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
-    moe: str = "grouped"  # the routed experts: grouped (moe_grouped: one host read per layer) or reference
+    moe: str = "grouped"  # the routed experts: grouped (moe_grouped: batched over experts) or reference
     fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
     # choices) instead of pinned configs (fla_kda.pin_fla_configs)
 
@@ -321,7 +321,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     prof, first_step_s, mark = None, None, None
     # the pace the schedule is fitted at: from the step after the first (compile) and the profiled ones
     pace_from = PROFILED_STEPS[1] if profile and plan.warmup > PROFILED_STEPS[1] else 1
-    log(f"step 0: the first forward and backward ({kda} KDA recurrence) compile and autotune what they launch")
+    log(f"step 0: the first forward and backward ({kda} KDA recurrence) compile what they launch")
     for step in range(plan.steps):
         if step >= steps:
             break
@@ -331,7 +331,8 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
             mark = (step, time.monotonic() - t0)
         if step == plan.warmup and plan.time_limit_s is not None:
             steps = _fitted_steps(plan, step, time.monotonic() - t0, mark)
-            since = "" if mark is None else f" ({(time.monotonic() - t0 - mark[1]) / (step - mark[0]):.2f} s a step since step {mark[0]})"
+            since = ("" if mark is None or step <= mark[0] else
+                     f" ({(time.monotonic() - t0 - mark[1]) / (step - mark[0]):.2f} s a step since step {mark[0]})")
             log(f"{step} steps in {time.monotonic() - t0:.1f} s{since}: the schedule is fitted to {steps} steps")
         if plan.time_limit_s is not None and time.monotonic() - t0 > plan.time_limit_s:
             log(f"time limit {plan.time_limit_s:.0f} s reached after {done} steps")
