@@ -126,6 +126,8 @@ def test_pinning_leaves_one_config_per_call_chosen_by_the_rule(monkeypatch):
     assert set(pinned.used) == {"kernel_a", "kernel_b"} and "BK: 64" in pinned.used["kernel_a"]
     fla_kda.pin_fla_configs(("fla.ops.k3_test_kernels",))  # pinning twice wraps once
     assert len(b.prune_configs({})) == 1
+    pinned.unpin_all()  # autotuning back: Triton's own pruning, every config offered
+    assert len(a.prune_configs({})) == 54 and not hasattr(a, "_k3_pinned") and pinned.tuners == []
     del mod
 
 

@@ -46,14 +46,23 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("t,pad", [(64, 0), (200, 0), (200, 37)])
 def test_fla_matches_the_reference_recurrence_and_its_gradients(t, pad):
-    from k3_fastpath.sentinel.fla_kda import fla_kda_chunked, fla_unavailable_reason
+    from k3_fastpath.sentinel.fla_kda import fla_unavailable_reason
 
     if fla_unavailable_reason("cuda"):
         pytest.skip(fla_unavailable_reason("cuda"))
     import fla.ops.kda  # noqa: F401
 
-    from k3_fastpath.sentinel.fla_kda import pin_fla_configs
+    from k3_fastpath.sentinel.fla_kda import PINNED, pin_fla_configs
     assert pin_fla_configs() > 10  # the configs training runs (no autotuning: the test compiles in seconds)
+    try:
+        _compare(t, pad)
+    finally:  # later tests in this process (the standard path's fla kernels) autotune as they do in a run
+        PINNED.unpin_all()
+
+
+def _compare(t: int, pad: int) -> None:
+    from k3_fastpath.sentinel.fla_kda import fla_kda_chunked
+
     b, h, d = 3, 6, 128
     inputs = _inputs(b, t, h, d, seed=t + pad, pad=pad)
     gen = torch.Generator(device="cuda").manual_seed(7)

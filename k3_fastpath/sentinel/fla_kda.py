@@ -66,6 +66,7 @@ class PinnedConfigs:
     def __init__(self) -> None:
         self.used: dict[str, str] = {}
         self.skipped: dict[str, list[str]] = {}
+        self.tuners: list[Any] = []
 
     @staticmethod
     def choose(configs: list) -> Any:
@@ -114,6 +115,15 @@ class PinnedConfigs:
                     tuner.cache.clear()  # every key picks again, without it
 
         tuner.prune_configs, tuner.run, tuner._k3_pinned = prune_to_one, run_pinned, True
+        self.tuners.append(tuner)
+
+    def unpin_all(self) -> None:
+        """Give every pinned tuner back its own autotuning (its cached picks dropped)."""
+        for tuner in self.tuners:
+            for attr in ("prune_configs", "run", "_k3_pinned"):
+                tuner.__dict__.pop(attr, None)
+            tuner.cache.clear()
+        self.tuners.clear()
 
 
 PINNED = PinnedConfigs()
@@ -149,8 +159,9 @@ def autotuners(module_prefixes: tuple[str, ...] = FLA_MODULES) -> list[Any]:
 
 
 def pin_fla_configs(module_prefixes: tuple[str, ...] = FLA_MODULES) -> int:
-    """Pin every autotuned kernel of the imported fla modules (``PinnedConfigs.pin``); returns how many.
-    Import what will run first (``fla.ops.kda`` imports all that ``chunk_kda`` launches)."""
+    """Pin every autotuned kernel of the imported fla modules (``PinnedConfigs.pin``) for the rest of the
+    process (training runs in its own; ``PINNED.unpin_all()`` undoes it); returns how many. Import what
+    will run first (``fla.ops.kda`` imports all that ``chunk_kda`` launches)."""
     tuners = autotuners(module_prefixes)
     for t in tuners:
         PINNED.pin(t)
