@@ -72,6 +72,9 @@ source .gpuwheels/b/env.sh || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/tmp/pip.log 2>&1 || { cat /tmp/pip.log; exit 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/nvidia-smi.csv"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
+# the GPU in the bundles' names (h200, h100, ...): the device tool may hand out either
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -oE 'H[0-9]+' | head -1 | tr 'H' 'h')
+gpu=${gpu:-gpu}
 mkdir -p /tmp/bundles
 rc=0
 T=${K3_STEP_TIMEOUT:-520}
@@ -85,22 +88,22 @@ for what in "$@"; do
   for s in $steps; do
     echo "=== step $s ($(date -u +%T))"
     case "$s" in
-      smoke) timeout -s TERM "$T" python3 -m verify.cli run --tier smoke --output "/tmp/bundles/$stamp-h200-smoke" 2>&1 | tee "$OUT/smoke.log" || rc=1 ;;
-      bench) timeout -s TERM "$T" python3 -m verify.cli bench kernels --output "/tmp/bundles/$stamp-h200-bench-kernels" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
-      kernels2) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/kernels-ii.yaml --output "/tmp/bundles/$stamp-h200-kernels-ii" 2>&1 | tee "$OUT/kernels2.log" || rc=1 ;;
-      numerics) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/kernels-numerics.yaml --output "/tmp/bundles/$stamp-h200-kernels-numerics" 2>&1 | tee "$OUT/numerics.log" || rc=1 ;;
-      sweep) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/gemm-sweep.yaml --output "/tmp/bundles/$stamp-h200-gemm-sweep" 2>&1 | tee "$OUT/sweep.log" || rc=1 ;;
+      smoke) timeout -s TERM "$T" python3 -m verify.cli run --tier smoke --output "/tmp/bundles/$stamp-$gpu-smoke" 2>&1 | tee "$OUT/smoke.log" || rc=1 ;;
+      bench) timeout -s TERM "$T" python3 -m verify.cli bench kernels --output "/tmp/bundles/$stamp-$gpu-bench-kernels" 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+      kernels2) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/kernels-ii.yaml --output "/tmp/bundles/$stamp-$gpu-kernels-ii" 2>&1 | tee "$OUT/kernels2.log" || rc=1 ;;
+      numerics) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/kernels-numerics.yaml --output "/tmp/bundles/$stamp-$gpu-kernels-numerics" 2>&1 | tee "$OUT/numerics.log" || rc=1 ;;
+      sweep) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/gemm-sweep.yaml --output "/tmp/bundles/$stamp-$gpu-gemm-sweep" 2>&1 | tee "$OUT/sweep.log" || rc=1 ;;
       gputests) timeout -s TERM "$T" python3 -m pytest -q -m gpu -p no:cacheprovider ${K3_GPU_TESTS:-tests/} 2>&1 | tail -60 | tee "$OUT/gputests.log" || rc=1 ;;
       executor) timeout -s TERM "$T" python3 scripts/gpu/decode_executor_check.py 2>&1 | tail -80 | tee "$OUT/executor.log" || rc=1 ;;
-      decode) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-quick.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep" 2>&1 | tee "$OUT/decode.log" || rc=1 ;;
-      decodes3) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s3.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s3" 2>&1 | tee "$OUT/decodes3.log" || rc=1 ;;
-      decodemini) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-mini.yaml --output "/tmp/bundles/$stamp-h200-decode-mini" 2>&1 | tee "$OUT/decodemini.log" || rc=1 ;;
-      equiv) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-grid.yaml --output "/tmp/bundles/$stamp-h200-equivalence-grid" 2>&1 | tee "$OUT/equiv.log" || rc=1 ;;
-      equiv32) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-32k.yaml --output "/tmp/bundles/$stamp-h200-equivalence-32k" 2>&1 | tee "$OUT/equiv32.log" || rc=1 ;;
-      equiv128) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-128k.yaml --output "/tmp/bundles/$stamp-h200-equivalence-128k" 2>&1 | tee "$OUT/equiv128.log" || rc=1 ;;
-      decodes4) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s4.yaml --output "/tmp/bundles/$stamp-h200-decode-sweep-s4" 2>&1 | tee "$OUT/decodes4.log" || rc=1 ;;
-      rankemu) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/rank-emulation.yaml --output "/tmp/bundles/$stamp-h200-rank-emulation" 2>&1 | tee "$OUT/rankemu.log" || rc=1 ;;
-      sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-h200-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
+      decode) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-quick.yaml --output "/tmp/bundles/$stamp-$gpu-decode-sweep" 2>&1 | tee "$OUT/decode.log" || rc=1 ;;
+      decodes3) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s3.yaml --output "/tmp/bundles/$stamp-$gpu-decode-sweep-s3" 2>&1 | tee "$OUT/decodes3.log" || rc=1 ;;
+      decodemini) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-mini.yaml --output "/tmp/bundles/$stamp-$gpu-decode-mini" 2>&1 | tee "$OUT/decodemini.log" || rc=1 ;;
+      equiv) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-grid.yaml --output "/tmp/bundles/$stamp-$gpu-equivalence-grid" 2>&1 | tee "$OUT/equiv.log" || rc=1 ;;
+      equiv32) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-32k.yaml --output "/tmp/bundles/$stamp-$gpu-equivalence-32k" 2>&1 | tee "$OUT/equiv32.log" || rc=1 ;;
+      equiv128) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/equivalence-128k.yaml --output "/tmp/bundles/$stamp-$gpu-equivalence-128k" 2>&1 | tee "$OUT/equiv128.log" || rc=1 ;;
+      decodes4) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s4.yaml --output "/tmp/bundles/$stamp-$gpu-decode-sweep-s4" 2>&1 | tee "$OUT/decodes4.log" || rc=1 ;;
+      rankemu) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/rank-emulation.yaml --output "/tmp/bundles/$stamp-$gpu-rank-emulation" 2>&1 | tee "$OUT/rankemu.log" || rc=1 ;;
+      sanitizer) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/sanitizer.yaml --output "/tmp/bundles/$stamp-$gpu-sanitizer" 2>&1 | tee "$OUT/sanitizer.log" || rc=1 ;;
       tp2) timeout -s TERM "$T" python3 scripts/gpu/tp2_check.py 2>&1 | tail -60 | tee "$OUT/tp2.log" || rc=1 ;;
       sentinel-train) rm -rf /tmp/sentinel
         timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel --time-limit-s $((T - 60)) ${K3_TRAIN_PROFILE:+--profile} ${K3_TRAIN_ARGS:-} 2>&1 | tee "$OUT/sentinel-train.log" | tail -8
@@ -114,14 +117,14 @@ for what in "$@"; do
       sentinel-evals) E=${K3_EVAL_S:-300}
         if [ -f /tmp/sentinel/training.json ]; then
           K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
-            --output "/tmp/bundles/$stamp-h200-sentinel-evals" --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-evals.log" || rc=1
+            --output "/tmp/bundles/$stamp-$gpu-sentinel-evals" --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-evals.log" || rc=1
         else echo "sentinel-evals: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
       sentinel-defects) E=${K3_EVAL_S:-300}
-        clean=$(ls -d /tmp/bundles/*-h200-sentinel-evals 2>/dev/null | tail -1)
+        clean=$(ls -d /tmp/bundles/*-sentinel-evals 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
           planted=()
           for d in ${K3_DEFECTS:-$(python3 -m verify.defects list)}; do
-            planted+=("/tmp/bundles/$stamp-h200-sentinel-defect-$d")
+            planted+=("/tmp/bundles/$stamp-$gpu-sentinel-defect-$d")
             K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
               --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
               --output "${planted[-1]}" --time-limit $((E - 20)) 2>&1 | tail -12 | tee -a "$OUT/sentinel-defects.log"
@@ -143,7 +146,7 @@ for what in "$@"; do
         [ "${PIPESTATUS[0]}" = 1 ] && echo "auditplant: the fabricated record was found (exit 1)" || { echo "auditplant: NOT found"; rc=1; } ;;
       tier:*) name=${s#tier:}
         if [ -f "scripts/gpu/$name.yaml" ]; then
-          timeout -s TERM "$T" python3 -m verify.cli run --tier "scripts/gpu/$name.yaml" --output "/tmp/bundles/$stamp-h200-$name" 2>&1 | tee "$OUT/$name.log" || rc=1
+          timeout -s TERM "$T" python3 -m verify.cli run --tier "scripts/gpu/$name.yaml" --output "/tmp/bundles/$stamp-$gpu-$name" 2>&1 | tee "$OUT/$name.log" || rc=1
         else echo "no tier file scripts/gpu/$name.yaml"; rc=2; fi ;;
       triton-cache) if [ -d /tmp/triton-cache ]; then tar -C /tmp/triton-cache -cz . | split -b 15M - "$OUT/triton-cache.tar.gz.part-" &&
           du -ch "$OUT"/triton-cache.tar.gz.part-* | tail -1
