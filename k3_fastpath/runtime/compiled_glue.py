@@ -23,7 +23,7 @@ Capture safety (a compile during capture would launch autotuning benchmarks and 
    a dynamo guard failing for a reason the key does not cover (a global, a tensor subclass) raises, re-raised
    as ``CompileDuringCaptureError`` with dynamo's guard message, instead of recompiling;
 3. dynamo's per-function recompile limit (8 by default; the AttnRes mix alone has one key per source count
-   per bucket, ~56 at K3 TP16) is raised once, at the first compile (``_raise_recompile_limits``): hitting it
+   per bucket, ~56 at K3 TP16) is raised once, at the first compile (``raise_recompile_limits``): hitting it
    would make dynamo skip the function's code for good, i.e. silently run it eagerly.
 
 Fallbacks, never a failed step: a non-CUDA tensor runs the eager function (torch.compile on a CPU needs a C++
@@ -78,7 +78,7 @@ def compile_unavailable(device: torch.device | str) -> str | None:
 _LIMITS_RAISED = False
 
 
-def _raise_recompile_limits() -> None:
+def raise_recompile_limits() -> None:
     """Raise dynamo's recompile limits (process-wide, only ever upward) to ``RECOMPILE_LIMIT`` keys per
     function: each static shape is one cache entry of the same code object (see the module docstring, 3)."""
     global _LIMITS_RAISED
@@ -161,7 +161,7 @@ class GlueFn:
             return self.fn(*args, **kwargs)
         try:
             if self._compiled is None:
-                _raise_recompile_limits()
+                raise_recompile_limits()
                 self._compiled = torch.compile(self.fn, **self.compile_kwargs)
             out = self._compiled(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - any compile failure: serve eagerly, say why

@@ -14,6 +14,7 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   as language-model pretraining packs documents), or one item (``--no-pack``);
 - the routed experts as three batched GEMMs over all experts (``moe_grouped``; ``--moe reference`` keeps
   the reference's per-expert loop);
+- with ``--compile-glue``, the reference's FP32 elementwise glue through ``torch.compile`` (``train_glue``);
 - the KDA recurrence: fla's fused ``chunk_kda`` on CUDA (``fla_kda``; ``--kda reference`` keeps the
   reference's chunked form), the reference's elsewhere;
 - AdamW (FP32 master weights, BF16 autocast on CUDA), linear warm-up then cosine decay, gradient clip;
@@ -54,6 +55,7 @@ from .checkpoint import training_config, write_trained_checkpoint
 from .fla_kda import PINNED
 from .moe_grouped import use_grouped_routed
 from .tokenizer import build_sentinel_tokenizer, save_tokenizer
+from .train_glue import compiled_glue
 
 EVAL_SEEDS = (0,)  # the eval files' seeds the tiers use (verify/checks/evals.py)
 EVAL_EXCLUDE = {"gsm8k": 2000, "aime25": 2000, "mrcr": 200}  # eval items per file and seed kept out of
@@ -85,6 +87,7 @@ class TrainPlan:
     pack: bool = True  # rows hold as many whole items as fit seq_len (one after another, no reset between)
     kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
     moe: str = "grouped"  # the routed experts: grouped (moe_grouped: batched over experts) or reference
+    compile_glue: bool = False  # the reference's elementwise glue through torch.compile (train_glue)
     fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
     # choices) instead of pinned configs (fla_kda.pin_fla_configs)
 
@@ -321,50 +324,53 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     prof, first_step_s, mark = None, None, None
     # the pace the schedule is fitted at: from the step after the first (compile) and the profiled ones
     pace_from = PROFILED_STEPS[1] if profile and plan.warmup > PROFILED_STEPS[1] else 1
-    log(f"step 0: the first forward and backward ({kda} KDA recurrence) compile what they launch")
-    for step in range(plan.steps):
-        if step >= steps:
-            break
-        if profile and step in PROFILED_STEPS:
-            prof = _profile(prof, device, log)
-        if step == pace_from:
-            mark = (step, time.monotonic() - t0)
-        if step == plan.warmup and plan.time_limit_s is not None:
-            steps = _fitted_steps(plan, step, time.monotonic() - t0, mark)
-            since = ("" if mark is None or step <= mark[0] else
-                     f" ({(time.monotonic() - t0 - mark[1]) / (step - mark[0]):.2f} s a step since step {mark[0]})")
-            log(f"{step} steps in {time.monotonic() - t0:.1f} s{since}: the schedule is fitted to {steps} steps")
-        if plan.time_limit_s is not None and time.monotonic() - t0 > plan.time_limit_s:
-            log(f"time limit {plan.time_limit_s:.0f} s reached after {done} steps")
-            break
-        ids, lengths, mask = data.next(device)
-        for group in opt.param_groups:
-            group["lr"] = _lr(plan, step, steps)
-        for c in loads:
-            c.zero_()
-        with autocast:
-            logits = model._run(ids, lengths, model.new_cache(ids.shape[0], ids.shape[1]), "plain")
-        pred, gold = logits[:, :-1].float(), ids[:, 1:]
-        loss = F.cross_entropy(pred[mask[:, 1:]], gold[mask[:, 1:]])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, plan.clip)
-        opt.step()
-        with torch.no_grad():
-            for gate, c in zip(gates, loads, strict=True):
-                gate.e_score_correction_bias.add_(plan.bias_rate * torch.sign(c.mean() - c))
-        done += 1
-        if first_step_s is None:
-            if device.startswith("cuda"):
+    with compiled_glue(plan.compile_glue) as glue:
+        log(f"step 0: the first forward and backward ({kda} KDA recurrence) compile what they launch")
+        for step in range(plan.steps):
+            if step >= steps:
+                break
+            if profile and step in PROFILED_STEPS:
+                prof = _profile(prof, device, log)
+            if step == pace_from:
+                mark = (step, time.monotonic() - t0)
+            if step == plan.warmup and plan.time_limit_s is not None:
+                steps = _fitted_steps(plan, step, time.monotonic() - t0, mark)
+                since = ("" if mark is None or step <= mark[0] else
+                         f" ({(time.monotonic() - t0 - mark[1]) / (step - mark[0]):.2f} s a step since step {mark[0]})")
+                log(f"{step} steps in {time.monotonic() - t0:.1f} s{since}: the schedule is fitted to {steps} steps")
+            if plan.time_limit_s is not None and time.monotonic() - t0 > plan.time_limit_s:
+                log(f"time limit {plan.time_limit_s:.0f} s reached after {done} steps")
+                break
+            ids, lengths, mask = data.next(device)
+            for group in opt.param_groups:
+                group["lr"] = _lr(plan, step, steps)
+            for c in loads:
+                c.zero_()
+            with autocast:
+                logits = model._run(ids, lengths, model.new_cache(ids.shape[0], ids.shape[1]), "plain")
+            pred, gold = logits[:, :-1].float(), ids[:, 1:]
+            loss = F.cross_entropy(pred[mask[:, 1:]], gold[mask[:, 1:]])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, plan.clip)
+            opt.step()
+            with torch.no_grad():
+                for gate, c in zip(gates, loads, strict=True):
+                    gate.e_score_correction_bias.add_(plan.bias_rate * torch.sign(c.mean() - c))
+            done += 1
+            if first_step_s is None:
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                first_step_s = time.monotonic() - t0
+                log(f"step 0 took {first_step_s:.1f} s")
+            if device.startswith("cuda") and profile and step + 1 in PROFILED_STEPS:
                 torch.cuda.synchronize()
-            first_step_s = time.monotonic() - t0
-            log(f"step 0 took {first_step_s:.1f} s")
-        if device.startswith("cuda") and profile and step + 1 in PROFILED_STEPS:
-            torch.cuda.synchronize()
-        if step % 10 == 0 or step == steps - 1:
-            curve.append({"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)})
-            log(f"step {step}: loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)")
-    record = {"plan": dataclasses.asdict(plan), "kda_impl": kda, "steps_done": done, "steps_scheduled": steps,
+            if step % 10 == 0 or step == steps - 1:
+                curve.append({"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)})
+                log(f"step {step}: loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)")
+
+    record = {"plan": dataclasses.asdict(plan), "kda_impl": kda, "compiled_glue": glue or None,
+              "steps_done": done, "steps_scheduled": steps,
               "reproduce": f"--steps {steps}" + ("" if steps == plan.steps else " (the time limit's fitted schedule)"), "train_s": round(time.monotonic() - t0, 2),
               "first_step_s": None if first_step_s is None else round(first_step_s, 2),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
