@@ -251,7 +251,8 @@ def test_a_long_prefill_attends_in_query_slices_with_the_same_result(m64, gen, m
     whole = m64.prefill(ids, lens, m64.new_cache(2, 9))
     calls = []
     real = GatedMLA._attend_plain
-    monkeypatch.setattr(GatedMLA, "_attend_plain", lambda self, *a: calls.append(a[0].shape[1]) or real(self, *a))
+    monkeypatch.setattr(GatedMLA, "_attend_plain",
+                        lambda self, *a, **kw: calls.append(a[0].shape[1]) or real(self, *a, **kw))
     monkeypatch.setattr(mla_mod, "SCORE_ELEMENTS", 2 * CFG.num_attention_heads * 9 * 4)  # 4 queries a pass
     sliced = m64.prefill(ids, lens, m64.new_cache(2, 9))
     assert calls == [4, 4, 1] * len(CFG.mla_layer_ids)

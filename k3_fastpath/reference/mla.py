@@ -140,17 +140,22 @@ class GatedMLA(nn.Module):
         c_kv, k_pe = kv[..., : self.rank], kv[..., self.rank:]
         return torch.cat([self.kv_a_layernorm(c_kv), k_pe], dim=-1)
 
-    def _attend_plain(self, q_nope, q_pe, lat, mask):
-        """Up-projected keys/values. ``lat [B, S, D]``; ``mask [B, T, S]`` -> ``[B, T, heads, v]``."""
+    def _attend_plain(self, q_nope, q_pe, lat, mask, keys=None):
+        """Up-projected keys/values. ``lat [B, S, D]``; ``mask [B, T, S]`` -> ``[B, T, heads, v]``; ``keys``:
+        ``_plain_keys(lat)`` when the caller has them (a sliced prefill computes them once)."""
         dt = q_nope.dtype
         cdt = compute_dtype(dt)
+        k_nope, v, k_pe = self._plain_keys(lat, cdt) if keys is None else keys
+        scores = (torch.einsum("bthd,bshd->bhts", q_nope.to(cdt), k_nope)
+                  + torch.einsum("bthd,bsd->bhts", q_pe.to(cdt), k_pe)) * self.softmax_scale
+        probs = self._softmax(scores, mask)
+        return torch.einsum("bhts,bshd->bthd", probs, v).to(dt)
+
+    def _plain_keys(self, lat: torch.Tensor, cdt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The up-projected keys and values of ``lat [B, S, D]`` in ``cdt``: ``(k_nope, v, k_pe)``."""
         c, k_pe = lat[..., : self.rank], lat[..., self.rank:]
         kv = F.linear(c, self.kv_b_proj.weight).view(*c.shape[:2], self.num_heads, self.nope + self.v_dim)
-        k_nope, v = kv[..., : self.nope], kv[..., self.nope:]
-        scores = (torch.einsum("bthd,bshd->bhts", q_nope.to(cdt), k_nope.to(cdt))
-                  + torch.einsum("bthd,bsd->bhts", q_pe.to(cdt), k_pe.to(cdt))) * self.softmax_scale
-        probs = self._softmax(scores, mask)
-        return torch.einsum("bhts,bshd->bthd", probs, v.to(cdt)).to(dt)
+        return kv[..., : self.nope].to(cdt), kv[..., self.nope:].to(cdt), k_pe.to(cdt)
 
     def _attend_absorbed(self, q_nope, q_pe, lat, mask):
         """Scores against the cached latent directly; the output is up-projected after the sum."""
@@ -217,8 +222,10 @@ class GatedMLA(nn.Module):
         rows = max(1, SCORE_ELEMENTS // max(1, b * self.num_heads * s))  # queries per pass
         if rows >= t:
             o = attend(q_nope, q_pe, lat, mask)
-        else:  # a long prefill: the queries in slices (each row's softmax is its own), scores bounded
-            o = torch.cat([attend(q_nope[:, i: i + rows], q_pe[:, i: i + rows], lat, mask[:, i: i + rows])
+        else:  # a long prefill: the queries in slices (each row's softmax is its own), scores bounded; the
+            # plain path's keys and values up-projected once for all slices
+            kw = {"keys": self._plain_keys(lat, compute_dtype(x.dtype))} if mode == "plain" else {}
+            o = torch.cat([attend(q_nope[:, i: i + rows], q_pe[:, i: i + rows], lat, mask[:, i: i + rows], **kw)
                            for i in range(0, t, rows)], dim=1)
         o = o.reshape(b, t, self.num_heads * self.v_dim)
         if self.g_proj is not None:
