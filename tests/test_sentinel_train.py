@@ -96,28 +96,39 @@ def test_profile_logs_where_the_profiled_steps_spend_their_time(tmp_path):
 
 
 def test_packed_rows_hold_whole_items_and_lose_none():
-    """``pack``: a row is whole items back to back within seq_len; the item that does not fit starts the
-    next row, so the stream of items is the unpacked one, in order."""
+    """``pack``: rows are whole items within seq_len, first-fit from the waiting items; every item of the
+    unpacked stream lands in exactly one row (only the order changes), and rows are fuller than taking the
+    items strictly in order would make them."""
     tok = build_sentinel_tokenizer(512)
     plan = dataclasses.replace(PLAN, seq_len=400)
     packed = sentinel_train.Batches(plan, tok)
     single = sentinel_train.Batches(dataclasses.replace(plan, pack=False), tok)
-    stream, rows = [], [packed.row() for _ in range(6)]
-    while sum(len(s[0]) for s in stream) < sum(len(r[0]) for r in rows):
-        stream.append(single.row())
-    assert [t for r in rows for t in r[0]] == [t for s in stream for t in s[0]]
-    assert [m for r in rows for m in r[1]] == [m for s in stream for m in s[1]]
-    assert all(len(r[0]) <= plan.seq_len for r in rows)
-    ends, at = [], 0  # where each unpacked item ends in the concatenation
-    for item in stream:
-        at += len(item[0])
-        ends.append(at)
-    at = 0
-    for r in rows:  # every row ends at an item's end, and the next item would not have fit
-        at += len(r[0])
-        j = ends.index(at)
-        assert j + 1 == len(ends) or len(r[0]) + len(stream[j + 1][0]) > plan.seq_len
-    assert len(stream) > len(rows)  # several items per row
+    rows = [packed.row() for _ in range(12)]
+    drawn = len(packed._waiting)  # items drawn from the stream, not yet in a row
+    stream = [single.row() for _ in range(sum(r[0].count(EOS_ID) for r in rows) * 4)]
+    assert all(len(r[0]) <= plan.seq_len and len(r[0]) == len(r[1]) for r in rows)
+
+    def items_of(row):  # split a row at its items' ends: each item's answer ends the item (mask 1 -> 0)
+        out, start = [], 0
+        for i in range(len(row[0])):
+            if row[1][i] == 1 and (i + 1 == len(row[0]) or row[1][i + 1] == 0):
+                out.append(tuple(row[0][start: i + 1]))
+                start = i + 1
+        assert start == len(row[0])
+        return out
+
+    placed = [it for r in rows for it in items_of(r)]
+    first = [tuple(s[0]) for s in stream[: len(placed) + drawn]]
+    assert len(set(placed)) == len(placed) and set(placed) <= set(first)  # each once, all from the stream
+    assert len(placed) > len(rows)  # several items per row
+    fill = sum(len(r[0]) for r in rows) / (len(rows) * plan.seq_len)
+    in_order, cur = [], 0  # the rows taking the same items strictly in order would make
+    for it in stream[: len(placed)]:
+        if cur + len(it[0]) > plan.seq_len:
+            in_order.append(cur)
+            cur = 0
+        cur += len(it[0])
+    assert fill > sum(in_order) / (len(in_order) * plan.seq_len)
 
 
 def test_batches_made_ahead_are_the_same_sequence():

@@ -10,8 +10,8 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   driver's ``sentinel-repro`` step trains twice and compares);
 - each item: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
   with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only; a row
-  holds as many whole items as fit ``seq_len`` one after another (``pack``; no state reset between them,
-  as language-model pretraining packs documents), or one item (``--no-pack``);
+  holds whole items up to ``seq_len``, filled first-fit from the next few (``pack``; no state reset
+  between them, as language-model pretraining packs documents), or one item (``--no-pack``);
 - the routed experts as three batched GEMMs over all experts (``moe_grouped``; ``--moe reference`` keeps
   the reference's per-expert loop);
 - with ``--compile-glue``, the reference's FP32 elementwise glue through ``torch.compile`` (``train_glue``);
@@ -62,6 +62,7 @@ EVAL_EXCLUDE = {"gsm8k": 2000, "aime25": 2000, "mrcr": 200}  # eval items per fi
 # training (the tiers score far fewer)
 
 
+PACK_LOOKAHEAD = 16  # packed rows: how many waiting items a row's free space may be filled from
 KDA_IMPLS = ("auto", "reference", "fla")
 MOE_IMPLS = ("grouped", "reference")
 
@@ -84,7 +85,7 @@ class TrainPlan:
     mrcr_needles: tuple[int, ...] = (2, 4)
     mrcr_chars: int = 1500
     time_limit_s: float | None = None
-    pack: bool = True  # rows hold as many whole items as fit seq_len (one after another, no reset between)
+    pack: bool = True  # rows hold whole items up to seq_len, first-fit from the next few (no reset between)
     kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
     moe: str = "grouped"  # the routed experts: grouped (moe_grouped: batched over experts) or reference
     compile_glue: bool = False  # the reference's elementwise glue through torch.compile (train_glue)
@@ -107,7 +108,7 @@ class Batches:
 
     def __init__(self, plan: TrainPlan, tokenizer) -> None:
         self.plan, self.tok = plan, tokenizer
-        self._pending: tuple[list[int], list[int]] | None = None  # the item that did not fit the last row
+        self._waiting: list[tuple[list[int], list[int]]] = []  # items drawn, not yet in a row (oldest first)
         self.rng = random.Random(f"k3-sentinel-mix:{plan.seed}")
         self.streams = {}
         for task, _ in plan.mix:
@@ -117,17 +118,23 @@ class Batches:
                 self.streams.setdefault(task, []).append(tasks.train_items(task, plan.seed, exclude, **kw))
 
     def row(self) -> tuple[list[int], list[int]]:
-        """One training row: an item, or with ``plan.pack`` as many whole items as fit ``seq_len`` (an item
-        that does not fit starts the next row)."""
-        ids, mask = self._pending or self._item()
-        self._pending = None
-        while self.plan.pack:
-            nxt = self._item()
-            if len(ids) + len(nxt[0]) > self.plan.seq_len:
-                self._pending = nxt
-                break
-            ids, mask = ids + nxt[0], mask + nxt[1]
-        return ids, mask
+        """One training row: an item, or with ``plan.pack`` whole items up to ``seq_len``: the oldest waiting
+        item first (none waits for ever), then, while one fits, the oldest of the next ``PACK_LOOKAHEAD``
+        items that fits the space left (first fit: ~95% of a row filled where taking items strictly in
+        order filled ~73%). Every item of the stream is used once; only their order changes."""
+        if not self.plan.pack:
+            return self._item()
+        while len(self._waiting) < PACK_LOOKAHEAD:
+            self._waiting.append(self._item())
+        ids, mask = self._waiting.pop(0)
+        while True:
+            room = self.plan.seq_len - len(ids)
+            fit = next((i for i, (w, _) in enumerate(self._waiting) if len(w) <= room), None)
+            if fit is None:
+                return ids, mask
+            w_ids, w_mask = self._waiting.pop(fit)
+            ids, mask = ids + w_ids, mask + w_mask
+            self._waiting.append(self._item())
 
     def _item(self) -> tuple[list[int], list[int]]:
         task = self.rng.choices([t for t, _ in self.plan.mix], weights=[w for _, w in self.plan.mix])[0]
