@@ -243,6 +243,7 @@ def write_checkpoint(cfg: K3Config, out_dir: str | Path, tensor_of: Callable[[Te
                 weight_map[prefix + spec.name] = fname
                 total += t.numel() * t.element_size()
             save_file(tensors, str(tmp / fname), metadata={"format": "pt"})
+            os.chmod(tmp / fname, 0o644)  # safetensors writes 0600; the other files are readable by all
             del tensors
         meta: dict[str, Any] = {"total_size": total}
         if tp_size > 1:

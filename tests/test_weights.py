@@ -169,6 +169,7 @@ def test_write_is_atomic(small, tmp_path, monkeypatch):
 
     out = write_synthetic_checkpoint(small, tmp_path / "ck", seed=0, max_shard_bytes=1 << 16)
     assert len(list(out.glob("model-*.safetensors"))) > 2
+    assert all(f.stat().st_mode & 0o044 == 0o044 for f in out.iterdir())  # every file readable by all
     with pytest.raises(FileExistsError):
         write_synthetic_checkpoint(small, out, seed=1)
     first = weights.checkpoint_digest(out)
