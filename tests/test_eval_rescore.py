@@ -146,19 +146,26 @@ def test_the_mde_is_re_derived_when_claimed_and_older_results_without_it_still_v
     assert rescore_eval({CID: recs}, CheckResult(id=CID, status=result.status, reason=result.reason, metrics=older)) == []
 
 
-SENTINEL_EVALS = Path(__file__).resolve().parents[1] / "bundles/runs/2026-12-03-h200-session16/sentinel-evals-5adb41a"
+RUNS = Path(__file__).resolve().parents[1] / "bundles/runs"
+SENTINEL_EVALS = [  # (bundle, check, the status a forger writes): the committed results are the other one
+    ("2026-12-03-h200-session16/sentinel-evals-5adb41a", "evals.gsm8k", "failed"),
+    ("2026-12-03-h200-session16/sentinel-evals-5adb41a", "evals.mrcr", "passed"),
+    ("2026-12-06-h100-session22/sentinel-evals-8e3ddfd", "evals.gsm8k", "failed"),
+    # MRCR at two lengths (``lengths``: tasks k3_mrcr_2needle@2000c and @41000c)
+    ("2026-12-06-h100-session22/sentinel-evals-mrcr-8e3ddfd", "evals.mrcr", "passed"),
+]
 
 
-@pytest.mark.parametrize("check_id,forged", [("evals.gsm8k", "failed"), ("evals.mrcr", "passed")])
-def test_the_h200_sentinel_evals_with_a_flipped_status_fail_verify(tmp_path, check_id, forged) -> None:
-    """The committed sentinel evals (scored with ``model: sentinel``): gsm8k passed, mrcr failed; either
-    status flipped and the bundle re-sealed as a forger would is caught by the rescorer alone."""
+@pytest.mark.parametrize("bundle,check_id,forged", SENTINEL_EVALS)
+def test_the_sentinel_evals_with_a_flipped_status_fail_verify(tmp_path, bundle, check_id, forged) -> None:
+    """The committed sentinel evals (scored with ``model: sentinel``) with a status flipped and the bundle
+    re-sealed as a forger would: caught by the rescorer alone."""
     from test_status_rescore import forge
 
     from verify.bundle.verify import verify_bundle
 
     root = tmp_path / "b"
-    shutil.copytree(SENTINEL_EVALS, root)
+    shutil.copytree(RUNS / bundle, root)
     assert verify_bundle(root).ok
     forge(root, check_id, result={"status": forged, "reason": "forged"})
     report = verify_bundle(root)

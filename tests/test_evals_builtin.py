@@ -193,6 +193,10 @@ def test_mrcr_at_two_lengths_is_two_gated_task_sets_that_rescore(engine, tmp_pat
     assert 0 < short < long_  # the longer conversation is the longer prompt
     assert [d["mrcr_chars"] for d in r.metrics["data"]] == [160, 480]
     assert verify_bundle(root).ok
+    from test_status_rescore import forge
+
+    forge(root, "evals.mrcr", result={"status": "failed", "reason": "forged"})  # re-sealed as a forger would
+    assert any("records pass every gate" in p for p in verify_bundle(root).problems), verify_bundle(root).problems
     bad = _run_bundle(tmp_path / "nosynth", [("evals.mrcr", "mrcr", {**params, "data_dir": str(tmp_path)})],
                       _Engines(engine, engine), tmp_path)["evals.mrcr"]
     assert bad.status == "error" and "needs data_dir: synthetic" in bad.reason
