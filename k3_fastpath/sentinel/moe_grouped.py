@@ -24,6 +24,12 @@ from ..reference.common import compute_dtype, situ_glu
 CAPACITY_ROUND = 128  # the per-expert row block is the largest load rounded up to this
 
 
+def expert_counts(ids: Tensor, n_experts: int) -> Tensor:
+    """Tokens routed to each expert, ``[n_experts]`` int64: an exact count without atomics (CUDA's
+    ``bincount`` is not safe under deterministic algorithms)."""
+    return (ids.reshape(-1, 1) == torch.arange(n_experts, device=ids.device)).sum(0)
+
+
 def grouped_routed(moe, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
     """``LatentMoE.routed(x [N, H], ids [N, k], weights [N, k])`` with every expert in one ``bmm``."""
     dt = x.dtype
@@ -32,7 +38,7 @@ def grouped_routed(moe, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
     k, n_exp = ids.shape[1], len(moe.experts)
     flat = ids.reshape(-1)
     expert, order = torch.sort(flat, stable=True)  # pairs grouped by expert, token order kept in a group
-    counts = (flat[:, None] == torch.arange(n_exp, device=ids.device)).sum(0)  # no bincount: deterministic
+    counts = expert_counts(flat, n_exp)
     cap = -(-int(counts.max()) // CAPACITY_ROUND) * CAPACITY_ROUND  # the one host read
     slot = torch.arange(flat.numel(), device=ids.device) - (torch.cumsum(counts, 0) - counts)[expert]
     rows = order // k

@@ -53,7 +53,7 @@ from ..weights import checkpoint_digest
 from . import tasks
 from .checkpoint import training_config, write_trained_checkpoint
 from .fla_kda import PINNED
-from .moe_grouped import use_grouped_routed
+from .moe_grouped import expert_counts, use_grouped_routed
 from .tokenizer import build_sentinel_tokenizer, save_tokenizer
 from .train_glue import compiled_glue
 
@@ -280,11 +280,8 @@ def _gate_loads(model) -> tuple[list, list]:
         if type(mod).__name__ == "MoEGate":
             counts = torch.zeros(mod.e_score_correction_bias.shape, device=mod.e_score_correction_bias.device)
 
-            experts = torch.arange(counts.numel(), device=counts.device)
-
-            def count(_mod, _args, out, c=counts, e=experts) -> None:  # returns None: the gate's output is kept
-                # an exact integer count without atomics (CUDA bincount is not deterministic-mode safe)
-                c.add_((out[0].reshape(-1, 1) == e).sum(0).to(c.dtype))
+            def count(_mod, _args, out, c=counts) -> None:  # returns None: the gate's output is kept
+                c.add_(expert_counts(out[0], c.numel()).to(c.dtype))
 
             mod.register_forward_hook(count)
             gates.append(mod)
