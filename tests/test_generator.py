@@ -52,7 +52,11 @@ def test_greedy_batch_matches_full_recompute(model, seed):
             ref_lp = torch.log_softmax(ref.double(), -1)
             top = torch.topk(ref_lp, 3).indices.tolist()
             assert set(top) <= set(lp), f"seed {seed}: top-3 missing"
-            assert max(abs(v - float(ref_lp[t])) for t, v in lp.items()) < 1e-4
+            # FP32 throughout: 1e-5 typical, 5e-5 the worst of 55 seeds, 2.3e-4 at seed 119260316 (the
+            # first decode step; the M=1 GEMMs round differently from the prefill's and AttnRes compounds it
+            # over 8 layers: the stream's relative error 4e-5 at layer 7, where the full-recompute FP32 oracle
+            # is at 3e-6 of FP64); a wrong cache row or position moves log-probs by O(0.1)
+            assert max(abs(v - float(ref_lp[t])) for t, v in lp.items()) < 1e-3, f"seed {seed}"
     assert gen.steps["prefill_calls"] == 1 and gen.steps["decode_calls"] == 3
 
 
