@@ -168,14 +168,21 @@ def test_missing_data_is_an_error_not_a_skip(engine, tmp_path) -> None:
 
 
 def test_tiers_and_registry_match_the_check_functions() -> None:
-    """Every tier's params for evals.* bind to the check function; the checks run on a CPU (no requires)."""
+    """Every tier's params for evals.* (GPU and CPU) bind to the check function; the checks run on a CPU (no
+    requires); the builtin tiers score the sentinel on items its training keeps out (train.EVAL_EXCLUDE)."""
+    from k3_fastpath.sentinel.train import EVAL_EXCLUDE
+
     for cid in ("evals.gsm8k", "evals.aime25", "evals.mrcr"):
         decl = REGISTRY[cid]
         assert decl.requires == ()
         fn = getattr(eval_checks, decl.function)
         for tier in ("standard", "full"):
             spec = {c.id: c for c in load_tier(tier).checks}[cid]
-            inspect.signature(fn).bind(None, **{**decl.params, **spec.params})
+            for device in ("cuda", "cpu"):
+                params = spec.params_for(device)
+                inspect.signature(fn).bind(None, **{**decl.params, **params})
+                assert params["model"] == "sentinel" and params["data_dir"] == "synthetic"
+                assert params["limit"] <= EVAL_EXCLUDE[cid.removeprefix("evals.")], (tier, cid)
 
 
 def test_mrcr_at_two_lengths_is_two_gated_task_sets_that_rescore(engine, tmp_path) -> None:

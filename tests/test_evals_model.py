@@ -106,3 +106,53 @@ def test_a_checkpoint_that_does_not_load_is_an_error_naming_the_file(ckpt, tmp_p
     assert r.status == "error" and shard.name in r.reason, r.reason
     rec = json.dumps(r.metrics)
     assert "digest" not in rec  # nothing claimed about a checkpoint that was not read
+
+
+def _synthetic_gsm8k(tmp_path: Path, pool, seed: int, limit: int, **params):
+    tmp_path.mkdir()
+    (tmp_path / "th.yaml").write_text(PERMISSIVE)
+    writer = BundleWriter(tmp_path / "b", tool_version="0.1.0", argv=["pytest"], tier="t",
+                          planned_checks=["evals.gsm8k"], engines=["builtin:reference"],
+                          config={"preset": "k3-tiny"}, seeds={"global": seed}, env={})
+    ctx = CheckContext(check_id="evals.gsm8k", preset="k3-tiny", device="cpu", seed=seed, writer=writer,
+                       out=QuietOut(), tmp_dir=tmp_path, budget_s=600, engines=pool)
+    return eval_checks.gsm8k(ctx, limit=limit, max_tokens=4, data_dir="synthetic",
+                             thresholds=str(tmp_path / "th.yaml"), model="sentinel", **params)
+
+
+def test_the_sentinel_scores_only_items_its_training_kept_out(ckpt, tmp_path, monkeypatch):
+    """Scored on synthetic items, the sentinel must have been trained with those items kept out
+    (training.json: the eval seeds and item counts excluded); the run's seed outside them, a limit past
+    them, or no training record is an error saying which, before any engine runs."""
+    import shutil
+
+    sentinel = tmp_path / "sentinel"
+    shutil.copytree(ckpt, sentinel)
+    monkeypatch.setenv(DIR_ENV, str(sentinel))
+    record = {"eval_seeds_excluded": [0], "eval_items_excluded": {"gsm8k": 3, "aime25": 3, "mrcr": 2}}
+    (sentinel / "training.json").write_text(json.dumps(record))
+    pool = EnginePool(SPECS, OPTS)
+    try:
+        ok = _synthetic_gsm8k(tmp_path / "ok", pool, seed=0, limit=2)
+        assert ok.status == "passed", ok.reason
+        assert ok.metrics["model"]["training"]["eval_items_excluded"]["gsm8k"] == 3
+        for where, seed, limit, why in (("seed", 5, 2, "of seed 5 could score items it was trained on"),
+                                        ("limit", 0, 4, "scoring 4 items of seed 0")):
+            r = _synthetic_gsm8k(tmp_path / where, pool, seed=seed, limit=limit)
+            assert r.status == "error" and why in r.reason and "--seed 0 and a limit of at most 3" in r.reason, r.reason
+        (sentinel / "training.json").unlink()
+        r = _synthetic_gsm8k(tmp_path / "none", pool, seed=0, limit=2)
+        assert r.status == "error" and "no training.json" in r.reason
+    finally:
+        pool.close()
+
+
+def test_synthetic_data_holds_the_limit(tmp_path):
+    """A limit past the synthetic files' default sizes generates that many items (the first ones unchanged),
+    so the limit is the number of items scored."""
+    ctx = CheckContext(check_id="evals.gsm8k", preset="k3-tiny", device="cpu", seed=0, writer=None, out=QuietOut(),
+                       tmp_dir=tmp_path, budget_s=60, engines=None)
+    data_dir, _ = eval_checks._data_sources(ctx, "gsm8k", (), "synthetic", None, 73)
+    rows = (Path(data_dir) / "gsm8k" / "test.jsonl").read_text().splitlines()
+    make_all(tmp_path / "default", seed=0)
+    assert len(rows) == 73 and rows[:50] == (tmp_path / "default" / "gsm8k" / "test.jsonl").read_text().splitlines()

@@ -271,3 +271,26 @@ def test_only_and_budget_narrow_the_tier_and_the_bundle_says_so(tmp_path):
                            capture_output=True, text=True, cwd=REPO, timeout=300)
         assert r.returncode == 2 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, (args, r.stderr)
         assert not (tmp_path / "x").exists()  # nothing half-written
+
+
+def test_cpu_params_apply_on_a_cpu_run_only_and_are_validated(tmp_path):
+    """``cpu_params`` merge over ``params`` when the run's device is a CPU (the check plan the bundle
+    records, which is what ran), never on a GPU run; a bad cpu_params key or an unknown field per check is
+    a one-line TierError naming it."""
+    t = _tier(tmp_path, "  - id: reference.determinism\n    budget_s: 30\n    params: {batch: 3}\n"
+                        "    cpu_params: {batch: 2}\n")
+    spec = load_tier(str(t)).checks[0]
+    assert spec.params_for("cuda") == {"batch": 3} and spec.params_for("cpu") == {"batch": 2}
+    verdict, root = _run(t, tmp_path / "b")
+    m = json.loads((root / "manifest.json").read_text())
+    assert m["config"]["check_plan"]["reference.determinism"]["params"]["batch"] == 2
+    assert verdict == "pass" and verify_bundle(root).ok
+    bad = _tier(tmp_path, "  - id: reference.determinism\n    budget_s: 30\n    cpu_params: {bacth: 2}\n", name="bad")
+    with pytest.raises(TierError, match=r"checks\[0\] \(cpu_params\): check 'reference.determinism' has no parameter"):
+        load_tier(str(bad))
+    typo = _tier(tmp_path, "  - id: reference.determinism\n    budget_s: 30\n    cpu_param: {batch: 2}\n", name="typo")
+    with pytest.raises(TierError, match="unknown field\\(s\\) 'cpu_param'"):
+        load_tier(str(typo))
+    sizes = {c.id: c.params_for("cpu")["limit"] < c.params_for("cuda")["limit"]
+             for n in ("standard", "full") for c in load_tier(n).checks if c.id.startswith("evals.")}
+    assert sizes and all(sizes.values())  # the builtin tiers score fewer eval items on a CPU

@@ -206,12 +206,13 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
             tier = select_checks(tier, only, budgets)
     except TierError as e:
         raise UserError(str(e)) from None
-    # every check's parameters (tier overrides, then the caller's) and budget, resolved once: what runs, and
-    # what the manifest records for `bundle audit`
+    device = resolve_device(device)
+    # every check's parameters (the tier's for this device, then the caller's overrides) and budget, resolved
+    # once: what runs, and what the manifest records for `bundle audit`
     check_plan = {}
     for c in tier.checks:
         try:
-            params = REGISTRY[c.id].resolve_params({**c.params, **(overrides or {}).get(c.id, {})})
+            params = REGISTRY[c.id].resolve_params({**c.params_for(device), **(overrides or {}).get(c.id, {})})
         except (KeyError, TypeError) as e:
             raise UserError(str(e.args[0] if e.args else e)) from None
         check_plan[c.id] = {"params": params, "budget_s": c.budget_s}
@@ -219,7 +220,6 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
 
     source = resolve_model(preset, seed)  # a checkpoint is read in full and validated here, before any output
     preset = source.preset
-    device = resolve_device(device)
     cpu_threads = _set_cpu_threads(device)
     if resume and output is None:
         raise UserError("--resume needs --output: the bundle directory to continue")

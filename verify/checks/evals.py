@@ -21,7 +21,12 @@ in tokens as the engine reported them.
 (``k3_fastpath.sentinel.checkpoint.sentinel_dir()``), a directory that checkpoint: read and validated like
 ``--checkpoint``, served by the run's builtin engines, named (path, digest, training record) in the records
 and metrics. No data given and none on this machine, or no sentinel trained here: ``skipped``, the reason
-naming the command that provides it.
+naming the command that provides it. The sentinel scored on synthetic items is an ``error`` unless its
+``training.json`` says those items were kept out of its training (the run's seed among its excluded eval
+seeds, the limit within the items excluded: ``_training_overlap``).
+
+Synthetic data holds at least ``limit`` items of the dataset scored (default sizes otherwise), so a limit
+is the number of items scored.
 Unreadable data, a bad thresholds file or bad params are ``error`` results with a one-line reason.
 """
 
@@ -36,6 +41,8 @@ from verify.context import CheckContext
 from verify.result import CheckResult
 
 SYNTHETIC = "synthetic"
+SYNTHETIC_COUNT = {"gsm8k": "gsm8k", "aime25": "aime", "mrcr": "mrcr"}  # make_all's item-count argument
+SYNTHETIC_DEFAULTS = {"gsm8k": 50, "aime25": 30, "mrcr": 20}  # make_all's default counts (the files' sizes)
 SENTINEL = "sentinel"  # `model: sentinel`: score k3_fastpath.sentinel's trained checkpoint (sentinel_dir())
 
 
@@ -80,14 +87,17 @@ def _positive_int(name: str, value: Any, allow_none: bool = True) -> str | None:
 
 
 def _data_sources(ctx: CheckContext, dataset: str, needles: tuple[int, ...], data_dir: str | None,
-                  length: int | None = None):
+                  length: int | None = None, limit: int | None = None):
+    """The data directory and its resolved sources; synthetic files hold at least ``limit`` items of
+    ``dataset`` (the first items of a seeded stream are the same at any count)."""
     from evals.data.sources import kind_for, resolve
 
     if data_dir == SYNTHETIC:
         from evals.data.make_synthetic import make_all
 
         out = Path(ctx.tmp_dir) / f"eval-data-{ctx.check_id}{'' if length is None else f'-{length}c'}"
-        make_all(out, seed=ctx.seed, **({} if length is None else {"mrcr_chars": length}))
+        sizes = {} if limit is None else {SYNTHETIC_COUNT[dataset]: max(limit, SYNTHETIC_DEFAULTS[dataset])}
+        make_all(out, seed=ctx.seed, **sizes, **({} if length is None else {"mrcr_chars": length}))
         data_dir = str(out)
     kinds = [kind_for(dataset, n) for n in needles] if dataset == "mrcr" else [kind_for(dataset)]
     return data_dir, [resolve(k, data_dir) for k in kinds]
@@ -116,9 +126,37 @@ def _scored_model(ctx: CheckContext, model: str | None) -> tuple[Any, dict[str, 
 
         rec = json.loads(training.read_text())
         about["training"] = {k: rec.get(k) for k in ("plan", "steps_done", "train_s", "device", "torch",
-                                                     "checkpoint_digest")}
+                                                     "checkpoint_digest", "eval_seeds_excluded",
+                                                     "eval_items_excluded")}
         about["digest_matches_training"] = rec.get("checkpoint_digest") == source.digest
     return source, about
+
+
+def _training_overlap(about_model: dict[str, Any], dataset: str, seed: int, limit: int | None, synthetic: bool,
+                      lengths: list[int] | None) -> str | None:
+    """Why the synthetic items about to be scored may have been trained on (None: they were kept out).
+
+    The sentinel's training skipped the first ``eval_items_excluded[task]`` items of the eval streams of
+    ``eval_seeds_excluded`` (``training.json``); a word problem outside them can coincide with a training
+    item (short templates, small numbers). MRCR at another conversation length than the eval files' is
+    not checked: thousands of characters of random words never coincide with a training chat."""
+    from k3_fastpath.sentinel.tasks import EVAL_MRCR_CHARS
+
+    if about_model.get("scored") != SENTINEL or not synthetic:
+        return None
+    if dataset == "mrcr" and lengths and EVAL_MRCR_CHARS not in lengths:
+        return None
+    rec = about_model.get("training")
+    if not rec:
+        return ("the sentinel checkpoint has no training.json: which eval items its training kept out cannot be "
+                "checked, so its scores on synthetic items cannot be trusted")
+    seeds, kept = rec.get("eval_seeds_excluded") or [], (rec.get("eval_items_excluded") or {}).get(dataset, 0)
+    n = SYNTHETIC_DEFAULTS[dataset] if limit is None else limit
+    if seed not in seeds or n > kept:
+        return (f"the sentinel's training kept out the first {kept} {dataset} items of eval seed(s) {seeds}; "
+                f"scoring {n} items of seed {seed} could score items it was trained on (run with --seed "
+                f"{seeds[0] if seeds else 0} and a limit of at most {kept})")
+    return None
 
 
 def _label(task: str, length: int | None) -> str:
@@ -157,8 +195,11 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
         base_tasks = task_names(dataset, needles) if dataset == "mrcr" else task_names(dataset)
         tasks = [_label(t, n) for n in parts for t in base_tasks]
         th = load_thresholds(dataset, thresholds)
-        dirs = {n: _data_sources(ctx, dataset, needles, data_dir, n) for n in parts}
+        dirs = {n: _data_sources(ctx, dataset, needles, data_dir, n, limit) for n in parts}
         scored, about_model = _scored_model(ctx, model)
+        overlap = _training_overlap(about_model, dataset, ctx.seed, limit, synthetic, lengths)
+        if overlap:
+            return _error(ctx, overlap)
     except NoDataError as e:  # nothing to score here: skipped with the whole reason, never cut short
         return CheckResult(id=ctx.check_id, status="skipped", reason=" ".join(str(e).split()))
     except (ThresholdsError, DataError, EvalRunError, ModelSourceError) as e:

@@ -12,6 +12,8 @@ file of the same form::
       - id: reference.determinism      # a registered check (``k3-verify list``)
         budget_s: 120                  # its measured time plus a stated margin; enforced by the runner
         params: {batch: 2}             # overrides of the check's own defaults, validated by name
+        cpu_params: {batch: 1}         # optional: merged over params when the run's device is a CPU
+                                       # (smaller sizes for the same check; ``CheckSpec.params_for``)
 
 The tier's budget is the sum of its checks' budgets (``Tier.budget_s``) and must not exceed
 ``target_s``. Parsed into frozen dataclasses; every problem is a ``TierError`` naming the file and the
@@ -40,6 +42,11 @@ class CheckSpec:
     id: str
     budget_s: float
     params: dict[str, Any] = field(default_factory=dict)
+    cpu_params: dict[str, Any] = field(default_factory=dict)  # merged over params on a CPU run
+
+    def params_for(self, device: str) -> dict[str, Any]:
+        """The tier's parameters for a run on ``device`` (``"cpu"`` or ``"cuda"``)."""
+        return {**self.params, **self.cpu_params} if device == "cpu" else dict(self.params)
 
 
 @dataclass(frozen=True)
@@ -103,14 +110,22 @@ def load_tier(name_or_path: str) -> Tier:
         budget = c.get("budget_s")
         if not isinstance(budget, (int, float)) or isinstance(budget, bool) or budget <= 0:
             raise TierError(f"{where}: field 'budget_s' must be a positive number")
-        params = c.get("params") or {}
-        if not isinstance(params, dict):
-            raise TierError(f"{where}: field 'params' must be a mapping")
-        try:
-            REGISTRY[cid].resolve_params(params)
-        except (KeyError, TypeError) as e:
-            raise TierError(f"{where}: {e.args[0] if e.args else e}") from None
-        specs.append(CheckSpec(cid, float(budget), dict(params)))
+        params, cpu_params = c.get("params") or {}, c.get("cpu_params") or {}
+        for key, value in (("params", params), ("cpu_params", cpu_params)):
+            if not isinstance(value, dict):
+                raise TierError(f"{where}: field {key!r} must be a mapping")
+        extra = sorted(set(c) - {"id", "budget_s", "params", "cpu_params"})
+        if extra:
+            raise TierError(f"{where}: unknown field(s) {', '.join(map(repr, extra))} (a check takes id, budget_s, "
+                            "params, cpu_params)")
+        spec = CheckSpec(cid, float(budget), dict(params), dict(cpu_params))
+        for device in ("cuda", "cpu"):
+            try:
+                REGISTRY[cid].resolve_params(spec.params_for(device))
+            except (KeyError, TypeError) as e:
+                raise TierError(f"{where}{' (cpu_params)' if device == 'cpu' and cpu_params else ''}: "
+                                f"{e.args[0] if e.args else e}") from None
+        specs.append(spec)
     target = raw["target_s"]
     if not isinstance(target, (int, float)) or isinstance(target, bool) or target <= 0:
         raise TierError(f"{path}: field 'target_s' must be a positive number")
