@@ -5,8 +5,8 @@
                    per-GPU shapes; see ../shared/design/K3.md "One GPU's share").
 * ``k3-tp16-rank`` the same at tensor parallelism 16.
 * ``k3-mini``      full per-layer shapes, 8 layers and a reduced expert pool (64): fits one H200.
-* ``k3-sentinel``  K3's structure and per-head shapes with a TP16 rank's 6 heads at width 1024 (122M
-                   parameters): the model ``k3_fastpath.sentinel`` trains so evals have signal.
+* ``k3-sentinel``  K3's structure and per-head shapes with a TP16 rank's 6 heads at width 1024: the model
+                   ``k3_fastpath.sentinel`` trains so evals have signal.
 * ``k3-tiny``      the same structure at toy sizes: a whole prefill + decode runs in seconds on a CPU.
 
 A preset spec is a preset name with overrides, ``NAME[:key=value[,...]]``: ``experts`` (the expert pool,
@@ -78,8 +78,8 @@ def _mini() -> K3Config:
 def _sentinel() -> K3Config:
     """K3's structure with K3's per-head dimensions (KDA head 128; MLA q/k 128 + 64, v 128, the 576-wide
     latent, q LoRA 1536) and a TP16 rank's 6 heads, at a small width (1024), 16 experts (top 4) and a
-    1024-token vocabulary: 122M parameters (40M of them routed experts; a 205 MB checkpoint), trainable in
-    minutes (``k3_fastpath.sentinel``). 9 layers: layer 0 dense, MLA at 4, 8 and 9 (1-based: K3 also ends on
+    1024-token vocabulary: 158M parameters, 75M of them routed experts (40 MB in MXFP4; 205 MB with the
+    other 82M in BF16), trainable in minutes (``k3_fastpath.sentinel``). 9 layers: layer 0 dense, MLA at 4, 8 and 9 (1-based: K3 also ends on
     two MLA layers), KDA elsewhere; AttnRes blocks of 3."""
     kda, full = _k3_layers(9)
     base = _k3_full()
@@ -130,7 +130,7 @@ def preset(name: str) -> Preset:
     if name == "k3-mini":
         return Preset(name, _mini(), 1, "full per-layer shapes, 8 layers, 64 experts: fits one H200")
     if name == "k3-sentinel":
-        return Preset(name, _sentinel(), 1, "K3's structure and per-head shapes, 6 heads, ~82M parameters: the trained sentinel")
+        return Preset(name, _sentinel(), 1, "K3's structure and per-head shapes, 6 heads, width 1024: the trained sentinel")
     if name == "k3-tiny":
         return Preset(name, _tiny(), 1, "K3's structure at toy sizes: CPU-fast")
     raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESET_NAMES)}")
