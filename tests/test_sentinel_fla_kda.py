@@ -18,7 +18,8 @@ from k3_fastpath.reference.kda import kda_chunked
 from k3_fastpath.sentinel import fla_kda
 from k3_fastpath.sentinel import train as sentinel_train
 
-PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=2, batch=2, seq_len=96, warmup=1, mrcr_chars=300)
+PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=2, batch=2, seq_len=384, warmup=1, mrcr_chars=300,
+                                mrcr_needles=(2,))
 
 
 class _ChunkKDA(torch.autograd.Function):

@@ -18,12 +18,13 @@ from k3_fastpath.tokenizer import EOS_ID
 from k3_fastpath.weights import checkpoint_digest, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=3, batch=2, seq_len=96, warmup=1, mrcr_chars=300)
+PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=3, batch=2, seq_len=384, warmup=1, mrcr_chars=300,
+                                mrcr_needles=(2,))
 
 
 def test_rows_mask_the_prompt_and_end_on_im_end():
     tok = build_sentinel_tokenizer(512)
-    rows = sentinel_train.Batches(PLAN, tok)
+    rows = sentinel_train.Batches(dataclasses.replace(PLAN, pack=False), tok)  # one item a row
     for _ in range(12):
         ids, mask = rows.row()
         assert len(ids) == len(mask) <= PLAN.seq_len and ids[-1] == EOS_ID and mask[-1] == 1
@@ -41,6 +42,7 @@ def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
     assert rec["checkpoint_digest"] == checkpoint_digest(tmp_path / "run0")  # training.json is not in it
     assert rec["kda_impl"] == "reference"  # auto on a CPU: fla runs on CUDA only
     assert rec["steps_done"] == 3 and rec["plan"]["preset"] == "k3-tiny" and rec["eval_seeds_excluded"] == [0]
+    assert sum(rec["items_drawn"].values()) >= 3 * PLAN.batch and set(rec["items_too_long"]) == set(rec["items_drawn"])
     assert 0 < rec["first_step_s"] <= rec["train_s"]
     assert all(torch.isfinite(torch.tensor(c["loss"])) for c in rec["loss_curve"])
     cfg, sd = load_checkpoint(tmp_path / "run0")
@@ -49,6 +51,22 @@ def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
 
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "run0"))
     assert len(tok) == cfg.vocab_size and tok.eos_token_id == EOS_ID
+
+
+def test_items_longer_than_a_row_are_skipped_whole_and_counted():
+    """An item longer than ``seq_len`` never enters a row cut (its question would be gone); it is skipped,
+    counted per task, and a task whose items mostly do not fit stops the run with one line."""
+    tok = build_sentinel_tokenizer(512)
+    rows = sentinel_train.Batches(PLAN, tok)
+    got = [rows.row() for _ in range(40)]
+    assert rows.too_long["aime25"] > 0  # repeated squaring runs past 384 tokens at this vocabulary
+    for ids, mask in got:  # every item in a row starts with its prompt: the row's first token is the template's
+        assert ids[0] == got[0][0][0] and not mask[0]
+    short = sentinel_train.Batches(dataclasses.replace(PLAN, seq_len=200), tok)
+    with pytest.raises(ValueError, match=r"seq_len 200 is too short for \w+: \d+ of \d+ items drawn do not fit "
+                                         r"\(raise --seq-len"):
+        for _ in range(200):
+            short.row()
 
 
 def test_bad_plans_and_an_existing_output_are_refused(tmp_path):
@@ -85,7 +103,8 @@ def test_a_time_limit_fits_the_schedule_and_names_the_steps_that_replay_it():
 
 def test_profile_logs_where_the_profiled_steps_spend_their_time(tmp_path):
     lines: list[str] = []
-    plan = sentinel_train.TrainPlan(preset="k3-tiny", steps=7, batch=2, seq_len=96, warmup=1, mrcr_chars=300)
+    plan = sentinel_train.TrainPlan(preset="k3-tiny", steps=7, batch=2, seq_len=384, warmup=1, mrcr_chars=300,
+                                mrcr_needles=(2,))
     rec = sentinel_train.train(plan, tmp_path / "p", "cpu", log=lines.append, profile=True)
     table = next(x for x in lines if x.startswith("profile of 3 steps"))
     assert "aten::mm" in table and rec["steps_done"] == 7

@@ -2,7 +2,7 @@
 contract of ``reference.kda.kda_chunked``.
 
 The reference's chunked form builds a ``[B, h, L, L, K]`` decay tensor per chunk and autograd keeps
-several of them per layer (at batch 32 x 512 tokens, 6 heads of 128: ~400 MB each, 8 chunks, 5 KDA
+several of them per layer (at 16 rows of 1,024 tokens, 6 heads of 128: ~200 MB each, 16 chunks, 5 KDA
 layers); fla computes the same recurrence in fused kernels. ``fla_kda_chunked`` takes what
 ``kda_chunked`` takes (``q``/``k`` normalised, ``q`` already scaled, ``g_log`` the per-channel log decay,
 ``beta`` after its sigmoid, FP32) and returns ``(o [B, T, h, V], final_state [B, h, K, V])``; the GPU test

@@ -9,8 +9,8 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   GPU model and software stack can rebuild the checkpoint digest ``training.json`` records (the GPU
   driver's ``sentinel-repro`` step trains twice and compares);
 - each item: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
-  with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only; a row
-  holds whole items up to ``seq_len``, filled first-fit from the next few (``pack``; no state reset
+  with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only; an
+  item longer than ``seq_len`` is skipped and counted, never cut; a row holds whole items up to ``seq_len``, filled first-fit from the next few (``pack``; no state reset
   between them, as language-model pretraining packs documents), or one item (``--no-pack``);
 - the routed experts as three batched GEMMs over all experts (``moe_grouped``; ``--moe reference`` keeps
   the reference's per-expert loop);
@@ -63,6 +63,7 @@ EVAL_EXCLUDE = {"gsm8k": 2000, "aime25": 2000, "mrcr": 200}  # eval items per fi
 
 
 PACK_LOOKAHEAD = 16  # packed rows: how many waiting items a row's free space may be filled from
+TOO_LONG_SLACK = 20  # items of a task longer than seq_len skipped before "most do not fit" is an error
 KDA_IMPLS = ("auto", "reference", "fla")
 MOE_IMPLS = ("grouped", "reference")
 
@@ -74,8 +75,8 @@ class TrainPlan:
     preset: str = "k3-sentinel"
     seed: int = 0
     steps: int = 1500
-    batch: int = 32
-    seq_len: int = 512
+    batch: int = 16
+    seq_len: int = 1024  # every generated item fits whole (AIME's longest ~810 tokens; _item skips longer)
     lr: float = 1e-3
     warmup: int = 50
     weight_decay: float = 0.1
@@ -109,6 +110,8 @@ class Batches:
     def __init__(self, plan: TrainPlan, tokenizer) -> None:
         self.plan, self.tok = plan, tokenizer
         self._waiting: list[tuple[list[int], list[int]]] = []  # items drawn, not yet in a row (oldest first)
+        self.drawn = {task: 0 for task, _ in plan.mix}  # items drawn per task, and of them those longer than
+        self.too_long = {task: 0 for task, _ in plan.mix}  # seq_len (skipped: never cut, see _item)
         self.rng = random.Random(f"k3-sentinel-mix:{plan.seed}")
         self.streams = {}
         for task, _ in plan.mix:
@@ -137,14 +140,23 @@ class Batches:
             self._waiting.append(self._item())
 
     def _item(self) -> tuple[list[int], list[int]]:
-        task = self.rng.choices([t for t, _ in self.plan.mix], weights=[w for _, w in self.plan.mix])[0]
-        item = next(self.rng.choice(self.streams[task]))
-        prompt = self.tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
-        p_ids = self.tok(prompt)["input_ids"]
-        a_ids = self.tok(item.messages[-1]["content"])["input_ids"] + [EOS_ID]
-        ids = (p_ids + a_ids)[-self.plan.seq_len:]  # a long MRCR chat keeps its end (the answer)
-        mask = ([0] * len(p_ids) + [1] * len(a_ids))[-self.plan.seq_len:]
-        return ids, mask
+        """The next item that fits ``seq_len`` whole. A longer one is skipped and counted: cut to its end it
+        would teach an answer without its question (AIME's repeated squaring runs to ~800 tokens) or an
+        MRCR answer without the message it repeats. A task whose items mostly do not fit is an error."""
+        while True:
+            task = self.rng.choices([t for t, _ in self.plan.mix], weights=[w for _, w in self.plan.mix])[0]
+            item = next(self.rng.choice(self.streams[task]))
+            prompt = self.tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
+            p_ids = self.tok(prompt)["input_ids"]
+            a_ids = self.tok(item.messages[-1]["content"])["input_ids"] + [EOS_ID]
+            self.drawn[task] += 1
+            if len(p_ids) + len(a_ids) <= self.plan.seq_len:
+                return p_ids + a_ids, [0] * len(p_ids) + [1] * len(a_ids)
+            self.too_long[task] += 1
+            if self.too_long[task] > max(TOO_LONG_SLACK, self.drawn[task] // 2):
+                raise ValueError(f"seq_len {self.plan.seq_len} is too short for {task}: {self.too_long[task]} of "
+                                 f"{self.drawn[task]} items drawn do not fit (raise --seq-len"
+                                 f"{' or lower --mrcr-chars' if task == 'mrcr' else ''})")
 
     def batch(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         rows = [self.row() for _ in range(self.plan.batch)]
@@ -314,7 +326,8 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     if plan.moe == "grouped":
         use_grouped_routed(model)
     tok = build_sentinel_tokenizer(cfg.vocab_size, plan.seed)
-    data = BatchesAhead(Batches(plan, tok))
+    batches = Batches(plan, tok)
+    data = BatchesAhead(batches)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": plan.weight_decay},
@@ -379,6 +392,9 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
               "first_step_s": None if first_step_s is None else round(first_step_s, 2),
               "device": torch.cuda.get_device_name() if device.startswith("cuda") else device,
               "torch": torch.__version__, "eval_seeds_excluded": list(EVAL_SEEDS), "eval_items_excluded": EVAL_EXCLUDE,
+              # items drawn per task and those skipped as longer than seq_len (up to two batches made ahead
+              # of the last step included)
+              "items_drawn": dict(batches.drawn), "items_too_long": dict(batches.too_long),
               "loss_curve": curve,
               "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.startswith("cuda") else None, "fla_configs": None if kda != "fla" or plan.fla_autotune else
               {"used": dict(PINNED.used), "skipped": dict(PINNED.skipped)}}
