@@ -33,6 +33,8 @@
 #   sentinel-repro  two 20-step sentinel trainings from the same seed: their checkpoint digests must match
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s); K3_EVAL_ONLY=evals.gsm8k,... runs only those checks (--only)
+#   sentinel-standard  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier standard --only evals.gsm8k,evals.aime25,
+#             evals.mrcr: the standard tier's own sentinel evals (its sizes), within K3_EVAL_S (default 520 s)
 #   sentinel-defects  the sentinel-evals tier once per planted defect (verify/defects.py; K3_DEFECTS, default
 #             all) with --engine builtin:fast+defect=NAME against K3_DEFECT_BASELINE (default builtin:fast, the
 #             clean fast path; builtin:reference is ~27x slower), each within K3_EVAL_S, then `python -m
@@ -119,6 +121,12 @@ for what in "$@"; do
           K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
             --output "/tmp/bundles/$stamp-$gpu-sentinel-evals" --time-limit $((E - 20)) ${K3_EVAL_ONLY:+--only "$K3_EVAL_ONLY"} 2>&1 | tee "$OUT/sentinel-evals.log" || rc=1
         else echo "sentinel-evals: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
+      sentinel-standard) E=${K3_EVAL_S:-520}
+        if [ -f /tmp/sentinel/training.json ]; then
+          K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier standard \
+            --only evals.gsm8k,evals.aime25,evals.mrcr --output "/tmp/bundles/$stamp-$gpu-sentinel-standard" \
+            --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-standard.log" || rc=1
+        else echo "sentinel-standard: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
       sentinel-defects) E=${K3_EVAL_S:-300}
         clean=$(ls -d /tmp/bundles/*-sentinel-evals 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
