@@ -17,7 +17,8 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
 - with ``--compile-glue``, the reference's FP32 elementwise glue through ``torch.compile`` (``train_glue``);
 - the KDA recurrence: fla's fused ``chunk_kda`` on CUDA (``fla_kda``; ``--kda reference`` keeps the
   reference's chunked form), the reference's elsewhere;
-- AdamW (FP32 master weights, BF16 autocast on CUDA), linear warm-up then cosine decay, gradient clip;
+- AdamW (FP32 master weights, BF16 autocast on CUDA; its fused kernel there), linear warm-up then cosine
+  decay, gradient clip;
 - the router's correction bias balanced without an auxiliary loss (each step ``bias += rate * sign(mean
   load - load)`` per MoE layer, as DeepSeek-V3 / K3 train it).
 
@@ -332,7 +333,8 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     decay = [p for p in params if p.dim() >= 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": plan.weight_decay},
                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-                            lr=plan.lr, betas=(0.9, 0.95))
+                            lr=plan.lr, betas=(0.9, 0.95),
+                            fused=device.startswith("cuda"))  # one kernel for every parameter's update
     gates, loads = _gate_loads(model)
     if profile:
         _label_parts(model)
