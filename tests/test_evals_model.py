@@ -156,3 +156,45 @@ def test_synthetic_data_holds_the_limit(tmp_path):
     rows = (Path(data_dir) / "gsm8k" / "test.jsonl").read_text().splitlines()
     make_all(tmp_path / "default", seed=0)
     assert len(rows) == 73 and rows[:50] == (tmp_path / "default" / "gsm8k" / "test.jsonl").read_text().splitlines()
+
+
+@pytest.mark.slow  # ~40 s on the 2-core CPU: a 2-step k3-tiny sentinel, then 6 items x 2 engines x 128 tokens
+def test_the_standard_tier_scores_a_trained_sentinel_on_a_cpu(tmp_path):
+    """End to end, as a contributor runs it: `python -m k3_fastpath.sentinel.train`, then the standard tier's
+    gsm8k with ``$K3_SENTINEL_DIR``: the CPU's sizes (cpu_params) planned and run, the sentinel and its
+    training named in the records, the bundle verified (status re-derived); another seed than the
+    training kept out is refused before any engine runs."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    sentinel = tmp_path / "sentinel"
+    train = [sys.executable, "-m", "k3_fastpath.sentinel.train", "--out", str(sentinel), "--preset", "k3-tiny",
+             "--steps", "2", "--warmup", "1", "--batch", "2", "--seq-len", "384", "--mrcr-chars", "300",
+             "--device", "cpu"]
+    subprocess.run(train, cwd=repo, check=True, capture_output=True, timeout=300)
+    env = {**os.environ, DIR_ENV: str(sentinel)}
+
+    def run(out: str, *extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "verify.cli", "run", "--tier", "standard", "--only", "evals.gsm8k",
+                               "--device", "cpu", "-o", str(tmp_path / out), *extra], cwd=repo, env=env,
+                              capture_output=True, text=True, timeout=600)
+
+    run("b")
+    bundle = tmp_path / "b"
+    plan = json.loads((bundle / "manifest.json").read_text())["config"]["check_plan"]["evals.gsm8k"]["params"]
+    assert plan["limit"] == 6 and plan["model"] == "sentinel"  # standard.yaml's cpu_params
+    recs = [json.loads(line) for line in (bundle / "records" / "evals.gsm8k.jsonl").read_text().splitlines()]
+    config = next(r for r in recs if r.get("type") == "config")
+    assert config["limit"] == 6 and config["model"]["scored"] == "sentinel"
+    assert config["model"]["training"]["steps_done"] == 2 and config["model"]["digest_matches_training"]
+    assert sum(1 for r in recs if r.get("side") == "under_test") == 6
+    result = next(json.loads(line) for line in (bundle / "results.jsonl").read_text().splitlines())
+    assert result["status"] in ("passed", "failed") and result["metrics"]["k3_gsm8k:mde"] > 0
+    verify = subprocess.run([sys.executable, "-m", "verify.cli", "bundle", "verify", str(bundle)], cwd=repo,
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    other = run("seed5", "--seed", "5")
+    res = next(json.loads(line) for line in (tmp_path / "seed5" / "results.jsonl").read_text().splitlines())
+    assert res["status"] == "error" and "could score items it was trained on" in res["reason"], (res, other.stderr)
