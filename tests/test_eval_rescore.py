@@ -146,6 +146,23 @@ def test_the_mde_is_re_derived_when_claimed_and_older_results_without_it_still_v
     assert rescore_eval({CID: recs}, CheckResult(id=CID, status=result.status, reason=result.reason, metrics=older)) == []
 
 
+def test_each_sides_accuracy_interval_is_re_derived_when_claimed(seed) -> None:
+    """Both sides carry their accuracy's 95% interval (Wilson for 0/1 items), per task and as headline
+    scalars; a narrowed interval fails the rescore; results written before it still verify."""
+    recs, result = _records(seed)
+    ci = result.metrics["tasks"]["k3_gsm8k"]["baseline"]["accuracy_ci"]
+    assert ci["method"] == "wilson" and ci["lo"] < ci["accuracy"] < ci["hi"]
+    assert result.metrics["k3_gsm8k:baseline_accuracy_ci"] == [ci["lo"], ci["hi"]]
+    claimed = json.loads(json.dumps(result.metrics))
+    claimed["tasks"]["k3_gsm8k"]["under_test"]["accuracy_ci"]["lo"] += 0.05  # a forger narrows it
+    found = rescore_eval({CID: recs}, CheckResult(id=CID, status=result.status, reason=result.reason, metrics=claimed))
+    assert len(found) == 1 and found[0].startswith("k3_gsm8k: result says under_test.accuracy_ci.lo="), found
+    older = json.loads(json.dumps(result.metrics))
+    for side in ("baseline", "under_test"):
+        del older["tasks"]["k3_gsm8k"][side]["accuracy_ci"], older[f"k3_gsm8k:{side}_accuracy_ci"]
+    assert rescore_eval({CID: recs}, CheckResult(id=CID, status=result.status, reason=result.reason, metrics=older)) == []
+
+
 RUNS = Path(__file__).resolve().parents[1] / "bundles/runs"
 SENTINEL_EVALS = [  # (bundle, check, the status a forger writes): the committed results are the other one
     ("2026-12-03-h200-session16/sentinel-evals-5adb41a", "evals.gsm8k", "failed"),

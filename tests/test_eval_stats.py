@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from verify.evals.gates import Thresholds, ThresholdsError, compare, load_thresholds
-from verify.evals.stats import mcnemar_exact, paired_bootstrap, paired_counts, per_item_means
+from verify.evals.stats import (
+    accuracy_interval,
+    mcnemar_exact,
+    paired_bootstrap,
+    paired_counts,
+    per_item_means,
+)
 
 TH = Thresholds(alpha=0.05, min_relative_accuracy=0.99, max_relative_length_change=0.10, truncation_max_rate=0.05,
                 truncation_max_increase=0.02, extraction_max_rate=0.05, extraction_max_increase=0.02,
@@ -248,3 +254,21 @@ def test_compare_records_the_mde():
              "truncated": [False], "output_tokens": [10]} for i in range(50)]
     metrics, _ = compare("t", base, [dict(s) for s in base], TH, seed=0)
     assert metrics["mde"]["items"] == 50 and metrics["mde"]["mde"] == pytest.approx(7.849 / 50, rel=1e-3)
+
+
+def test_accuracy_interval_wilson_known_answers_and_bootstrap_for_fractions(seed) -> None:
+    """Wilson's interval at 95% (textbook values: 15/30 -> [0.3315, 0.6685], 0/30 -> [0, 0.1135], 30/30 ->
+    [0.8865, 1]); fractional scores get the seeded bootstrap of the mean, reproducible and about the
+    normal approximation's width."""
+    for right, lo, hi in ((15, 0.3315, 0.6685), (0, 0.0, 0.1135), (30, 0.8865, 1.0)):
+        ci = accuracy_interval([1] * right + [0] * (30 - right))
+        assert ci["method"] == "wilson" and ci["accuracy"] == right / 30
+        assert abs(ci["lo"] - lo) < 1e-4 and abs(ci["hi"] - hi) < 1e-4, (right, ci)
+    rng = np.random.default_rng(seed)
+    frac = rng.uniform(0, 1, 400).tolist()
+    a, b = accuracy_interval(frac, seed=seed), accuracy_interval(frac, seed=seed)
+    assert a == b and a["method"] == "bootstrap" and a["lo"] < a["accuracy"] < a["hi"]
+    half = 1.96 * float(np.std(frac)) / np.sqrt(len(frac))
+    assert abs((a["hi"] - a["lo"]) / 2 - half) < 0.15 * half
+    with pytest.raises(ValueError, match="at least one item"):
+        accuracy_interval([])

@@ -21,7 +21,9 @@ Gates, thresholds from ``evals/thresholds.yaml`` (each explained there):
    that stops early on one side (5 points) is not a failure while a decode loop that misses EOS is.
 
 Every task's metrics also carry ``mde``: the smallest accuracy drop the paired test detects at its
-sample size (``stats.min_detectable_drop``), and whether a 5-point drop is within reach.
+sample size (``stats.min_detectable_drop``), and whether a 5-point drop is within reach; and each side's
+``accuracy_ci``: its accuracy's interval at ``bootstrap_confidence`` (``stats.accuracy_interval``: Wilson
+for 0/1 items, the seeded bootstrap otherwise), no gate rests on it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from verify.evals.stats import is_binary, mcnemar_exact, min_detectable_drop, paired_bootstrap, paired_counts
+from verify.evals.stats import (
+    accuracy_interval,
+    is_binary,
+    mcnemar_exact,
+    min_detectable_drop,
+    paired_bootstrap,
+    paired_counts,
+)
 
 
 def default_thresholds_path() -> Path:
@@ -210,7 +219,11 @@ def compare(task: str, base: Sequence[Mapping[str, Any]], fast: Sequence[Mapping
     sb, sf = summarize(b_items), summarize(f_items)
     b_scores, f_scores = [item_score(s) for s in b_items], [item_score(s) for s in f_items]
     ci = paired_bootstrap(b_scores, f_scores, iters=th.bootstrap_iters, seed=seed, confidence=th.bootstrap_confidence)
-    metrics: dict[str, Any] = {"items": len(ids), "baseline": sb.as_dict(), "under_test": sf.as_dict(),
+    intervals = {side: accuracy_interval(scores, confidence=th.bootstrap_confidence, iters=th.bootstrap_iters,
+                                         seed=seed)
+                 for side, scores in (("baseline", b_scores), ("under_test", f_scores))}
+    metrics: dict[str, Any] = {"items": len(ids), "baseline": {**sb.as_dict(), "accuracy_ci": intervals["baseline"]},
+                               "under_test": {**sf.as_dict(), "accuracy_ci": intervals["under_test"]},
                                "accuracy_diff": sf.accuracy - sb.accuracy, "bootstrap": ci.as_dict(),
                                "mde": min_detectable_drop(b_scores, f_scores, th.alpha)}
     binary = is_binary(b_scores) and is_binary(f_scores)
@@ -273,6 +286,9 @@ def headline(per_task: dict[str, Any]) -> dict[str, Any]:
         out[f"{task}:items"] = m["items"]
         out[f"{task}:baseline_accuracy"] = m["baseline"]["accuracy"]
         out[f"{task}:under_test_accuracy"] = m["under_test"]["accuracy"]
+        for side in ("baseline", "under_test"):  # each side's accuracy interval (results before it: absent)
+            if "accuracy_ci" in m[side]:
+                out[f"{task}:{side}_accuracy_ci"] = [m[side]["accuracy_ci"]["lo"], m[side]["accuracy_ci"]["hi"]]
         out[f"{task}:accuracy_diff"] = m["accuracy_diff"]
         out[f"{task}:p_value"] = m["p_value"]  # None for the bootstrap-only (fractional) scores
         out[f"{task}:ci_diff"] = [m["bootstrap"]["lo"], m["bootstrap"]["hi"]]  # paired bootstrap bounds

@@ -25,11 +25,14 @@ SIDES = ("baseline", "under_test")
 _KEYS = (("items",), ("baseline", "accuracy"), ("under_test", "accuracy"), ("accuracy_diff",), ("p_value",),
          ("bootstrap", "lo"), ("bootstrap", "hi"), ("length_ratio",), ("baseline", "truncation_rate"),
          ("under_test", "truncation_rate"), ("baseline", "extraction_failure_rate"),
-         ("under_test", "extraction_failure_rate"), ("mde", "mde"), ("mde", "items_for_target"), ("gates_passed",))
+         ("under_test", "extraction_failure_rate"), ("mde", "mde"), ("mde", "items_for_target"), ("gates_passed",),
+         ("baseline", "accuracy_ci", "lo"), ("baseline", "accuracy_ci", "hi"), ("under_test", "accuracy_ci", "lo"),
+         ("under_test", "accuracy_ci", "hi"))
 # informational metrics that results written before them do not carry (no verdict rests on them): checked
 # whenever a result claims them; per task, and as headline scalars ``<task>:<name>``
-_SINCE_LATER = {("mde", "mde"), ("mde", "items_for_target")}
-_HEADLINE_SINCE_LATER = {"mde"}
+_SINCE_LATER = {("mde", "mde"), ("mde", "items_for_target"), ("baseline", "accuracy_ci", "lo"),
+                ("baseline", "accuracy_ci", "hi"), ("under_test", "accuracy_ci", "lo"), ("under_test", "accuracy_ci", "hi")}
+_HEADLINE_SINCE_LATER = {"mde", "baseline_accuracy_ci", "under_test_accuracy_ci"}
 
 
 def _get(d: Any, path: tuple[str, ...]) -> Any:

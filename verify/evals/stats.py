@@ -14,6 +14,9 @@ points of difference to see anything; the paired tests below look only at the di
   it exactly.
 - ``min_detectable_drop(base, fast, alpha)``: the smallest accuracy drop the paired test detects with
   ``MDE_POWER`` power at this many items, given the sides' observed disagreement (below).
+- ``accuracy_interval(scores)``: one side's accuracy with its confidence interval: Wilson's score
+  interval for 0/1 item scores (sound at 0% and 100%, where the normal approximation collapses), the
+  seeded percentile bootstrap of the mean for fractional ones (MRCR ratios, AIME means over repeats).
 - ``per_item_means``: AIME runs each problem ``repeats`` times with sampling; each problem's score is its
   mean over repeats, and those per-problem means are what gets paired (repeats of one problem are not
   independent items).
@@ -110,6 +113,30 @@ def paired_bootstrap(base: Sequence[float], fast: Sequence[float], *, iters: int
     alpha = 1.0 - confidence
     lo, hi = np.quantile(means, [alpha / 2, 1 - alpha / 2])
     return BootstrapCI(float(d.mean()), float(lo), float(hi), confidence, iters, seed)
+
+
+def accuracy_interval(scores: Sequence[float], *, confidence: float = 0.95, iters: int = 10000,
+                      seed: int = 0) -> dict[str, float | str]:
+    """One side's mean item score with its ``confidence`` interval (``method``: ``wilson`` for 0/1 scores,
+    ``bootstrap`` otherwise: percentiles of the mean over ``iters`` seeded resamples of the items)."""
+    from statistics import NormalDist
+
+    n = len(scores)
+    if n == 0:
+        raise ValueError("accuracy_interval needs at least one item")
+    if not 0 < confidence < 1:
+        raise ValueError("confidence must be in (0, 1)")
+    mean = float(sum(scores)) / n
+    if is_binary(scores):
+        z = NormalDist().inv_cdf(0.5 + confidence / 2)
+        centre = (mean + z * z / (2 * n)) / (1 + z * z / n)
+        half = z / (1 + z * z / n) * math.sqrt(mean * (1 - mean) / n + z * z / (4 * n * n))
+        lo, hi, method = max(0.0, centre - half), min(1.0, centre + half), "wilson"
+    else:
+        zeros = [0.0] * n  # the paired bootstrap of (scores - 0): the same seeded resamples
+        ci = paired_bootstrap(zeros, scores, iters=iters, seed=seed, confidence=confidence)
+        lo, hi, method = ci.lo, ci.hi, "bootstrap"
+    return {"accuracy": mean, "lo": float(lo), "hi": float(hi), "confidence": confidence, "method": method}
 
 
 MDE_POWER = 0.8  # the power a minimum detectable effect is stated at
