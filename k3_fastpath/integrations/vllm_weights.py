@@ -5,7 +5,12 @@ where it fuses them: rows of one parameter in a fixed order (``FUSED``: the KDA 
 convolution, the MLA ``q_a | kv_a | g`` projection, the dense and shared GLU) and the routed experts stacked
 (``EXPERTS``: ``w13 = [w1; w3]`` and ``w2`` over ``[E, ...]``, MXFP4 bytes and scales as the checkpoint has
 them). Every one of our tensors is therefore a view of a vLLM parameter: the whole parameter, a row range of
-a fused one, or ``[e]`` / ``[e, :I]`` / ``[e, I:]`` of a stacked expert tensor. Only where vLLM keeps a
+a fused one, or ``[e]`` / ``[e, :I]`` / ``[e, I:]`` of a stacked expert tensor. At tensor parallelism each
+rank's parameters are its shards, cut as our manifest cuts them (heads, intermediate channels, vocabulary;
+q_a / kv_a / f_a replicated), so the same mapping gives the rank's model; one difference: vLLM zero-pads
+every rank's expert slice to ``min_moe_intermediate_per_partition`` (256) channels when TP without expert
+parallelism leaves it narrower (K3 at TP16: 192 -> 256, a third more expert bytes in vLLM's own path), and
+the executor's views take the unpadded leading rows / columns of each block. Only where vLLM keeps a
 tensor in another shape or dtype is one prepared once (``Prepared``, listed with its bytes and why): the KDA
 ``A_log`` (vLLM keeps the real heads, the checkpoint pads to 32) and ``o_norm`` (vLLM casts the FP32 norm
 to the model dtype; the executor reads vLLM's rounded values in FP32, what vLLM's own forward uses).
@@ -113,8 +118,13 @@ def _source(name: str, shape: tuple[int, ...], params: dict[str, torch.Tensor], 
                 vname = f"{base}.routed_experts.{vsuffix}"
                 if vname not in params:
                     return None
-                off = sum(specs[f"{base}.{e}.{p}"].shape[0] for p in parts[: parts.index(part)])
-                return vname, params[vname][e, off: off + shape[0]]
+                # each part takes an equal row block of vLLM's stack; at TP > 1 vLLM zero-pads every rank's
+                # expert slice to min_moe_intermediate_per_partition (256) rows (w13) / columns (w2), so a part
+                # is the leading rows and columns of its block
+                stacked = params[vname]
+                per = stacked.shape[1] // len(parts)
+                view = stacked[e, parts.index(part) * per: parts.index(part) * per + shape[0]]
+                return vname, view[..., : shape[-1]]
     module, _, tail = name.rpartition(".")  # e.g. model.layers.3.self_attn.q_proj / weight
     sub = module.rpartition(".")[2]
     for vsuffix, parts in FUSED.items():
@@ -131,13 +141,17 @@ def _source(name: str, shape: tuple[int, ...], params: dict[str, torch.Tensor], 
     return None
 
 
-def executor_model_in_place(language_model: Any, cfg: Any, dtype: torch.dtype) -> tuple[Any, InPlaceWeights]:
+def executor_model_in_place(language_model: Any, cfg: Any, dtype: torch.dtype, tp: int = 1
+                            ) -> tuple[Any, InPlaceWeights]:
     """The executor's ``K3ForCausalLM`` whose tensors are vLLM's (module docstring). ``language_model``: vLLM's
-    text model (``KimiK3ForConditionalGeneration.language_model``), weights loaded. Raises ``ValueError``
-    naming a tensor vLLM has no source for."""
+    text model (``KimiK3ForConditionalGeneration.language_model``), weights loaded; at tensor parallelism
+    ``tp`` one rank's, and the model returned is that rank's (``runtime.tp.rank_config(cfg, tp)``, what
+    ``TPModel`` runs). Raises ``ValueError`` naming a tensor vLLM has no source for."""
     from ..manifest import tensor_specs
     from ..reference.model import K3ForCausalLM
+    from ..runtime.tp import rank_config
 
+    cfg = rank_config(cfg, tp)
     specs = {s.name: s for s in tensor_specs(cfg)}
     params = {n: p.detach() for n, p in language_model.named_parameters()}
     heads = cfg.linear_attn_config.num_heads
