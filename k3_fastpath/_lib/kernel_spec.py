@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import re
 import sys
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -85,21 +86,27 @@ def resolve(target: str) -> Any:
     return obj
 
 
+_LOAD_LOCK = threading.RLock()  # a spec module sits in sys.modules while it executes: one loader at a time
+
+
 def load_spec(path: Path, module_name: str) -> KernelSpec:
     """``SPEC`` of the spec file ``path``, loaded as ``module_name`` without importing the kernel package
-    (whose ``__init__`` imports torch): the spec module is registered under its own dotted name only."""
-    mod = sys.modules.get(module_name)
-    if mod is None:
-        loader_spec = importlib.util.spec_from_file_location(module_name, path)
-        if loader_spec is None or loader_spec.loader is None:
-            raise ImportError(f"cannot load {path}")
-        mod = importlib.util.module_from_spec(loader_spec)
-        sys.modules[module_name] = mod
-        try:
-            loader_spec.loader.exec_module(mod)
-        except BaseException:
-            del sys.modules[module_name]
-            raise
+    (whose ``__init__`` imports torch): the spec module is registered under its own dotted name only.
+    Thread-safe: a second thread asking while the first executes the module waits for it (TP ranks in
+    threads build their op tables at once)."""
+    with _LOAD_LOCK:
+        mod = sys.modules.get(module_name)
+        if mod is None:
+            loader_spec = importlib.util.spec_from_file_location(module_name, path)
+            if loader_spec is None or loader_spec.loader is None:
+                raise ImportError(f"cannot load {path}")
+            mod = importlib.util.module_from_spec(loader_spec)
+            sys.modules[module_name] = mod
+            try:
+                loader_spec.loader.exec_module(mod)
+            except BaseException:
+                del sys.modules[module_name]
+                raise
     spec = getattr(mod, "SPEC", None)
     if not isinstance(spec, KernelSpec):
         raise TypeError(f"{path}: SPEC is {type(spec).__name__}, not a KernelSpec")

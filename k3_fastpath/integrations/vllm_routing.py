@@ -127,7 +127,7 @@ class VllmDecodeRouter:
 
     def __init__(self, executor: Any, vllm_layers: list[Any], layout: VllmLayout, names: tuple[str, str]) -> None:
         self.ex = executor
-        self.cfg = executor.cfg
+        self.cfg = executor.model.cfg  # the config of what the executor holds: one rank's shapes at TP > 1
         self.layers = vllm_layers
         self.layout = layout
         self.kda_name, self.mla_name = names

@@ -26,17 +26,21 @@ kernels run their references (counted fallbacks), which is how tests/test_tp_cpu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .._lib import counters
 from ..reference.common import rms_norm
+from .graphs import counter_delta
 from .options import DecodeOptions
 from .options import resolve as resolve_options
 from .tp import rank_config
 from .tp_comm import Communicator
 from .tp_moe_front import MOE_FRONTS, FrontShard
+from .trace import ExecutionTrace, StepRecord
 
 
 def _attention_fns() -> tuple[Any, Any]:
@@ -173,6 +177,28 @@ class TPFastDecoder:
             i: FrontShard.of(layer.block_sparse_moe, comm.world, comm.rank)
             for i, layer in enumerate(model.model.layers) if hasattr(layer, "block_sparse_moe")}
         self.last_calls: Any = None
+        self.trace = ExecutionTrace(meta={"tp": comm.world, "rank": comm.rank, "comm": comm.name})
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def step_reason(self, batch: int, cache: Any) -> str | None:
+        """Why this decoder cannot run a decode step of ``batch`` sequences on ``cache`` (None: it can); it has
+        no other path, so a caller with a reason runs its own (``DecodeExecutor.step_reason``'s contract)."""
+        if not self.pool.owns(cache):
+            return "cache not allocated by this decoder (use TPFastDecoder.new_cache)"
+        if batch > self.max_batch:
+            return f"batch {batch} > the decoder's largest bucket {self.max_batch}"
+        if cache.length_bound + 1 > self.max_len:
+            cache.length_bound = int(cache.lengths.max())  # the host bound is loose: read the exact one once
+            if cache.length_bound + 1 > self.max_len:
+                return f"context {cache.length_bound + 1} > the decoder's max_len {self.max_len}"
+        return None
 
     def new_cache(self, batch: int, max_len: int | None = None) -> Any:
         return self.pool.allocate(batch, self.max_len if max_len is None else max_len)
@@ -221,10 +247,18 @@ class TPFastDecoder:
         self._ensure_bucket(bucket)
         io = self._io_for(bucket)
         io.load(tokens, active, cache.slots, cache.lengths)
+        rec = StepRecord(0, self.backend, b, bucket)
         if self.graphs is not None:
-            self.graphs.replay(bucket)
+            cap = self.graphs.replay(bucket)
+            rec = dataclasses.replace(rec, kernels=dict(cap.kernels), standard_ops=list(cap.standard_ops),
+                                      kernel_fallbacks=dict(cap.kernel_fallbacks), graph=True)
         else:
-            self._run(bucket)
+            before = counters.snapshot()
+            calls = self._run(bucket)
+            kernels, fallbacks = counter_delta(before, counters.snapshot())
+            rec = dataclasses.replace(rec, kernels=kernels, standard_ops=calls.standard_ops(),
+                                      kernel_fallbacks=fallbacks)
+        self.trace.record(rec)
         cache.lengths.add_(io.active[:b])
         cache.length_bound += 1
         return io.logits[:b].clone()
