@@ -12,7 +12,9 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
   * ``load_weights``: after vLLM's loader, the executor's model is built over vLLM's loaded parameters in
     place (``vllm_weights.executor_model_in_place``: views, a few small prepared tensors; the routed experts
     copied into the executor's own layouts; checked against free device memory, inside vLLM's
-    weight-loading memory accounting, so its KV cache is sized around it) and a ``DecodeExecutor`` built
+    weight-loading memory accounting, so its KV cache is sized around it) and a ``DecodeExecutor`` (at
+    tensor parallelism N > 1: a ``TPFastDecoder`` over the rank's share, on vLLM's TP group,
+    ``vllm_tp_comm``; every rank classifies the same steps, so the collectives line up) built
     with ``fastpath_max_batch`` (default min(max_num_seqs, 64)) / ``fastpath_max_len`` (default
     min(max_model_len, 4096)) from ``additional_config``, and its CUDA graphs captured. The trace's meta
     records what is shared (``weights_in_place``). At the first forward the views are checked to still alias
@@ -89,6 +91,17 @@ def checkpoint_dir(model_config: Any) -> str:
                            f"to load the executor's weights from ({type(e).__name__}: {e})") from e
 
 
+def vllm_tp_comm(device: torch.device) -> Any:
+    """A ``Communicator`` over vLLM's own tensor-parallel group: its device group (NCCL) on a GPU, its gloo
+    group on a CPU. Unfused: all-reduce, then the epilogue as PyTorch ops (``tp_comm.TorchComm``)."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from k3_fastpath.runtime.tp_comm import TorchComm
+
+    group = get_tp_group()
+    return TorchComm(group.device_group if device.type == "cuda" else group.cpu_group)
+
+
 class FastPathState:
     """The route-mode attachments of one model instance (kept out of ``nn.Module``'s registries)."""
 
@@ -146,20 +159,26 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
         from k3_fastpath.runtime.executor import DecodeExecutor
 
         mc = fast.vllm_config.model_config
+        tp = int(fast.vllm_config.parallel_config.tensor_parallel_size)
         param = next(self.parameters(), None)  # vLLM's weights sit on the device the executor serves on
         device = param.device if param is not None else torch.device("cpu")
         cfg = load_config(checkpoint_dir(mc))
         kv_dtype = torch.float8_e4m3fn if fast.vllm_config.cache_config.cache_dtype.startswith("fp8") else mc.dtype
-        model, weights = executor_model_in_place(self.language_model, cfg, mc.dtype)
+        model, weights = executor_model_in_place(self.language_model, cfg, mc.dtype, tp=tp)
         experts = weights.routed_experts_copied * (2 if device.type == "cuda" else 1)  # stacks (+ fragments)
-        check_device_memory(device, pool_bytes(cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype)
+        check_device_memory(device, pool_bytes(model.cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype)
                             + weights.prepared_bytes + experts)
-        kv_scale = None
-        if kv_dtype == torch.float8_e4m3fn:  # the executor's FP8 latents must use vLLM's k_scale
-            mla = next(layer.self_attn for i, layer in enumerate(self._vllm_layers()) if cfg.is_mla_layer(i))
-            kv_scale = float(mla._k_scale)
-        ex = DecodeExecutor(model, max_batch=fast.max_batch, max_len=fast.max_len, kv_dtype=kv_dtype,
-                            kv_scale=kv_scale)
+        if tp > 1:  # this rank's share, its partial sums meeting over vLLM's own TP group (an FP8 cache is refused)
+            from k3_fastpath.runtime.tp_fast import TPFastDecoder
+
+            ex = TPFastDecoder(cfg, model, vllm_tp_comm(device), max_batch=fast.max_batch, max_len=fast.max_len)
+        else:
+            kv_scale = None
+            if kv_dtype == torch.float8_e4m3fn:  # the executor's FP8 latents must use vLLM's k_scale
+                mla = next(layer.self_attn for i, layer in enumerate(self._vllm_layers()) if cfg.is_mla_layer(i))
+                kv_scale = float(mla._k_scale)
+            ex = DecodeExecutor(model, max_batch=fast.max_batch, max_len=fast.max_len, kv_dtype=kv_dtype,
+                                kv_scale=kv_scale)
         ex.trace.set_meta(weights_in_place=weights.summary())
         fast.weights = weights
         ex.warmup_and_capture()

@@ -253,15 +253,18 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
     """Every setting of this vLLM configuration under which no K3 decode step can be routed (or one would be
     served wrongly), one short line each, in a fixed order (empty: it can be routed). The rules follow
     upstream's specialized decode (``nvidia/specialized_decode/runtime/__init__.py``, ``unsupported``) where our
-    route has the same limit, plus its own (``enforce_eager``, single device)."""
+    route has the same limit, plus its own (``enforce_eager``; at TP > 1 a BF16 MLA cache)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     out = []
     if not getattr(mc, "enforce_eager", False):
         out.append("needs enforce_eager (--enforce-eager): a routed step decides on the host per step (classify, "
                    "import state) and replays the executor's own CUDA graphs; vLLM's graphs would freeze one path")
-    if pc.tensor_parallel_size != 1 or pc.pipeline_parallel_size != 1:
-        out.append(f"tensor/pipeline parallel size {pc.tensor_parallel_size}/{pc.pipeline_parallel_size}: the "
-                   "executor routed from vLLM is single-device (TP=PP=1)")
+    if pc.pipeline_parallel_size != 1:
+        out.append(f"pipeline parallel size {pc.pipeline_parallel_size}: the executor runs every layer of its "
+                   "rank (PP=1)")
+    if pc.tensor_parallel_size != 1 and cc.cache_dtype not in ("auto", "bfloat16"):
+        out.append(f"kv cache dtype {cc.cache_dtype} at tensor parallel size {pc.tensor_parallel_size}: the TP "
+                   "decoder keeps the MLA latents in the model dtype")
     if getattr(pc, "decode_context_parallel_size", 1) != 1:
         out.append(f"decode context parallel size {pc.decode_context_parallel_size}: not routed")
     if getattr(pc, "enable_expert_parallel", False):

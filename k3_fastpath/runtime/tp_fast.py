@@ -203,6 +203,12 @@ class TPFastDecoder:
     def new_cache(self, batch: int, max_len: int | None = None) -> Any:
         return self.pool.allocate(batch, self.max_len if max_len is None else max_len)
 
+    def warmup_and_capture(self) -> None:
+        """Every bucket's step warmed up and captured now (on a GPU; a collective on every rank, so every
+        rank calls it at the same point), not inside the first steps that use it."""
+        for bucket in self.buckets:
+            self._ensure_bucket(bucket)
+
     def _io_for(self, bucket: int) -> Any:
         from .fast_step import StepIO
 

