@@ -474,68 +474,56 @@ def test_tp2_routed_steps_on_each_ranks_vllm_caches(sd, seed):
     references on a CPU) over the rank's pool rows. Every routed step's logits (the whole vocabulary, equal on
     both ranks) match the TP reference decode up to BF16 rounding; the decoder's trace records each step; the
     state handed back to vLLM at a fallback is the reference's."""
-    import threading
-
-    from tp_tools import Group, ThreadComm
+    from tp_tools import run_threads
 
     from k3_fastpath.runtime import tp as TP
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
-    group, world = Group(2), 2
-    out: list = [None, None]
+    world = 2
 
-    def rank_work(rank: int) -> None:
-        try:
-            g = torch.Generator().manual_seed(seed)  # the same prompts and block tables on every rank
-            comm = ThreadComm(group, rank)
-            m = TP.rank_model(CFG, sd, world, rank, torch.bfloat16)
-            tpm = TP.TPModel(CFG, m, comm)
-            lens, idx = [5, 7, 4], [5, 2, 7]
-            vc = VllmCaches(m.cfg, 9, 40, BS, torch.bfloat16, seed=seed + rank)
-            ids = torch.randint(3, CFG.vocab_size, (3, max(lens)), generator=g)
-            ref = tpm.new_cache(3, MAX_LEN)
-            logits = tpm.prefill(ids, torch.tensor(lens), ref)[torch.arange(3), torch.tensor(lens) - 1]
-            bts = _block_tables(3, 40, g)
-            for r, i in enumerate(idx):
-                vc.store(ref, r, i, bts[r])
-            dec = TPFastDecoder(CFG, m, comm, max_batch=4, max_len=MAX_LEN, use_graphs=False)
-            router = VllmDecodeRouter(dec, vc.layers, VllmLayout(False, BS), (KDA, MLA))
-            seq, worst, got_all = torch.tensor(lens), 0.0, []
-            for _ in range(3):
-                tok = logits.argmax(-1)
-                seq = seq + 1
-                plan = router.plan(decode_metadata(KDA, MLA, idx, seq.tolist(), bts), positions=seq - 1)
-                assert plan.route, plan.reason
-                got = router.run(plan, tok)
-                logits = tpm.decode(tok, ref)
-                worst = max(worst, float((got - logits).abs().max() / logits.abs().max()))
-                got_all.append(got)
-            rec = dec.trace.records[-1]
-            assert rec.fallback is None and rec.batch == 3 and rec.kernel_fallbacks  # references on a CPU
-            assert router.sync_back() == 3
-            back_ok = True
-            for r, i in enumerate(idx):
-                back = m.new_cache(1, MAX_LEN)
-                vc.load(back, 0, i, bts[r], int(seq[r]))
-                for a, b in zip(back.layers, ref.layers, strict=True):
-                    pairs = zip(a.tensors(), b.tensors(), strict=True) if hasattr(a, "state") else \
-                        [(a.latent[:, : int(seq[r])], b.latent[r: r + 1, : int(seq[r])])]
-                    for x, y in pairs:
-                        y = y[r: r + 1] if hasattr(a, "state") else y
-                        back_ok &= float((x.float() - y.float()).abs().max()) <= 2e-2 * float(y.float().abs().max())
-            out[rank] = {"worst": worst, "logits": got_all, "back_ok": back_ok, "heads": m.cfg.linear_attn_config.num_heads}
-        except BaseException as e:  # noqa: BLE001 - reported below
-            group.barrier.abort()
-            out[rank] = e
+    def close(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return float((x.float() - y.float()).abs().max()) <= 2e-2 * float(y.float().abs().max())
 
-    threads = [threading.Thread(target=rank_work, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    errors = [o for o in out if isinstance(o, BaseException)]
-    if errors:  # the rank that failed first, not the one whose barrier it broke
-        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    def rank_work(rank: int, comm) -> dict:
+        g = torch.Generator().manual_seed(seed)  # the same prompts and block tables on every rank
+        m = TP.rank_model(CFG, sd, world, rank, torch.bfloat16)
+        tpm = TP.TPModel(CFG, m, comm)
+        lens, idx = [5, 7, 4], [5, 2, 7]
+        vc = VllmCaches(m.cfg, 9, 40, BS, torch.bfloat16, seed=seed + rank)
+        ids = torch.randint(3, CFG.vocab_size, (3, max(lens)), generator=g)
+        ref = tpm.new_cache(3, MAX_LEN)
+        logits = tpm.prefill(ids, torch.tensor(lens), ref)[torch.arange(3), torch.tensor(lens) - 1]
+        bts = _block_tables(3, 40, g)
+        for r, i in enumerate(idx):
+            vc.store(ref, r, i, bts[r])
+        dec = TPFastDecoder(CFG, m, comm, max_batch=4, max_len=MAX_LEN, use_graphs=False)
+        router = VllmDecodeRouter(dec, vc.layers, VllmLayout(False, BS), (KDA, MLA))
+        seq, worst, got_all = torch.tensor(lens), 0.0, []
+        for _ in range(3):
+            tok = logits.argmax(-1)
+            seq = seq + 1
+            plan = router.plan(decode_metadata(KDA, MLA, idx, seq.tolist(), bts), positions=seq - 1)
+            assert plan.route, plan.reason
+            got = router.run(plan, tok)
+            logits = tpm.decode(tok, ref)
+            worst = max(worst, float((got - logits).abs().max() / logits.abs().max()))
+            got_all.append(got)
+        rec = dec.trace.records[-1]
+        assert rec.fallback is None and rec.batch == 3 and rec.kernel_fallbacks  # references on a CPU
+        assert router.sync_back() == 3
+        back_ok = True
+        for r, i in enumerate(idx):
+            n = int(seq[r])
+            back = m.new_cache(1, MAX_LEN)
+            vc.load(back, 0, i, bts[r], n)
+            for a, b in zip(back.layers, ref.layers, strict=True):
+                if hasattr(a, "state"):
+                    back_ok &= all(close(x, y[r: r + 1]) for x, y in zip(a.tensors(), b.tensors(), strict=True))
+                else:
+                    back_ok &= close(a.latent[:, :n], b.latent[r: r + 1, :n])
+        return {"worst": worst, "logits": got_all, "back_ok": back_ok, "heads": m.cfg.linear_attn_config.num_heads}
+
+    out = run_threads(world, rank_work)
     assert [o["heads"] for o in out] == [CFG.linear_attn_config.num_heads // world] * world
     for o in out:
         # BF16 GEMMs of the fast step's structure round differently from the reference's (as at TP1)
