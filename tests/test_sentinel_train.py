@@ -69,6 +69,20 @@ def test_items_longer_than_a_row_are_skipped_whole_and_counted():
             short.row()
 
 
+def test_a_rebuild_with_the_recorded_digest_passes_and_another_digest_writes_nothing(tmp_path):
+    """``--expect-digest``: the documented rebuild command; the same plan and steps give the recorded digest
+    (CPU, k3-tiny), a wrong one exits 1 with one line and leaves no output."""
+    first = sentinel_train.train(PLAN, tmp_path / "a", "cpu", log=lambda _: None)
+    again = sentinel_train.train(PLAN, tmp_path / "b", "cpu", log=lambda _: None, expect_digest=first["checkpoint_digest"])
+    assert again["checkpoint_digest"] == first["checkpoint_digest"]
+    args = ["--preset", "k3-tiny", "--steps", "1", "--batch", "2", "--seq-len", "640", "--warmup", "1",
+            "--mrcr-chars", "300", "--device", "cpu"]
+    r = subprocess.run([sys.executable, "-m", "k3_fastpath.sentinel.train", "--out", str(tmp_path / "c"), *args,
+                        "--expect-digest", "0" * 64], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"is not the expected {'0' * 64}" in r.stderr and not (tmp_path / "c").exists()
+
+
 def test_bad_plans_and_an_existing_output_are_refused(tmp_path):
     with pytest.raises(ValueError, match="steps >= 1"):
         sentinel_train.TrainPlan(steps=0)

@@ -22,6 +22,10 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
 - the router's correction bias balanced without an auxiliary loss (each step ``bias += rate * sign(mean
   load - load)`` per MoE layer, as DeepSeek-V3 / K3 train it).
 
+``--expect-digest D`` rebuilds a recorded checkpoint (its ``training.json``: the plan, ``--steps`` from
+``reproduce``) and fails, writing nothing, unless the digest is ``D``: the sentinel is not committed (205 MB),
+it is rebuilt bit for bit on the same GPU model and software stack.
+
 At the end the MXFP4 checkpoint (``checkpoint.write_trained_checkpoint``), the sentinel tokenizer and
 ``training.json`` (plan, seeds, steps, wall time, loss curve, device, versions) are written into ``--out``
 atomically enough for a failed run to leave nothing: all of it goes to a temporary sibling first.
@@ -305,10 +309,17 @@ def _gate_loads(model) -> tuple[list, list]:
 PROFILED_STEPS = (3, 6)  # ``--profile``: the steps [start, end) torch.profiler records (after warm-up)
 
 
-def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, profile: bool = False) -> dict:
+class DigestMismatch(ValueError):
+    """The rebuilt checkpoint is not the expected one (``train(expect_digest=...)``): nothing was written."""
+
+
+def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, profile: bool = False,
+          expect_digest: str | None = None) -> dict:
     """Train per ``plan`` and write the checkpoint directory ``out_dir`` (must not exist); returns the record.
     ``profile``: record ``PROFILED_STEPS`` with torch.profiler and log the ops that took the most time
-    (where a step's time goes; the training itself is unchanged)."""
+    (where a step's time goes; the training itself is unchanged). ``expect_digest``: a rebuild of a recorded
+    checkpoint (its ``training.json``'s ``checkpoint_digest``, trained with its ``reproduce`` steps): a
+    different digest raises ``DigestMismatch`` and writes nothing."""
     from ..reference.model import load_reference
 
     out = Path(out_dir)
@@ -407,6 +418,10 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
         write_trained_checkpoint(cfg, sd, tmp / "ckpt")
         save_tokenizer(tok, tmp / "ckpt")
         record["checkpoint_digest"] = checkpoint_digest(tmp / "ckpt")  # config, index and shards
+        if expect_digest is not None and record["checkpoint_digest"] != expect_digest:
+            raise DigestMismatch(f"the rebuilt checkpoint's digest {record['checkpoint_digest']} is not the expected "
+                                 f"{expect_digest} (another plan, step count, GPU model or software stack: "
+                                 f"{record['device']}, torch {record['torch']}); nothing written to {out}")
         (tmp / "ckpt" / "training.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         os.rename(tmp / "ckpt", out)
     finally:
@@ -419,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, type=Path, help="checkpoint directory to write (must not exist)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--profile", action="store_true", help="log where steps 3-5 spend their time (torch.profiler)")
+    p.add_argument("--expect-digest", help="rebuild a recorded checkpoint: fail (exit 1, nothing written) unless "
+                                           "its digest is this one (training.json's checkpoint_digest)")
     for f in dataclasses.fields(TrainPlan):
         if f.type == "bool":
             p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None)
@@ -429,7 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     over = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainPlan)
             if getattr(args, f.name, None) is not None}
     try:
-        record = train(TrainPlan(**over), args.out, args.device, profile=args.profile)
+        record = train(TrainPlan(**over), args.out, args.device, profile=args.profile,
+                       expect_digest=args.expect_digest)
+    except DigestMismatch as e:
+        print(f"sentinel train: {e}", file=sys.stderr)
+        return 1
     except (ValueError, OSError) as e:
         print(f"sentinel train: {e}", file=sys.stderr)
         return 2

@@ -30,7 +30,7 @@
 #             under K3_STEP_TIMEOUT, K3_TRAIN_PROFILE=1 adds --profile, K3_TRAIN_ARGS more options (e.g.
 #             "--batch 64"; training.json and the log come
 #             back; the checkpoint stays in /tmp for a later call on the same warm machine)
-#   sentinel-repro  two 20-step sentinel trainings from the same seed: their checkpoint digests must match
+#   sentinel-repro  a 20-step sentinel training, then its rebuild with --expect-digest (the first's digest)
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s); K3_EVAL_ONLY=evals.gsm8k,... runs only those checks (--only)
 #   sentinel-standard  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier standard --only evals.gsm8k,evals.aime25,
@@ -111,11 +111,13 @@ for what in "$@"; do
         timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel --time-limit-s $((T - 60)) ${K3_TRAIN_PROFILE:+--profile} ${K3_TRAIN_ARGS:-} 2>&1 | tee "$OUT/sentinel-train.log" | tail -8
         [ -f /tmp/sentinel/training.json ] && cp /tmp/sentinel/training.json "$OUT/sentinel-training.json" || rc=1 ;;
       sentinel-repro) rm -rf /tmp/sentinel-r1 /tmp/sentinel-r2
-        for i in 1 2; do timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel-r$i --steps 20 --warmup 5 2>&1 | tail -1 | tee -a "$OUT/sentinel-repro.log"; done
+        timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel-r1 --steps 20 --warmup 5 2>&1 | tail -1 | tee -a "$OUT/sentinel-repro.log"
         d1=$(python3 -c "import json;print(json.load(open('/tmp/sentinel-r1/training.json'))['checkpoint_digest'])" 2>/dev/null)
-        d2=$(python3 -c "import json;print(json.load(open('/tmp/sentinel-r2/training.json'))['checkpoint_digest'])" 2>/dev/null)
-        if [ -n "$d1" ] && [ "$d1" = "$d2" ]; then echo "sentinel-repro: same digest $d1" | tee -a "$OUT/sentinel-repro.log"
-        else echo "sentinel-repro: digests differ ($d1 vs $d2)" | tee -a "$OUT/sentinel-repro.log"; rc=1; fi ;;
+        # the documented rebuild: the same command with --expect-digest (exit 1, nothing written, on a mismatch)
+        if [ -n "$d1" ] && timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel-r2 --steps 20 --warmup 5 \
+             --expect-digest "$d1" 2>&1 | tail -1 | tee -a "$OUT/sentinel-repro.log" && [ -d /tmp/sentinel-r2 ]; then
+          echo "sentinel-repro: rebuilt bit for bit ($d1)" | tee -a "$OUT/sentinel-repro.log"
+        else echo "sentinel-repro: the rebuild's digest differs from $d1 (or the first run failed)" | tee -a "$OUT/sentinel-repro.log"; rc=1; fi ;;
       sentinel-evals) E=${K3_EVAL_S:-300}
         if [ -f /tmp/sentinel/training.json ]; then
           K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
