@@ -135,6 +135,30 @@ def test_spec_sampling_passes_on_the_reference_and_its_rule_rederives_it(samplin
     assert any("sampled tokens differ from the reference distribution" in p for p in problems), problems
 
 
+def test_spec_sampling_runs_each_cells_own_draft_count_and_checks_each_drafter(pool, seed):
+    """Cells naming their own drafter (draft counts 1 and 7 here; the check's ``speculative`` otherwise): each
+    cell's tokens come from that drafter's engine, the cell records it, and the rule requires both verify
+    branches per drafter (a drafter whose drafts were all accepted fails even when another's were not)."""
+    cells = [{"temperature": 1.0, "speculative": "synthetic:1:p=1.0"},
+             {"temperature": 1.0, "top_k": 20, "speculative": "synthetic:7:p=1.0"}]
+    res, recs = _run("spec_sampling", pool, seed, cells=cells, samples=60, max_tokens=8, alpha=1e-4, min_tokens=100)
+    assert res.status == "passed", f"seed {seed}: {res.reason}"
+    assert res.metrics["drafters"] == ["synthetic:1:p=1.0", "synthetic:7:p=1.0"]
+    got = [r for r in recs if r["kind"] == "cell"]
+    assert [c["speculative"] for c in got] == ["synthetic:1:p=1.0", "synthetic:7:p=1.0"]
+    assert [r["speculative"] for r in recs if r["kind"] == "engines"] == res.metrics["drafters"]  # one engine each
+    assert all(0 < c["accepted"] < c["examined"] for c in got)
+    assert spec_rules.spec_sampling_problems(recs) == []
+    forged = copy.deepcopy(recs)  # the 7-draft cell's drafts all accepted: its rejection branch never ran
+    for r in forged:
+        if r["kind"] == "sequence" and r["cell"] == 1:
+            r["accepted"] = r["examined"]
+    problems = spec_rules.spec_sampling_problems(forged)
+    assert len(problems) == 1 and problems[0].startswith("synthetic:7:p=1.0: drafts examined"), problems
+    with pytest.raises(ValueError, match="cannot name a drafter"):
+        _run("decode_sampling", pool, seed, cells=cells)
+
+
 def test_spec_sampling_fails_when_the_correction_ignores_the_draft(pool, seed, monkeypatch):
     """The classic bug: on rejection, draw from p instead of normalise(max(0, p - q)): the draft token comes
     out too often (p(d) + (1 - p(d)) p(d) instead of p(d))."""

@@ -14,7 +14,8 @@ detectable with 80% power at these counts. A verify kernel whose rows after the 
 emitting the right tokens (rejection corrects them) while acceptance collapses: this is the check that sees it.
 
 ``features.spec_sampling``: temperature sampling under speculative decoding follows the target's
-distribution. Per (temperature, filter) cell, ``samples`` requests of ``max_tokens`` tokens without a seed
+distribution. A cell may name its own drafter (``speculative``, e.g. another draft count: one check covers
+k = 1, 3 and 7); the others use the check's. Per (temperature, filter) cell, ``samples`` requests of ``max_tokens`` tokens without a seed
 (every token after the first comes from a verify step: accepted drafts, the residual draw after a rejection,
 bonus tokens); each token is scored against the baseline's own distribution of its context (the plain
 baseline's teacher-forced log-probabilities of the whole sequence, ``softmax(logits / T)`` after top-k /
@@ -174,21 +175,31 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
     cells = DEFAULT_CELLS if cells is None else [dict(c) for c in cells]
     if not cells or samples < 1 or max_tokens < 2 or any(float(c.get("temperature", 0)) <= 0 for c in cells):
         raise ValueError(f"{ctx.check_id} needs cells with temperature > 0, samples >= 1 and max_tokens >= 2")
-    if speculative is None:
-        eut, base = ctx.engine_under_test(), ctx.baseline_engine()
-        info = {"engine_under_test": eut.name, "baseline": base.name, "same_engine": eut is base,
-                "speculative": None}
-        ctx.record({"kind": "engines", "engine_under_test": eut.describe(), "baseline": base.describe(),
-                    "speculative": None})
-    else:
-        eut, base, info = _spec_engines(ctx, speculative)
+    if speculative is None and any(c.get("speculative") for c in cells):
+        raise ValueError(f"{ctx.check_id} samples without speculative decoding: a cell cannot name a drafter")
+    for c in cells:  # a cell's drafter: its own "speculative" (e.g. another draft count), else the check's
+        c["speculative"] = c.get("speculative") or speculative
+    engines: dict[Any, tuple[Any, Any]] = {}
+    for spec in dict.fromkeys(c["speculative"] for c in cells):
+        if spec is None:
+            eut, base = ctx.engine_under_test(), ctx.baseline_engine()
+            info = {"engine_under_test": eut.name, "baseline": base.name, "same_engine": eut is base,
+                    "speculative": None}
+            ctx.record({"kind": "engines", "engine_under_test": eut.describe(), "baseline": base.describe(),
+                        "speculative": None})
+        else:
+            eut, base, info = _spec_engines(ctx, spec)
+        engines[spec] = (eut, base)
+    same = all(e is b for e, b in engines.values())
+    info = dict(info, same_engine=same, speculative=speculative,
+                drafters=[s for s in engines if s is not None] or None)
     plain = ctx.baseline_engine()  # the reference distributions: the baseline without speculative decoding
     if not hasattr(plain, "sequence_logprobs"):
         from verify.engines.base import EngineError
 
         raise EngineError(f"{ctx.check_id} scores every position with the baseline's teacher-forced "
                           f"log-probabilities; {plain.name} has none (use a builtin baseline)")
-    if eut is base:
+    if same:
         logit_tol, mass_tol = 1e-6, 1e-6
     prompt = _prompts(ctx.seed + 211, 1, prompt_len, eut.vocab_size)[0]
     ctx.record({"kind": "plan", "cells": cells, "samples": samples, "max_tokens": max_tokens, "prompt": prompt,
@@ -198,6 +209,7 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
     rng = np.random.default_rng(ctx.seed + 223)
     worst = 1.0
     for i, cell in enumerate(cells):
+        eut = engines[cell["speculative"]][0]
         t, k, tp = float(cell["temperature"]), int(cell.get("top_k", 0)), float(cell.get("top_p", 1.0))
         params = SamplingParams(max_tokens=max_tokens, temperature=t, top_k=k, top_p=tp, seed=None, ignore_eos=True,
                                 logprobs=LOGPROB_WIDTH)
@@ -226,11 +238,14 @@ def _pit_sampling(ctx: CheckContext, speculative: str | None, cells: list[dict] 
             ctx.record(s)
         res = pit_test(seqs, bins)
         worst = min(worst, res["p_value"])
-        ctx.record({"kind": "cell", "temperature": t, "top_k": k, "top_p": tp, **res,
+        ctx.record({"kind": "cell", "temperature": t, "top_k": k, "top_p": tp, "speculative": cell["speculative"], **res,
                     "max_tol": max((x for s in seqs for x in s["tol"]), default=logit_tol),
                     "examined": sum(s["examined"] for s in seqs), "accepted": sum(s["accepted"] for s in seqs),
                     "alpha_per_test": alpha / len(cells)})
-    served = verify_steps_served(ctx, eut) if speculative is not None else None
+    served = ({spec: verify_steps_served(ctx, e) for spec, (e, _) in engines.items()}
+              if speculative is not None else None)
+    if served is not None and len(served) == 1:
+        served = next(iter(served.values()))
     metrics = dict(info, cells=len(cells), samples_per_cell=samples, tokens_per_sample=max_tokens,
                    alpha_family=alpha, alpha_per_test=alpha / len(cells), min_p_value=worst,
                    reference_engine=plain.name, test=f"randomized PIT of every token, {bins} bins, G-test")

@@ -282,8 +282,8 @@ def spec_sampling_problems(records: Records, metrics: Mapping[str, Any] | None =
     """features.spec_sampling and features.decode_sampling: per (temperature, filter) cell, ``pit_test`` of the
     recorded tokens redone from their recorded intervals and draws, at ``alpha / cells``: its p-value and counts
     as recorded, no token the filters remove, at least ``min_tokens`` tested; under speculative decoding (the
-    plan names it), over the whole check, drafts examined and both accepted and rejected (each branch of the
-    verify rule ran)."""
+    plan names a drafter, or a cell its own), per drafter over its cells, drafts examined and both accepted
+    and rejected (each branch of the verify rule ran)."""
     plans = [r for r in records if r.get("kind") == "plan"]
     if len(plans) != 1:
         return [f"{len(plans)} plan records (expected 1)"]
@@ -293,8 +293,10 @@ def spec_sampling_problems(records: Records, metrics: Mapping[str, Any] | None =
         return [f"{len(cells)} cells recorded, {len(plan.get('cells') or [])} planned"]
     alpha_cell = float(plan["alpha"]) / len(cells)
     problems = []
-    examined = accepted = 0
+    examined: dict[Any, int] = {}  # per drafter (a cell's own, else the plan's): drafts examined / accepted
+    accepted: dict[Any, int] = {}
     for i, r in enumerate(cells):
+        drafter = r.get("speculative", plan.get("speculative"))
         where = f"T={r.get('temperature')} top_k={r.get('top_k')} top_p={r.get('top_p')}"
         seqs = [s for s in records if s.get("kind") == "sequence" and s.get("cell") == i]
         if len(seqs) != plan.get("samples"):
@@ -311,9 +313,10 @@ def spec_sampling_problems(records: Records, metrics: Mapping[str, Any] | None =
         elif t["p_value"] < alpha_cell:
             problems.append(f"{where}: sampled tokens differ from the reference distribution (randomized PIT "
                             f"G={t['G']:.1f}, df={t['df']}, p={t['p_value']:.2g} < {alpha_cell:.2g})")
-        examined += sum(int(s.get("examined") or 0) for s in seqs)
-        accepted += sum(int(s.get("accepted") or 0) for s in seqs)
-    if plan.get("speculative") and (not accepted or examined <= accepted):  # features.decode_sampling: none
-        problems.append(f"drafts examined {examined} times, accepted {accepted}: both branches of the verify rule "
-                        "(accept, and the residual draw after a rejection) must run")
+        examined[drafter] = examined.get(drafter, 0) + sum(int(s.get("examined") or 0) for s in seqs)
+        accepted[drafter] = accepted.get(drafter, 0) + sum(int(s.get("accepted") or 0) for s in seqs)
+    for drafter, n in examined.items():  # features.decode_sampling: no drafter
+        if drafter and (not accepted[drafter] or n <= accepted[drafter]):
+            problems.append(f"{drafter}: drafts examined {n} times, accepted {accepted[drafter]}: both branches of "
+                            "the verify rule (accept, and the residual draw after a rejection) must run")
     return problems
