@@ -40,7 +40,7 @@ from .options import resolve as resolve_options
 from .tp import rank_config
 from .tp_comm import Communicator
 from .tp_moe_front import MOE_FRONTS, FrontShard
-from .trace import ExecutionTrace, StepRecord
+from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
 
 
 def _attention_fns() -> tuple[Any, Any]:
@@ -177,7 +177,9 @@ class TPFastDecoder:
             i: FrontShard.of(layer.block_sparse_moe, comm.world, comm.rank)
             for i, layer in enumerate(model.model.layers) if hasattr(layer, "block_sparse_moe")}
         self.last_calls: Any = None
-        self.trace = ExecutionTrace(meta={"tp": comm.world, "rank": comm.rank, "comm": comm.name})
+        # every step recorded, streamed where the executor's trace goes ($K3_FASTPATH_TRACE: the vLLM route's
+        # steps counted by equivalence.vllm_route)
+        self.trace = ExecutionTrace(trace_dir_from_env(), {"tp": comm.world, "rank": comm.rank, "comm": comm.name})
 
     @property
     def max_batch(self) -> int:
