@@ -10,8 +10,9 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   driver's ``sentinel-repro`` step trains twice and compares);
 - each item: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
   with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only; an
-  item longer than ``seq_len`` is skipped and counted, never cut; a row holds whole items up to ``seq_len``, filled first-fit from the next few (``pack``; no state reset
-  between them, as language-model pretraining packs documents), or one item (``--no-pack``);
+  item longer than ``seq_len`` is skipped and counted, never cut; a row holds whole items up to
+  ``seq_len``, filled first-fit from the next few (``pack``; no state reset between them, as language-model
+  pretraining packs documents), or one item (``--no-pack``);
 - the routed experts as three batched GEMMs over all experts (``moe_grouped``; ``--moe reference`` keeps
   the reference's per-expert loop);
 - with ``--compile-glue``, the reference's FP32 elementwise glue through ``torch.compile`` (``train_glue``);
