@@ -135,13 +135,22 @@ def test_spec_sampling_passes_on_the_reference_and_its_rule_rederives_it(samplin
     assert any("sampled tokens differ from the reference distribution" in p for p in problems), problems
 
 
-def test_spec_sampling_runs_each_cells_own_draft_count_and_checks_each_drafter(pool, seed):
+DRAFTER_CELLS = [{"temperature": 1.0, "speculative": "synthetic:1:p=1.0"},
+                 {"temperature": 1.0, "top_k": 20, "speculative": "synthetic:7:p=1.0"}]
+
+
+@pytest.fixture(scope="module")
+def drafters_run(pool):
+    seed = random.randrange(2**31)
+    return (*_run("spec_sampling", pool, seed, cells=DRAFTER_CELLS, samples=60, max_tokens=8, alpha=1e-4,
+                  min_tokens=100), seed)
+
+
+def test_spec_sampling_runs_each_cells_own_draft_count_and_checks_each_drafter(drafters_run, pool):
     """Cells naming their own drafter (draft counts 1 and 7 here; the check's ``speculative`` otherwise): each
     cell's tokens come from that drafter's engine, the cell records it, and the rule requires both verify
     branches per drafter (a drafter whose drafts were all accepted fails even when another's were not)."""
-    cells = [{"temperature": 1.0, "speculative": "synthetic:1:p=1.0"},
-             {"temperature": 1.0, "top_k": 20, "speculative": "synthetic:7:p=1.0"}]
-    res, recs = _run("spec_sampling", pool, seed, cells=cells, samples=60, max_tokens=8, alpha=1e-4, min_tokens=100)
+    res, recs, seed = drafters_run
     assert res.status == "passed", f"seed {seed}: {res.reason}"
     assert res.metrics["drafters"] == ["synthetic:1:p=1.0", "synthetic:7:p=1.0"]
     got = [r for r in recs if r["kind"] == "cell"]
@@ -156,7 +165,7 @@ def test_spec_sampling_runs_each_cells_own_draft_count_and_checks_each_drafter(p
     problems = spec_rules.spec_sampling_problems(forged)
     assert len(problems) == 1 and problems[0].startswith("synthetic:7:p=1.0: drafts examined"), problems
     with pytest.raises(ValueError, match="cannot name a drafter"):
-        _run("decode_sampling", pool, seed, cells=cells)
+        _run("decode_sampling", pool, seed, cells=DRAFTER_CELLS)
 
 
 def test_spec_sampling_fails_when_the_correction_ignores_the_draft(pool, seed, monkeypatch):
@@ -232,7 +241,7 @@ def test_structured_output_under_speculative_decoding_records_its_drafts(pool, s
     assert any("no sample had a draft examined" in p for p in feature_rules.structured_output_problems(forged))
 
 
-@pytest.mark.parametrize("which", ["acceptance_run", "sampling_run"])
+@pytest.mark.parametrize("which", ["acceptance_run", "sampling_run", "drafters_run"])
 def test_a_flipped_status_in_a_written_bundle_fails_verify(which, request, tmp_path):
     """The passing run's result and records in a bundle written by ``BundleWriter`` verify; its status flipped
     to failed in results.jsonl and re-sealed, ``bundle verify`` re-derives 'passed' from the records."""

@@ -37,7 +37,12 @@ def _write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
             f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
 
 
-def make_all(out: Path, seed: int = 0, gsm8k: int = 50, aime: int = 30, mrcr: int = 20,
+DEFAULT_COUNTS = {"gsm8k": 50, "aime": 30, "mrcr": 20}  # items per file (MRCR: per needle count), by argument
+COUNT_ARG = {"gsm8k": "gsm8k", "aime25": "aime", "mrcr": "mrcr"}  # dataset -> make_all's count argument
+
+
+def make_all(out: Path, seed: int = 0, gsm8k: int = DEFAULT_COUNTS["gsm8k"], aime: int = DEFAULT_COUNTS["aime"],
+             mrcr: int = DEFAULT_COUNTS["mrcr"],
              mrcr_chars: int = tasks.EVAL_MRCR_CHARS, needles: tuple[int, ...] = tasks.EVAL_NEEDLES) -> dict[str, Any]:
     """Write every dataset under ``out``; returns the manifest (also written to ``out/MANIFEST.json``)."""
     if min(gsm8k, aime, mrcr) < 1 or mrcr_chars < 1:
@@ -64,9 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m evals.data.make_synthetic", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path, help="directory to write (gsm8k/, aime25/, mrcr/)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gsm8k", type=int, default=50, help="GSM8K-style items")
-    p.add_argument("--aime", type=int, default=30, help="AIME-style items")
-    p.add_argument("--mrcr", type=int, default=20, help="MRCR conversations per needle count")
+    p.add_argument("--gsm8k", type=int, default=DEFAULT_COUNTS["gsm8k"], help="GSM8K-style items")
+    p.add_argument("--aime", type=int, default=DEFAULT_COUNTS["aime"], help="AIME-style items")
+    p.add_argument("--mrcr", type=int, default=DEFAULT_COUNTS["mrcr"], help="MRCR conversations per needle count")
     p.add_argument("--mrcr-chars", type=int, default=tasks.EVAL_MRCR_CHARS, help="MRCR conversation length in characters")
     args = p.parse_args(argv)
     try:

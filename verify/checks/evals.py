@@ -41,8 +41,6 @@ from verify.context import CheckContext
 from verify.result import CheckResult
 
 SYNTHETIC = "synthetic"
-SYNTHETIC_COUNT = {"gsm8k": "gsm8k", "aime25": "aime", "mrcr": "mrcr"}  # make_all's item-count argument
-SYNTHETIC_DEFAULTS = {"gsm8k": 50, "aime25": 30, "mrcr": 20}  # make_all's default counts (the files' sizes)
 SENTINEL = "sentinel"  # `model: sentinel`: score k3_fastpath.sentinel's trained checkpoint (sentinel_dir())
 
 
@@ -93,10 +91,11 @@ def _data_sources(ctx: CheckContext, dataset: str, needles: tuple[int, ...], dat
     from evals.data.sources import kind_for, resolve
 
     if data_dir == SYNTHETIC:
-        from evals.data.make_synthetic import make_all
+        from evals.data.make_synthetic import COUNT_ARG, DEFAULT_COUNTS, make_all
 
         out = Path(ctx.tmp_dir) / f"eval-data-{ctx.check_id}{'' if length is None else f'-{length}c'}"
-        sizes = {} if limit is None else {SYNTHETIC_COUNT[dataset]: max(limit, SYNTHETIC_DEFAULTS[dataset])}
+        arg = COUNT_ARG[dataset]
+        sizes = {} if limit is None else {arg: max(limit, DEFAULT_COUNTS[arg])}
         make_all(out, seed=ctx.seed, **sizes, **({} if length is None else {"mrcr_chars": length}))
         data_dir = str(out)
     kinds = [kind_for(dataset, n) for n in needles] if dataset == "mrcr" else [kind_for(dataset)]
@@ -140,6 +139,7 @@ def _training_overlap(about_model: dict[str, Any], dataset: str, seed: int, limi
     ``eval_seeds_excluded`` (``training.json``); a word problem outside them can coincide with a training
     item (short templates, small numbers). MRCR at another conversation length than the eval files' is
     not checked: thousands of characters of random words never coincide with a training chat."""
+    from evals.data.make_synthetic import COUNT_ARG, DEFAULT_COUNTS
     from k3_fastpath.sentinel.tasks import EVAL_MRCR_CHARS
 
     if about_model.get("scored") != SENTINEL or not synthetic:
@@ -151,7 +151,7 @@ def _training_overlap(about_model: dict[str, Any], dataset: str, seed: int, limi
         return ("the sentinel checkpoint has no training.json: which eval items its training kept out cannot be "
                 "checked, so its scores on synthetic items cannot be trusted")
     seeds, kept = rec.get("eval_seeds_excluded") or [], (rec.get("eval_items_excluded") or {}).get(dataset, 0)
-    n = SYNTHETIC_DEFAULTS[dataset] if limit is None else limit
+    n = DEFAULT_COUNTS[COUNT_ARG[dataset]] if limit is None else limit
     if seed not in seeds or n > kept:
         return (f"the sentinel's training kept out the first {kept} {dataset} items of eval seed(s) {seeds}; "
                 f"scoring {n} items of seed {seed} could score items it was trained on (run with --seed "

@@ -22,16 +22,15 @@ from evals.utils import SCORERS
 from verify.evals.gates import Thresholds, compare, headline
 
 SIDES = ("baseline", "under_test")
+_CI_KEYS = tuple((side, "accuracy_ci", end) for side in SIDES for end in ("lo", "hi"))  # each side's interval
 _KEYS = (("items",), ("baseline", "accuracy"), ("under_test", "accuracy"), ("accuracy_diff",), ("p_value",),
          ("bootstrap", "lo"), ("bootstrap", "hi"), ("length_ratio",), ("baseline", "truncation_rate"),
          ("under_test", "truncation_rate"), ("baseline", "extraction_failure_rate"),
          ("under_test", "extraction_failure_rate"), ("mde", "mde"), ("mde", "items_for_target"), ("gates_passed",),
-         ("baseline", "accuracy_ci", "lo"), ("baseline", "accuracy_ci", "hi"), ("under_test", "accuracy_ci", "lo"),
-         ("under_test", "accuracy_ci", "hi"))
+         *_CI_KEYS)
 # informational metrics that results written before them do not carry (no verdict rests on them): checked
 # whenever a result claims them; per task, and as headline scalars ``<task>:<name>``
-_SINCE_LATER = {("mde", "mde"), ("mde", "items_for_target"), ("baseline", "accuracy_ci", "lo"),
-                ("baseline", "accuracy_ci", "hi"), ("under_test", "accuracy_ci", "lo"), ("under_test", "accuracy_ci", "hi")}
+_SINCE_LATER = {("mde", "mde"), ("mde", "items_for_target"), *_CI_KEYS}
 _HEADLINE_SINCE_LATER = {"mde", "baseline_accuracy_ci", "under_test_accuracy_ci"}
 
 
