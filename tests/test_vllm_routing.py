@@ -67,6 +67,11 @@ def _block_tables(batch: int, num_blocks: int, g: torch.Generator) -> torch.Tens
 
 
 # ------------------------------------------------------------------------------------------ classification
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest absolute difference relative to ``want``'s largest magnitude."""
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
 def _meta(b=3, seq=(5, 9, 2), idx=(4, 1, 7), **kw):
     return decode_metadata(KDA, MLA, list(idx[:b]), list(seq[:b]), torch.zeros(b, 6, dtype=torch.int32), **kw)
 
@@ -472,19 +477,14 @@ def test_tp2_routed_steps_on_each_ranks_vllm_caches(sd, seed):
     """Two TP ranks (threads, ``tp_tools.ThreadComm``), each with vLLM-layout caches of its own shapes (its
     KDA heads, the replicated MLA latent): the router drives a ``TPFastDecoder`` (kernels served by their
     references on a CPU) over the rank's pool rows. Every routed step's logits (the whole vocabulary, equal on
-    both ranks) match the TP reference decode up to BF16 rounding; the decoder's trace records each step; the
-    state handed back to vLLM at a fallback is the reference's."""
+    both ranks) are as close to an FP32 TP reference as the BF16 TP reference's own are; the decoder's trace
+    records each step; the state handed back to vLLM at a fallback is likewise as close to the FP32 one."""
     from tp_tools import run_threads
 
     from k3_fastpath.runtime import tp as TP
     from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
     world = 2
-
-    def close(x: torch.Tensor, y: torch.Tensor) -> bool:  # the BF16 state after three steps of each path's
-        # rounding, against its scale: 2.25% at seed 1981568145 (a conv-window entry), <= 1.4% at five others;
-        # a wrong row or orientation differs by O(scale)
-        return float((x.float() - y.float()).abs().max()) <= 5e-2 * float(y.float().abs().max())
 
     def rank_work(rank: int, comm) -> dict:
         g = torch.Generator().manual_seed(seed)  # the same prompts and block tables on every rank
@@ -495,12 +495,15 @@ def test_tp2_routed_steps_on_each_ranks_vllm_caches(sd, seed):
         ids = torch.randint(3, CFG.vocab_size, (3, max(lens)), generator=g)
         ref = tpm.new_cache(3, MAX_LEN)
         logits = tpm.prefill(ids, torch.tensor(lens), ref)[torch.arange(3), torch.tensor(lens) - 1]
+        oracle = TP.TPModel(CFG, TP.rank_model(CFG, sd, world, rank, torch.float32), comm)
+        ref32 = oracle.new_cache(3, MAX_LEN)
+        oracle.prefill(ids, torch.tensor(lens), ref32)
         bts = _block_tables(3, 40, g)
         for r, i in enumerate(idx):
             vc.store(ref, r, i, bts[r])
         dec = TPFastDecoder(CFG, m, comm, max_batch=4, max_len=MAX_LEN, use_graphs=False)
         router = VllmDecodeRouter(dec, vc.layers, VllmLayout(False, BS), (KDA, MLA))
-        seq, worst, got_all = torch.tensor(lens), 0.0, []
+        seq, errs, got_all = torch.tensor(lens), [], []
         for _ in range(3):
             tok = logits.argmax(-1)
             seq = seq + 1
@@ -508,27 +511,36 @@ def test_tp2_routed_steps_on_each_ranks_vllm_caches(sd, seed):
             assert plan.route, plan.reason
             got = router.run(plan, tok)
             logits = tpm.decode(tok, ref)
-            worst = max(worst, float((got - logits).abs().max() / logits.abs().max()))
+            want = oracle.decode(tok, ref32)
+            errs.append((_rel_err(got, want), _rel_err(logits, want)))
             got_all.append(got)
         rec = dec.trace.records[-1]
         assert rec.fallback is None and rec.batch == 3 and rec.kernel_fallbacks  # references on a CPU
         assert router.sync_back() == 3
-        back_ok = True
+        back_errs = []  # (handed back, BF16 reference) against the FP32 oracle's state, per tensor
         for r, i in enumerate(idx):
             n = int(seq[r])
             back = m.new_cache(1, MAX_LEN)
             vc.load(back, 0, i, bts[r], n)
-            for a, b in zip(back.layers, ref.layers, strict=True):
+            for a, b, o in zip(back.layers, ref.layers, ref32.layers, strict=True):
                 if hasattr(a, "state"):
-                    back_ok &= all(close(x, y[r: r + 1]) for x, y in zip(a.tensors(), b.tensors(), strict=True))
+                    pairs = zip(a.tensors(), b.tensors(), o.tensors(), strict=True)
+                    back_errs += [(_rel_err(x, z[r: r + 1]), _rel_err(y[r: r + 1], z[r: r + 1])) for x, y, z in pairs]
                 else:
-                    back_ok &= close(a.latent[:, :n], b.latent[r: r + 1, :n])
-        return {"worst": worst, "logits": got_all, "back_ok": back_ok, "heads": m.cfg.linear_attn_config.num_heads}
+                    z = o.latent[r: r + 1, :n]
+                    back_errs.append((_rel_err(a.latent[:, :n], z), _rel_err(b.latent[r: r + 1, :n], z)))
+        return {"errs": errs, "back_errs": back_errs, "logits": got_all, "heads": m.cfg.linear_attn_config.num_heads}
 
     out = run_threads(world, rank_work)
     assert [o["heads"] for o in out] == [CFG.linear_attn_config.num_heads // world] * world
     for o in out:
-        # BF16 GEMMs of the fast step's structure round differently from the reference's (as at TP1)
-        assert o["worst"] <= 2e-2, f"seed {seed}: {o['worst']}"
-        assert o["back_ok"], f"seed {seed}"
+        # both BF16 paths drift from the FP32 oracle (2-10% of the logits' scale over three steps of random
+        # weights); the fast step's structure rounds differently from the reference's, and at a near-tie picks
+        # another expert (seed 491298876: the two BF16 paths 4.2% apart, each 7.0% from FP32), so it is held to
+        # the reference's own error; a wrong row or shard differs by O(scale)
+        for step, (fast, bf16) in enumerate(o["errs"]):
+            assert fast <= 1.5 * bf16 + 1e-2, f"seed {seed} step {step}: fast {fast:.4f}, BF16 reference {bf16:.4f}"
+        # the state handed back likewise, tensor by tensor (KDA state and conv window, MLA latent)
+        for back, bf16 in o["back_errs"]:
+            assert back <= 1.5 * bf16 + 1e-2, f"seed {seed}: state {back:.4f}, BF16 reference {bf16:.4f}"
     assert all(torch.equal(a, b) for a, b in zip(out[0]["logits"], out[1]["logits"], strict=True))
