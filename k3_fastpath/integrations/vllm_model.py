@@ -22,11 +22,14 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
     later ``load_weights`` (a weight update) cannot reach the executor's expert layouts: either makes every
     step fall back from then on, with that reason;
   * ``forward``: at the first call with metadata the router binds vLLM's per-layer caches; each call is
-    classified (``VllmDecodeRouter.plan``). A routed step runs on the executor: its logits are stashed and
-    ``forward`` returns ``[num_tokens, hidden]`` placeholder hidden states whose first two columns encode
-    the row number, so ``compute_logits`` (which vLLM calls on ``hidden_states[logits_indices]``) returns
-    exactly the stashed rows it was asked for. Any other step exports the routed requests' state to vLLM
-    (``sync_back``), runs vLLM's forward and is traced as ``fallback: "vllm standard path: <reason>"``;
+    classified (``VllmDecodeRouter.plan``). A routed step (a decode step, or with a speculative config a
+    verify step: the executor then holds verify scratch for ``1 + num_speculative_tokens`` tokens) runs on
+    the executor: its logits, one row per token, are stashed and ``forward`` returns ``[num_tokens,
+    hidden]`` placeholder hidden states whose first two columns encode the row number, so
+    ``compute_logits`` (which vLLM calls on ``hidden_states[logits_indices]``) returns exactly the stashed
+    rows it was asked for (a drafter that reads hidden states is refused at start-up). Any other step
+    settles the last verify step and exports the routed requests' state to vLLM (``sync_back``), runs
+    vLLM's forward and is traced as ``fallback: "vllm standard path: <reason>"``;
   * the runner passes token ids beside the multimodal embeddings (``requires_raw_input_tokens``, set on the
     instance in route mode only), since the executor embeds tokens itself.
 
@@ -112,6 +115,8 @@ class FastPathState:
         sched, mc = vllm_config.scheduler_config, vllm_config.model_config
         self.max_batch = int(get("fastpath_max_batch", min(int(sched.max_num_seqs), DEFAULT_MAX_BATCH)))
         self.max_len = int(get("fastpath_max_len", min(int(mc.max_model_len), DEFAULT_MAX_LEN)))
+        spec = vllm_config.speculative_config  # a method the route serves (``config_refusal`` checked it)
+        self.num_spec = int(spec.num_speculative_tokens) if spec is not None else 0
         self.executor: Any = None
         self.router: Any = None
         self.logits: torch.Tensor | None = None  # the last routed step's [B, V]
@@ -166,8 +171,9 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
         kv_dtype = torch.float8_e4m3fn if fast.vllm_config.cache_config.cache_dtype.startswith("fp8") else mc.dtype
         model, weights = executor_model_in_place(self.language_model, cfg, mc.dtype, tp=tp)
         experts = weights.routed_experts_copied * (2 if device.type == "cuda" else 1)  # stacks (+ fragments)
-        check_device_memory(device, pool_bytes(model.cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype)
-                            + weights.prepared_bytes + experts)
+        spec_tokens = fast.num_spec + 1 if fast.num_spec else 0
+        check_device_memory(device, pool_bytes(model.cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype,
+                                               spec_tokens) + weights.prepared_bytes + experts)
         if tp > 1:  # this rank's share, its partial sums meeting over vLLM's own TP group (an FP8 cache is refused)
             from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
@@ -178,7 +184,7 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
                 mla = next(layer.self_attn for i, layer in enumerate(self._vllm_layers()) if cfg.is_mla_layer(i))
                 kv_scale = float(mla._k_scale)
             ex = DecodeExecutor(model, max_batch=fast.max_batch, max_len=fast.max_len, kv_dtype=kv_dtype,
-                                kv_scale=kv_scale)
+                                kv_scale=kv_scale, spec_tokens=spec_tokens)
         ex.trace.set_meta(weights_in_place=weights.summary())
         fast.weights = weights
         ex.warmup_and_capture()
@@ -202,7 +208,7 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
             kda = next(a.prefix for i, a in enumerate(attn) if cfg.is_kda_layer(i))
             mla = next(a.layer_name for i, a in enumerate(attn) if not cfg.is_kda_layer(i))
             layout = VllmLayout(conv_dim_first=is_conv_state_dim_first(),
-                                block_size=int(fast.vllm_config.cache_config.block_size))
+                                block_size=int(fast.vllm_config.cache_config.block_size), num_spec=fast.num_spec)
             fast.router = VllmDecodeRouter(fast.executor, attn, layout, (kda, mla))
             if fast.weights is not None and fast.stale is None:  # vLLM's post-load step may re-lay a weight out
                 fast.stale = fast.weights.aliasing_problem(self.language_model)
@@ -227,7 +233,7 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
             fast.logits = router.run(plan, input_ids)
             hidden = self.config.text_config.hidden_size
             return encode_rows(int(positions.shape[-1]), hidden, fast.executor.dtype, positions.device)
-        router.sync_back()
+        router.sync_back(plan)
         router.record_fallback(plan)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
 

@@ -3,12 +3,13 @@
 Per forward call the model class (``vllm_model.py``) asks ``VllmDecodeRouter.plan``:
 
 1. ``classify_step`` reads vLLM's per-layer attention metadata of one KDA layer (``KimiK3KDAMetadata``) and
-   one MLA layer (``MLACommonMetadata``): the step is routed only if it is a pure, non-speculative decode
-   (every request one new token: ``num_prefills == 0``, ``num_spec_decodes == 0``, ``num_decode_tokens ==
-   num_decodes == num_actual_tokens``), of at most the executor's ``max_batch`` requests, each with a real
-   state index (> 0) and ``seq_len <= max_len``, at the positions vLLM passes. Anything else is a fallback
-   with a one-line reason (prefill tokens in the step, speculative decoding, batch too large, context too
-   long, no metadata in a profile run, ...);
+   one MLA layer (``MLACommonMetadata``): the step is routed only if it is a pure decode (every request one
+   new token: ``num_prefills == 0``, ``num_spec_decodes == 0``, ``num_decode_tokens == num_decodes ==
+   num_actual_tokens``) or, with speculative decoding configured, a pure verify step (``classify_verify``:
+   every request a verify row of 1..1+k tokens, all of them MLA decode tokens), of at most the executor's
+   ``max_batch`` requests, each with real state indices (> 0) and ``seq_len <= max_len``, at the positions
+   vLLM passes. Anything else is a fallback with a one-line reason (prefill tokens in the step, verify rows
+   beside plain decodes, batch too large, context too long, no metadata in a profile run, ...);
 2. the cache layouts (``vllm_state.layout_reason``), checked once per bound cache: a layout the executor
    cannot map bit for bit is a fallback reason for every step.
 
@@ -31,6 +32,19 @@ request whose ``seq_len - 1`` differs from the length the router holds (state mo
 re-imported as well. Cost: one re-import of every running request's state after each fallback step
 (a device copy of its KDA states and MLA latents).
 
+Verify steps (``num_speculative_tokens = k``; with it vLLM makes every decode row a verify row, a row
+without drafts one of 1 token). A request is keyed by its first KDA state block; its state is imported from
+where vLLM's own verify kernels read it (``vllm_state.KdaSlot.spec``: block ``a-1`` and window offset
+``a-1``, a = ``num_accepted_tokens``). The step runs fused on the executor (``DecodeExecutor.verify``: every
+token's state kept in scratch slots) where ``verify_reason`` allows, else as decode steps column by column
+keeping each request's KDA state after each column; the logits come back one row per token. vLLM tells
+what it accepted only at the next step, so the step stays pending (``PendingVerify``) until ``settle``
+(at the next ``run`` or ``sync_back``): each request that step names is committed to its state after its
+a kept tokens, exactly where vLLM will read it; a request it does not name (finished, or not scheduled)
+gets every candidate state written to vLLM's blocks as vLLM's own verify step leaves them (the state after
+token t in block t, the conv window ending at it), and its row is freed. The latents of all fed tokens are
+written through (those of rejected drafts lie past ``seq_len`` and are overwritten, as in vLLM).
+
 Weights (``vllm_weights.executor_model_in_place``): the executor runs over a ``K3ForCausalLM`` whose tensors
 are views of vLLM's loaded parameters (row ranges of the fused ones), a few small tensors prepared
 (``A_log`` padding, ``o_norm`` in FP32); the executor's ``ExpertBank`` copies the routed experts into its
@@ -45,22 +59,37 @@ the index-reuse detection above except through the length check.
 
 Not tested here against a running vLLM on a GPU (the GPU host has no vLLM): the classification runs on
 vLLM's own metadata classes, the state moves on tensors shaped by vLLM's own shape/dtype calculators, and
-the end-to-end test drives the router with the reference model on a CPU (tests/test_vllm_routing.py).
+the end-to-end tests drive the router with the reference model on a CPU (tests/test_vllm_routing.py,
+tests/test_vllm_spec_routing.py). Where vLLM's verify kernels read and write a request's KDA state is taken
+from their source (``fused_recurrent_kda`` and ``causal_conv1d_update`` with ``num_accepted_tokens``, vLLM
+0.32), not from running them: they are Triton kernels, and vLLM-CPU's conv update ignores the offset.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from ..runtime.cache_pool import PooledCache
 from ..runtime.envelope import PREFILL_REASON
+from ..runtime.spec_decode import MAX_DRAFT_TOKENS
 from ..runtime.trace import StepRecord
-from .vllm_state import VllmLayout, export_request, import_request, layout_reason, write_latents
+from .vllm_state import (
+    KdaSlot,
+    VllmLayout,
+    export_kda,
+    export_request,
+    import_request,
+    layout_reason,
+    write_latents,
+)
 
 VLLM_PATH = "vllm standard path"  # prefix of the trace reason of a step vLLM's own forward ran
+# vLLM's speculative methods whose drafter needs only token ids (``SpeculativeConfig.method``): the others
+# (eagle, eagle3, mtp, dflash, dspark, medusa, ...) read the target's hidden states
+SPEC_METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -68,20 +97,36 @@ class StepPlan:
     """What one forward call is: routed (``reason`` None) or not, and the per-request inputs of a routed step."""
 
     reason: str | None
-    kind: str = "decode"  # "decode" | "prefill" | "profile" (no attention metadata)
+    kind: str = "decode"  # "decode" | "verify" | "prefill" | "profile" (no attention metadata)
     batch: int = 0
-    state_indices: torch.Tensor | None = None  # [B] long, host
-    seq_lens: torch.Tensor | None = None  # [B] long, host (includes this step's token)
+    state_indices: torch.Tensor | None = None  # [B] long, host: each request's key (a verify row's first block)
+    seq_lens: torch.Tensor | None = None  # [B] long, host (includes this step's tokens)
     block_table: torch.Tensor | None = None  # [B, nb] (MLA), device
+    query_lens: torch.Tensor | None = None  # [B] long, host: a verify step's tokens per request (1 + drafts)
+    spec_blocks: torch.Tensor | None = None  # [B, k+1] long, host: a verify row's KDA state blocks
+    accepted: dict[int, int] | None = None  # key -> num_accepted_tokens of every verify row (routed or not)
 
     @property
     def route(self) -> bool:
         return self.reason is None
 
 
+def spec_accepted(attn_metadata: Any, kda_layer: str) -> dict[int, int] | None:
+    """Each verify row's ``num_accepted_tokens`` keyed by its first state block, from a step's KDA metadata
+    (None: no verify rows): what settles the router's last verify step, whether this step is routed or not."""
+    kda = attn_metadata.get(kda_layer) if isinstance(attn_metadata, dict) else None
+    if kda is None or not kda.num_spec_decodes or kda.spec_state_indices_tensor is None \
+            or kda.num_accepted_tokens is None:
+        return None
+    n = int(kda.num_spec_decodes)
+    keys = kda.spec_state_indices_tensor[:n, 0].to("cpu", torch.long).tolist()
+    return dict(zip(keys, kda.num_accepted_tokens[:n].to("cpu", torch.long).tolist(), strict=True))
+
+
 def classify_step(attn_metadata: Any, kda_layer: str, mla_layer: str, *, max_batch: int, max_len: int,
-                  positions: torch.Tensor | None = None) -> StepPlan:
-    """Route or fall back, for one forward call, from vLLM's per-layer metadata dict (see module docstring)."""
+                  positions: torch.Tensor | None = None, spec_tokens: int = 0) -> StepPlan:
+    """Route or fall back, for one forward call, from vLLM's per-layer metadata dict (see module docstring).
+    ``spec_tokens``: 1 + the configured speculative tokens (0: none), the most tokens of a verify row."""
     if attn_metadata is None:
         return StepPlan("no attention metadata (vLLM profile / dummy run)", kind="profile")
     if isinstance(attn_metadata, list):
@@ -92,8 +137,11 @@ def classify_step(attn_metadata: Any, kda_layer: str, mla_layer: str, *, max_bat
     if kda.num_prefills or mla.num_prefills:
         return StepPlan(PREFILL_REASON, kind="prefill", batch=int(kda.num_decodes + kda.num_prefills))
     if kda.num_spec_decodes:
-        return StepPlan(f"speculative decoding ({kda.num_spec_decode_tokens} tokens of {kda.num_spec_decodes} "
-                        "requests)", batch=int(kda.num_spec_decodes + kda.num_decodes))
+        if not spec_tokens:
+            return StepPlan(f"speculative decoding ({kda.num_spec_decode_tokens} tokens of {kda.num_spec_decodes} "
+                            "requests)", batch=int(kda.num_spec_decodes + kda.num_decodes))
+        return classify_verify(kda, mla, max_batch=max_batch, max_len=max_len, spec_tokens=spec_tokens,
+                               positions=positions)
     b = int(kda.num_decodes)
     if b == 0:
         return StepPlan("no decode tokens in step")
@@ -119,27 +167,97 @@ def classify_step(attn_metadata: Any, kda_layer: str, mla_layer: str, *, max_bat
                     block_table=mla.decode.block_table[:b])
 
 
+def classify_verify(kda: Any, mla: Any, *, max_batch: int, max_len: int, spec_tokens: int,
+                    positions: torch.Tensor | None = None) -> StepPlan:
+    """A step with verify rows (``num_spec_decodes > 0``, no prefill): routed as one verify step if every
+    request is a verify row of 1..``spec_tokens`` tokens whose tokens are MLA decode tokens, within the
+    executor's batch and context, with positive state blocks where it reads and writes, at the positions
+    its ``seq_len`` implies."""
+    b = int(kda.num_spec_decodes)
+    if kda.num_decodes:
+        return StepPlan(f"{kda.num_decodes} plain decode rows beside {b} verify rows", batch=b + int(kda.num_decodes))
+    if b > max_batch:
+        return StepPlan(f"batch {b} > {max_batch} (the executor's max_batch)", batch=b)
+    if kda.spec_state_indices_tensor is None or kda.spec_query_start_loc is None or kda.num_accepted_tokens is None \
+            or mla.decode is None:
+        return StepPlan("verify metadata missing (spec state indices / query starts / accepted tokens / MLA decode)",
+                        batch=b)
+    qsl = kda.spec_query_start_loc[: b + 1].to("cpu", torch.long)
+    q, n = qsl.diff(), int(qsl[-1])
+    if int(qsl[0]) != 0 or not (n == kda.num_spec_decode_tokens == kda.num_actual_tokens == mla.num_actual_tokens
+                                == mla.num_decode_tokens) or mla.num_decodes != b:
+        return StepPlan(f"verify rows are not all MLA decodes (KDA {kda.num_spec_decode_tokens} tokens / {b} requests, "
+                        f"MLA {mla.num_decode_tokens} / {mla.num_decodes}, {mla.num_actual_tokens} actual)", batch=b)
+    if int(q.min()) < 1 or int(q.max()) > spec_tokens:
+        return StepPlan(f"verify rows of {q.tolist()} tokens: outside 1..{spec_tokens}", batch=b)
+    blocks = kda.spec_state_indices_tensor[:b].to("cpu", torch.long)
+    acc = kda.num_accepted_tokens[:b].to("cpu", torch.long)
+    seq_lens = mla.decode.seq_lens[:b].to("cpu", torch.long)
+    if int(seq_lens.max()) > max_len:
+        return StepPlan(f"context {int(seq_lens.max())} > {max_len} (the executor's max_len)", batch=b)
+    if bool((seq_lens < q).any()):
+        return StepPlan(f"seq_lens {seq_lens.tolist()} shorter than the verify rows {q.tolist()}", batch=b)
+    if int(acc.min()) < 1 or int(acc.max()) > blocks.shape[1]:
+        return StepPlan(f"num_accepted_tokens {acc.tolist()} outside 1..{blocks.shape[1]}", batch=b)
+    keys = blocks[:, 0]
+    used = torch.arange(blocks.shape[1])[None, :] < torch.maximum(q, acc)[:, None]
+    if int(keys.min()) <= 0 or len(set(keys.tolist())) != b or bool((blocks[used] <= 0).any()):
+        return StepPlan(f"state blocks {blocks.tolist()} not distinct positive blocks per request", batch=b)
+    if positions is not None:
+        want = torch.cat([torch.arange(int(s) - int(t), int(s)) for s, t in zip(seq_lens, q, strict=True)])
+        if not torch.equal(positions[:n].to("cpu", torch.long), want):
+            return StepPlan("positions differ from each verify row's seq_len - query_len + i", batch=b)
+    return StepPlan(None, kind="verify", batch=b, state_indices=keys, seq_lens=seq_lens,
+                    block_table=mla.decode.block_table[:b], query_lens=q, spec_blocks=blocks,
+                    accepted=dict(zip(keys.tolist(), acc.tolist(), strict=True)))
+
+
+@dataclass
+class PendingVerify:
+    """A routed verify step whose acceptance vLLM tells only at the next step (``num_accepted_tokens``):
+    each request's state after each of its fed tokens, until ``VllmDecodeRouter.settle``. ``fused``: the
+    executor's scratch slots hold them (``DecodeExecutor.verify``); else ``snapshots[t][j]`` holds KDA
+    tensor j (layer-major, ``KDACache.tensors`` order) of each request after token t, for t < T - 1, and the
+    pool rows hold each request's state after all its tokens."""
+
+    keys: list[int]
+    rows: torch.Tensor  # [B] long, pool rows
+    start: torch.Tensor  # [B] long, host: committed tokens before the step
+    query_lens: torch.Tensor  # [B] long, host
+    blocks: torch.Tensor  # [B, k+1] long, host
+    step: Any  # the step's cache (what ``commit_verify`` checks)
+    tokens: int  # T: the step's rows per request
+    fused: bool
+    snapshots: list[list[torch.Tensor]]
+
+
 class VllmDecodeRouter:
     """The executor's side of a vLLM K3 model: pool rows per vLLM state index, routed steps, sync back.
 
     ``vllm_layers[i]``: vLLM's layer ``i`` attention module (``kv_cache`` read at every use, so a re-bound cache
-    is seen); ``names``: (KDA layer prefix, MLA layer name) whose metadata classify a step."""
+    is seen); ``names``: (KDA layer prefix, MLA layer name) whose metadata classify a step. With
+    ``layout.num_spec = k`` every decode step is a verify step of up to 1 + k tokens per request (see
+    ``run`` / ``settle``)."""
 
     def __init__(self, executor: Any, vllm_layers: list[Any], layout: VllmLayout, names: tuple[str, str]) -> None:
         self.ex = executor
         self.cfg = executor.model.cfg  # the config of what the executor holds: one rank's shapes at TP > 1
         self.layers = vllm_layers
         self.layout = layout
+        self.spec_tokens = layout.num_spec + 1 if layout.num_spec else 0
         self.kda_name, self.mla_name = names
         self.pool_cache = executor.new_cache(executor.max_batch)  # rows 0..max_batch-1 of the executor's pool
         self.pooled = isinstance(self.pool_cache, PooledCache)
-        self.rows: dict[int, int] = {}  # vLLM state index -> pool row
-        self.lengths: dict[int, int] = {}  # vLLM state index -> tokens in the row's state
+        self.rows: dict[int, int] = {}  # request key (vLLM state index / first state block) -> pool row
+        self.lengths: dict[int, int] = {}  # key -> tokens in the row's committed state
+        self.slots: dict[int, KdaSlot] = {}  # key -> where vLLM reads its committed KDA state
+        self.pending: PendingVerify | None = None
         self._free = list(range(executor.max_batch - 1, -1, -1))
         self._layout_checked: tuple[int, ...] | None = None
         self._layout_reason: str | None = None
         self.imports = 0
         self.exports = 0
+        self.candidate_exports = 0  # requests of a verify step absent from the next: every candidate state exported
 
     # ------------------------------------------------------------------ planning
     def caches(self) -> list[Any]:
@@ -156,27 +274,28 @@ class VllmDecodeRouter:
 
     def plan(self, attn_metadata: Any, positions: torch.Tensor | None = None) -> StepPlan:
         p = classify_step(attn_metadata, self.kda_name, self.mla_name, max_batch=self.ex.max_batch,
-                          max_len=self.ex.max_len, positions=positions)
+                          max_len=self.ex.max_len, positions=positions, spec_tokens=self.spec_tokens)
         if p.route:
             why = self.layout_problem()
             if why:
-                return StepPlan(f"cache layout: {why}", batch=p.batch)
+                p = StepPlan(f"cache layout: {why}", batch=p.batch)
+        if p.accepted is None and self.spec_tokens:
+            p = replace(p, accepted=spec_accepted(attn_metadata, self.kda_name))
         return p
 
     # ------------------------------------------------------------------ state
-    def _row_for(self, idx: int, block_table: torch.Tensor, context: int, keep: set[int]) -> int:
-        """The pool row of state index ``idx`` holding ``context`` tokens, importing it if needed."""
+    def _row_for(self, idx: int, block_table: torch.Tensor, context: int, keep: set[int], slot: KdaSlot) -> int:
+        """The pool row of request ``idx`` holding ``context`` tokens, importing it from ``slot`` if needed."""
         if idx in self.rows and self.lengths[idx] == context:
             return self.rows[idx]
-        if idx in self.rows:  # vLLM's state for this index moved on without the router: take vLLM's
+        if idx in self.rows:  # vLLM's state for this request moved on without the router: take vLLM's
             row = self.rows[idx]
         else:
             if not self._free:
                 self._evict(keep)
             row = self._free.pop()
-        import_request(self.cfg, self.caches(), self.layout, self.pool_cache.layers, row, idx, block_table,
-                       context)
-        self.rows[idx], self.lengths[idx] = row, context
+        import_request(self.cfg, self.caches(), self.layout, self.pool_cache.layers, row, slot, block_table, context)
+        self.rows[idx], self.lengths[idx], self.slots[idx] = row, context, slot
         self.imports += 1
         return row
 
@@ -190,50 +309,160 @@ class VllmDecodeRouter:
     def _release(self, idx: int, export: bool) -> None:
         row = self.rows.pop(idx)
         self.lengths.pop(idx)
+        slot = self.slots.pop(idx)
         if export:
-            export_request(self.cfg, self.caches(), self.layout, self.pool_cache.layers, row, idx)
+            export_request(self.cfg, self.caches(), self.layout, self.pool_cache.layers, row, slot)
             self.exports += 1
         self._free.append(row)
 
-    def sync_back(self) -> int:
-        """Before vLLM's own forward runs a step: every routed request's KDA state back to vLLM, pool rows
-        freed. Returns how many requests were exported."""
+    def sync_back(self, plan: StepPlan | None = None) -> int:
+        """Before vLLM's own forward runs a step: the last verify step settled with this step's acceptance
+        (``plan.accepted``), every routed request's KDA state back to vLLM, pool rows freed. Returns how many
+        requests were exported."""
+        self.settle(plan.accepted if plan is not None else None)
         n = len(self.rows)
         for idx in list(self.rows):
             self._release(idx, export=True)
         return n
 
+    def settle(self, accepted: dict[int, int] | None) -> None:
+        """Commit the pending verify step: each request vLLM names (``accepted[key]`` = a, its kept tokens:
+        the fed token and a - 1 drafts) to its state after a tokens, where vLLM reads it next
+        (``KdaSlot.spec(blocks, a)``). A request vLLM does not name (finished, or not scheduled this step)
+        cannot be committed: every candidate state (after each of its tokens) goes to vLLM's blocks the way
+        vLLM's own verify step leaves them, and its row is freed."""
+        p, self.pending = self.pending, None
+        if p is None:
+            return
+        acc = accepted or {}
+        keep = torch.tensor([acc.get(k, 0) for k in p.keys], dtype=torch.long)
+        keep[keep > p.query_lens] = 0  # more than it fed: not this step's acceptance (re-imported if it comes)
+        for b, key in enumerate(p.keys):
+            if keep[b] == 0:
+                for t in range(int(p.query_lens[b])):
+                    export_kda(self.cfg, self.caches(), self.layout, self._candidate(p, b, t),
+                               KdaSlot.spec(p.blocks[b], t + 1))
+                self.candidate_exports += 1
+                self._release(key, export=False)
+        if p.fused:
+            self.ex.commit_verify(p.step, keep.to(self.ex.device))
+        else:
+            tensors = self._kda_rows(self.pool_cache.layers)
+            for b in range(len(p.keys)):
+                a = int(keep[b])
+                if 0 < a < int(p.query_lens[b]):
+                    row = p.rows[b: b + 1]
+                    for t, kept in zip(tensors, p.snapshots[a - 1], strict=True):
+                        t.index_copy_(0, row.to(t.device), kept[b: b + 1])
+        for b, key in enumerate(p.keys):
+            if keep[b] > 0:
+                self.lengths[key] = int(p.start[b] + keep[b])
+                self.slots[key] = KdaSlot.spec(p.blocks[b], int(keep[b]))
+
+    def _kda_rows(self, layers: list[Any]) -> list[torch.Tensor]:
+        """Every KDA tensor of ``layers`` (layer-major, ``KDACache.tensors`` order)."""
+        return [t for layer in layers if hasattr(layer, "state") for t in layer.tensors()]
+
+    def _candidate(self, p: PendingVerify, b: int, t: int) -> list[list[torch.Tensor]]:
+        """Request ``b``'s KDA state after its token ``t`` of the pending verify step, per KDA layer."""
+        if p.fused:
+            pool = self.ex.pool
+            slot = pool.scratch_base + b * p.tokens + t
+            flat = [stack[layer, slot] for layer in range(pool.kda_stacks[0].shape[0]) for stack in pool.kda_stacks]
+        elif t == int(p.query_lens[b]) - 1:
+            flat = [x[int(p.rows[b])] for x in self._kda_rows(self.pool_cache.layers)]
+        else:
+            flat = [x[b] for x in p.snapshots[t]]
+        return [flat[i: i + 4] for i in range(0, len(flat), 4)]
+
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
     def run(self, plan: StepPlan, tokens: torch.Tensor) -> torch.Tensor:
-        """One routed decode step -> FP32 logits ``[B, V]`` (the executor records the step in its trace)."""
+        """One routed step -> FP32 logits, one row per token of the step (``[B, V]`` for a decode step; a verify
+        step's rows request by request, each request's tokens in order); the executor traces the step."""
         assert plan.route and plan.state_indices is not None and plan.seq_lens is not None
+        self.settle(plan.accepted)
+        if plan.kind == "verify":
+            return self._run_verify(plan, tokens)
         b = plan.batch
         keep = set(plan.state_indices.tolist())
-        rows = [self._row_for(int(i), plan.block_table[r], int(plan.seq_lens[r]) - 1, keep)
+        rows = [self._row_for(int(i), plan.block_table[r], int(plan.seq_lens[r]) - 1, keep, KdaSlot.plain(int(i)))
                 for r, i in enumerate(plan.state_indices.tolist())]
         dev = self.ex.device
         rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
         context = (plan.seq_lens - 1).to(dev)
         step = self._step_cache(rows_t, context, int(plan.seq_lens.max()) - 1)
-        gathered = not self.pooled or self.ex.step_reason(b, step) is not None
-        if gathered:  # the executor's standard path runs model.decode on cache.layers: give it these rows
-            step.layers = [layer.index_select(rows_t) if hasattr(layer, "index_select")
-                           else type(layer)(latent=layer.latent.index_select(0, rows_t), scale=layer.scale)
-                           for layer in self.pool_cache.layers]
+        gathered = self._gather(step, rows_t, b)
         logits = self.ex.decode(tokens[:b].to(dev), step)
         if gathered:
-            for dst, src in zip(self.pool_cache.layers, step.layers, strict=True):
-                if hasattr(dst, "tensors"):
-                    for d, s in zip(dst.tensors(), src.tensors(), strict=True):
-                        d.index_copy_(0, rows_t, s)
-                else:
-                    dst.latent.index_copy_(0, rows_t, src.latent)
+            self._scatter(step, rows_t)
         write_latents(self.cfg, self.caches(), self.layout, self.pool_cache.layers, rows_t, plan.block_table,
                       context)
         for i, n in zip(plan.state_indices.tolist(), plan.seq_lens.tolist(), strict=True):
             self.lengths[int(i)] = int(n)
         return logits
+
+    def _run_verify(self, plan: StepPlan, tokens: torch.Tensor) -> torch.Tensor:
+        """A verify step: request b feeds its ``query_lens[b]`` tokens; fused on the executor where it can
+        (``verify_reason``), else as decode steps column by column, keeping each request's state after each
+        column. Nothing is committed until the next step says what vLLM accepted (``settle``)."""
+        b, q = plan.batch, plan.query_lens
+        assert q is not None and plan.spec_blocks is not None and plan.accepted is not None
+        keys = plan.state_indices.tolist()
+        start = plan.seq_lens - q
+        rows = [self._row_for(k, plan.block_table[r], int(start[r]), set(keys),
+                              KdaSlot.spec(plan.spec_blocks[r], plan.accepted[k])) for r, k in enumerate(keys)]
+        dev = self.ex.device
+        rows_t = torch.tensor(rows, dtype=torch.long, device=dev)
+        T = int(q.max())
+        active = (torch.arange(T)[None, :] < q[:, None]).to(dev)
+        n = int(q.sum())
+        feed = torch.zeros(b, T, dtype=torch.long, device=dev)
+        feed[active] = tokens[:n].to(dev, torch.long)
+        step = self._step_cache(rows_t, start.to(dev), int(start.max()))
+        why = self.ex.verify_reason(b, T, step) if self.pooled and hasattr(self.ex, "verify_reason") else \
+            "the executor runs no fused verify step"
+        snapshots: list[list[torch.Tensor]] = []
+        if why is None:
+            logits = self.ex.verify(feed, step, active)
+        else:
+            if hasattr(self.ex, "record_verify_split"):
+                self.ex.record_verify_split(why)
+            gathered = self._gather(step, rows_t, b)
+            view = step.layers if gathered else self.pool_cache.layers
+            pick = torch.arange(b, device=dev) if gathered else rows_t
+            cols = []
+            for t in range(T):
+                cols.append(self.ex.decode(feed[:, t].contiguous(), step, active[:, t].contiguous()))
+                if t + 1 < T:
+                    snapshots.append([x.index_select(0, pick.to(x.device)) for x in self._kda_rows(view)])
+            logits = torch.stack(cols, 1)
+            if gathered:
+                self._scatter(step, rows_t)
+        self.pending = PendingVerify(keys, rows_t, start, q, plan.spec_blocks, step, T, why is None, snapshots)
+        pos = torch.cat([torch.arange(int(s), int(s) + int(t)) for s, t in zip(start, q, strict=True)])
+        write_latents(self.cfg, self.caches(), self.layout, self.pool_cache.layers, rows_t.repeat_interleave(q.to(dev)),
+                      plan.block_table.repeat_interleave(q.to(plan.block_table.device), dim=0), pos)
+        return logits[active]
+
+    def _gather(self, step: Any, rows_t: torch.Tensor, b: int) -> bool:
+        """Give ``step`` copies of its rows when the executor's standard path will run on ``cache.layers`` (a
+        non-pooled cache, or the executor's own fallback). Returns whether it did."""
+        if self.pooled and self.ex.step_reason(b, step) is None:
+            return False
+        step.layers = [layer.index_select(rows_t) if hasattr(layer, "index_select")
+                       else type(layer)(latent=layer.latent.index_select(0, rows_t), scale=layer.scale)
+                       for layer in self.pool_cache.layers]
+        return True
+
+    def _scatter(self, step: Any, rows_t: torch.Tensor) -> None:
+        """The gathered copies back into the pool rows."""
+        for dst, src in zip(self.pool_cache.layers, step.layers, strict=True):
+            if hasattr(dst, "tensors"):
+                for d, s in zip(dst.tensors(), src.tensors(), strict=True):
+                    d.index_copy_(0, rows_t, s)
+            else:
+                dst.latent.index_copy_(0, rows_t, src.latent)
 
     def _step_cache(self, rows: torch.Tensor, context: torch.Tensor, bound: int) -> Any:
         """A cache over exactly ``rows`` of the router's pool range (any order, not contiguous)."""
@@ -277,8 +506,15 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
                    "and CUDA graphs")
     if getattr(vllm_config, "lora_config", None) is not None:
         out.append("LoRA: the executor applies no adapters")
-    if vllm_config.speculative_config is not None:
-        out.append("speculative decoding is configured: its multi-token decode steps are not routed")
+    sc = vllm_config.speculative_config
+    if sc is not None:
+        method, k = getattr(sc, "method", None), int(getattr(sc, "num_speculative_tokens", 0) or 0)
+        if method not in SPEC_METHODS:
+            out.append(f"speculative method {method}: its drafter reads the target model's hidden states, which a "
+                       f"routed step does not return (routed: {', '.join(SPEC_METHODS)})")
+        if not 1 <= k <= MAX_DRAFT_TOKENS:
+            out.append(f"num_speculative_tokens {k}: a routed verify step holds 1 + 1..{MAX_DRAFT_TOKENS} tokens per "
+                       "request")
     if getattr(cc, "use_kda_recoverssm", False) or getattr(cc, "use_replayssm", False):
         out.append("use_kda_recoverssm / use_replayssm: their per-step state records are not mapped")
     if getattr(cc, "mamba_cache_mode", "none") != "none":
@@ -318,13 +554,18 @@ def check_device_memory(device: torch.device, need: int) -> None:
                            f"{total / 2**30:.1f} GiB free: lower --gpu-memory-utilization")
 
 
-def pool_bytes(cfg: Any, max_batch: int, max_len: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
-    """Bytes of the executor's slot pool (``max_batch + 1`` slots) for the memory check."""
+def pool_bytes(cfg: Any, max_batch: int, max_len: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+               spec_tokens: int = 0) -> int:
+    """Bytes of the executor's slot pool (``max_batch + 1`` slots, and the KDA scratch slots of verify steps of
+    ``spec_tokens``) for the memory check."""
     from ..runtime.cache_pool import CachePool
+    from ..runtime.verify_step import verify_rows
 
     lac = cfg.linear_attn_config
     esz = torch.empty((), dtype=dtype).element_size()
     kv = torch.empty((), dtype=kv_dtype).element_size()
     kda = 3 * (lac.short_conv_kernel_size - 1) * lac.projection_dim * esz + lac.num_heads * lac.head_dim ** 2 * 4
     mla = CachePool.latent_length(max_len) * cfg.mla_latent_dim * kv
-    return (max_batch + 1) * (len(cfg.kda_layer_ids) * kda + len(cfg.mla_layer_ids) * mla)
+    scratch = verify_rows(spec_tokens, (max_batch,))
+    return (max_batch + 1) * (len(cfg.kda_layer_ids) * kda + len(cfg.mla_layer_ids) * mla) \
+        + scratch * len(cfg.kda_layer_ids) * kda

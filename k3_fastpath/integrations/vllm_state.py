@@ -3,13 +3,20 @@
 vLLM's layouts (``vllm.models.kimi_k3.nvidia``, vLLM 0.32), per layer, as its layers hold them in ``kv_cache``:
 
 - KDA (``KimiK3DeltaAttention.kv_cache = (conv_state, recurrent_state, *recoverssm_records)``), indexed by
-  the request's state index (``KimiK3KDAMetadata.non_spec_state_indices_tensor``; index 0 / negative =
-  padding, never a request's):
+  state index (index 0 / negative = padding, never a request's):
   conv ``[N, W-1+num_spec, 3C]`` ("SD", the default) or ``[N, 3C, W-1+num_spec]`` ("DS",
   ``VLLM_SSM_CONV_STATE_LAYOUT=DS``, ``mamba_utils.is_conv_state_dim_first()``), the last inputs of the
   packed q|k|v convolution oldest first, in the model dtype (``mamba_cache_dtype=auto``);
   recurrent ``[N, h, V, K]`` (``fused_recurrent_kda``: "initial_state must have shape [cache, H, V, K]"),
   FP32 (``mamba_ssm_cache_dtype=auto``) or BF16.
+  Where a request's current state lies (``KdaSlot``): without speculative decoding at its state index
+  (``non_spec_state_indices_tensor``), window columns ``[0, W-1)``. With ``num_spec = k`` every decode row is
+  a verify row (``spec_state_indices_tensor [B, k+1]``, the request's k+1 state blocks, and
+  ``num_accepted_tokens`` a, the previous verify step's kept tokens): the recurrent state at block ``a-1``
+  (a verify step writes the state after its token t to block t), the conv window at columns
+  ``[a-1, a-1+W-1)`` of block 0's window (a verify step of L tokens leaves it ``[last W-2 inputs of the old
+  window, its L inputs]``), as ``fused_recurrent_kda`` / ``causal_conv1d_update`` read them
+  (``IS_SPEC_DECODING``; vLLM copies nothing between the blocks with ``mamba_cache_mode=none``).
 - MLA (``MultiHeadLatentAttention.kv_cache``, bound as ``[num_blocks, block_size, rank + rope]``): paged
   latents ``concat(normed c_kv, k_pe)``, position ``p`` of a request at
   ``block_table[p // block_size] * block_size + p % block_size``; BF16 (``cache_dtype=auto``) or plain FP8
@@ -20,8 +27,8 @@ The executor's (``runtime/cache_pool.py``): per KDA layer ``conv_q/k/v [S, W-1, 
 ``latent / scale`` convention). So the conversions are: split the packed conv channels into q / k / v (and
 transpose a DS state), transpose the recurrent state's last two dims, gather / scatter latent rows through
 the block table. Each is a copy of the same bits. ``layout_reason`` names every layout that is not this
-(a speculative conv window, a BF16 recurrent state, recoverssm records, another dtype or width): such a
-layout is a fallback reason, never converted approximately.
+(a conv window of another length than ``num_spec`` gives, a BF16 recurrent state, recoverssm records,
+another dtype or width): such a layout is a fallback reason, never converted approximately.
 """
 
 from __future__ import annotations
@@ -41,6 +48,38 @@ class VllmLayout:
 
     conv_dim_first: bool  # DS conv state
     block_size: int  # MLA paged cache block size (positions per block)
+    num_spec: int = 0  # speculative tokens per verify step (the conv window holds W-1+num_spec inputs)
+
+
+@dataclass(frozen=True)
+class KdaSlot:
+    """Where one request's current KDA state lies in vLLM's caches (module docstring): its conv window at
+    state index ``conv``, columns ``[offset, offset + W-1)``, its recurrent state at index ``rec``."""
+
+    conv: int
+    rec: int
+    offset: int = 0
+
+    @classmethod
+    def plain(cls, index: int) -> KdaSlot:
+        """A request's state without speculative decoding (or right after a prefill: ``spec(.., 1)``)."""
+        return cls(int(index), int(index), 0)
+
+    @classmethod
+    def spec(cls, blocks: Any, accepted: int) -> KdaSlot:
+        """A verify row's state: ``blocks`` its k+1 state indices, ``accepted`` vLLM's ``num_accepted_tokens``."""
+        return cls(int(blocks[0]), int(blocks[accepted - 1]), accepted - 1)
+
+
+def _slot(slot: int | KdaSlot) -> KdaSlot:
+    return slot if isinstance(slot, KdaSlot) else KdaSlot.plain(slot)
+
+
+def _window(conv: torch.Tensor, slot: KdaSlot, width: int, dim_first: bool) -> torch.Tensor:
+    """The ``[W-1, 3C]`` view of one request's conv window in vLLM's conv cache (SD or DS)."""
+    if dim_first:  # [N, 3C, W-1+k]
+        return conv[slot.conv, :, slot.offset: slot.offset + width].transpose(0, 1)
+    return conv[slot.conv, slot.offset: slot.offset + width]
 
 
 def _dt(t: torch.dtype) -> str:
@@ -74,11 +113,12 @@ def layout_reason(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, *, conv_
             conv, rec, extra = kda_tensors(kv)
             if extra:
                 return f"layer {i}: KDA cache has {extra} recoverssm records (use_kda_recoverssm)"
-            want = (c3, w1) if layout.conv_dim_first else (w1, c3)
+            win = w1 + layout.num_spec
+            want = (c3, win) if layout.conv_dim_first else (win, c3)
             if conv.dim() != 3 or tuple(conv.shape[1:]) != want:
                 lay = "DS" if layout.conv_dim_first else "SD"
                 return (f"layer {i}: KDA conv state {tuple(conv.shape[1:])} per index, executor maps {lay} {want} "
-                        "(a longer window holds speculative tokens)")
+                        f"(a window of W-1 + {layout.num_spec} speculative tokens)")
             if conv.dtype != conv_dtype:
                 return f"layer {i}: KDA conv state {_dt(conv.dtype)}, executor keeps {_dt(conv_dtype)}"
             if rec.dim() != 4 or tuple(rec.shape[1:]) != (h, d, d):
@@ -116,23 +156,22 @@ def latent_slots(block_table: torch.Tensor, positions: torch.Tensor, block_size:
 
 
 def import_request(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, pool_layers: list[Any], row: int,
-                   state_index: int, block_table: torch.Tensor, context: int) -> None:
+                   slot: int | KdaSlot, block_table: torch.Tensor, context: int) -> None:
     """Copy one request's state from vLLM's caches into row ``row`` of the executor's pool views:
-    KDA conv / recurrent state at ``state_index``, MLA latents at positions ``[0, context)`` through
-    ``block_table`` (the rest of the row is zeroed, as a fresh slot)."""
-    c = cfg.linear_attn_config.projection_dim
+    KDA conv / recurrent state at ``slot`` (a state index: ``KdaSlot.plain``), MLA latents at positions
+    ``[0, context)`` through ``block_table`` (the rest of the row is zeroed, as a fresh slot)."""
+    lac = cfg.linear_attn_config
+    c, w1, at = lac.projection_dim, lac.short_conv_kernel_size - 1, _slot(slot)
     for i, kv in enumerate(vllm_caches):
         dst = pool_layers[i]
         if cfg.is_kda_layer(i):
             conv, rec, _ = kda_tensors(kv)
-            packed = conv[state_index]
-            if layout.conv_dim_first:
-                packed = packed.transpose(0, 1)  # [3C, W-1] -> [W-1, 3C]
+            packed = _window(conv, at, w1, layout.conv_dim_first)  # [W-1, 3C]
             assert isinstance(dst, KDACache)
             dst.conv_q[row].copy_(packed[:, :c])
             dst.conv_k[row].copy_(packed[:, c:2 * c])
             dst.conv_v[row].copy_(packed[:, 2 * c:])
-            dst.state[row].copy_(rec[state_index].transpose(-1, -2))  # [h, V, K] -> [h, K, V]
+            dst.state[row].copy_(rec[at.rec].transpose(-1, -2))  # [h, V, K] -> [h, K, V]
         else:
             assert isinstance(dst, MLACache)
             lat = _as_kv(mla_tensor(kv), dst.latent.dtype)
@@ -143,18 +182,24 @@ def import_request(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, pool_la
 
 
 def export_request(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, pool_layers: list[Any], row: int,
-                   state_index: int) -> None:
-    """Copy row ``row``'s KDA state back to vLLM's caches at ``state_index`` (the inverse of the KDA part of
+                   slot: int | KdaSlot) -> None:
+    """Copy row ``row``'s KDA state back to vLLM's caches at ``slot`` (the inverse of the KDA part of
     ``import_request``). MLA latents need no export: every routed step writes its new latent rows through
     to vLLM's paged cache (``write_latents``)."""
-    for i, kv in enumerate(vllm_caches):
-        if not cfg.is_kda_layer(i):
-            continue
-        src = pool_layers[i]
+    kda = [pool_layers[i] for i in range(len(vllm_caches)) if cfg.is_kda_layer(i)]
+    export_kda(cfg, vllm_caches, layout, [[t[row] for t in layer.tensors()] for layer in kda], slot)
+
+
+def export_kda(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, states: list[list[torch.Tensor]],
+               slot: int | KdaSlot) -> None:
+    """One request's KDA state, ``states[j]`` = (conv q, conv k, conv v ``[W-1, C]``, recurrent ``[h, K, V]``)
+    of the j-th KDA layer, into vLLM's caches at ``slot``."""
+    w1, at = cfg.linear_attn_config.short_conv_kernel_size - 1, _slot(slot)
+    kda = [kv for i, kv in enumerate(vllm_caches) if cfg.is_kda_layer(i)]
+    for kv, (cq, ck, cv, state) in zip(kda, states, strict=True):
         conv, rec, _ = kda_tensors(kv)
-        packed = torch.cat([src.conv_q[row], src.conv_k[row], src.conv_v[row]], dim=-1)  # [W-1, 3C]
-        conv[state_index].copy_(packed.transpose(0, 1) if layout.conv_dim_first else packed)
-        rec[state_index].copy_(src.state[row].transpose(-1, -2))
+        _window(conv, at, w1, layout.conv_dim_first).copy_(torch.cat([cq, ck, cv], dim=-1))  # [W-1, 3C]
+        rec[at.rec].copy_(state.transpose(-1, -2))
 
 
 def write_latents(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, pool_layers: list[Any],

