@@ -147,22 +147,16 @@ def test_verify_steps_column_by_column_on_the_standard_path(models, seed):
     assert ex.verify_splits == {ex.model_reason: len(PRESENT)} and ex.model_reason == "device cpu is not sm_90"
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_verify_steps_fused(models, sd, device, seed):
-    """The fast step (``spec_tokens = 1 + k``; on a CPU its structure with the kernels emulated,
-    ``Envelope(emulate=True)``; on an sm_90 GPU its kernels and CUDA graphs, vLLM's caches on the host):
-    each verify step is one fused step, the acceptance committed from its scratch slots at the next step (or
-    exported as candidates for a request that is absent). BF16: the routed logits and the state handed back
-    are within BF16 noise of an FP32 reference, measured by the BF16 reference's own distance from it."""
+def test_verify_steps_fused_with_the_kernels_emulated(models, seed):
+    """The fast step's structure (``Envelope(emulate=True)``, ``spec_tokens = 1 + k``): each verify step is
+    one fused step, the acceptance committed from its scratch slots at the next step (or exported as
+    candidates for a request that is absent). BF16: the routed logits and the state handed back are within
+    BF16 noise of an FP32 reference, measured by the BF16 reference's own distance from it. (Not on a GPU:
+    the GPU host has no vLLM, whose shape calculators and metadata classes these tests use.)"""
     g = torch.Generator().manual_seed(seed)
     vc = VllmCaches(CFG, INDICES, BLOCKS, BS, torch.bfloat16, num_spec=K, seed=seed)
-    if device == "cpu":
-        ex = DecodeExecutor(models[torch.bfloat16], max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True),
-                            spec_tokens=K + 1)
-    else:
-        ex = DecodeExecutor(load_reference(CFG, sd, dtype=torch.bfloat16, device="cuda"), max_batch=4,
-                            max_len=MAX_LEN, spec_tokens=K + 1)
-        ex.warmup_and_capture()
+    ex = DecodeExecutor(models[torch.bfloat16], max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True),
+                        spec_tokens=K + 1)
     router = VllmDecodeRouter(ex, vc.layers, VllmLayout(False, BS, num_spec=K), (KDA, MLA))
     out = _scenario(router, vc, {torch.bfloat16: models[torch.bfloat16], torch.float32: models[torch.float32]}, g)
     # BF16 rounding at another M compounds over the steps on this synthetic model: each path is 2-9% of the
@@ -174,8 +168,6 @@ def test_verify_steps_fused(models, sd, device, seed):
         assert back <= 2 * bf16 + 0.05, f"seed {seed}: state {back:.4f}, BF16 reference {bf16:.4f}"
     verify = [r for r in ex.trace.records if r.kind == "verify"]
     assert len(verify) == len(PRESENT) and not ex.verify_splits and all(r.fallback is None for r in verify)
-    if device == "cuda":  # the kernels ran, from the captured graphs
-        assert all(r.graph and r.kernels.get("kda_decode") and not r.kernel_fallbacks for r in verify)
     assert router.candidate_exports == 1 and router.imports == 4
 
 
