@@ -31,7 +31,9 @@ KDA, MLA = "language_model.model.layers.1.self_attn", "language_model.model.laye
 BS, MAX_LEN, K = 4, 40, 3  # MLA block size, context, speculative tokens
 INDICES, BLOCKS = 20, 48  # KDA state indices, MLA blocks
 LENS = [5, 7, 4]
-PRESENT = [(0, 1, 2), (0, 1, 2), (0, 2), (0, 1, 2), (0, 1, 2)]  # request 1 is not scheduled at step 3
+# the requests of each step, in vLLM's batch order (not the router's pool rows'); request 1 is not scheduled
+# at step 3
+PRESENT = [(0, 1, 2), (2, 0, 1), (0, 2), (1, 2, 0), (0, 1, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +92,12 @@ def _scenario(router: VllmDecodeRouter, vc: VllmCaches, refs: dict, g: torch.Gen
         pos = torch.cat([torch.arange(int(committed[r]), int(seq[r])) for r in rs])
         plan = router.plan(meta, positions=pos)
         assert plan.route and plan.kind == "verify", plan.reason
-        got = router.run(plan, feed[active])
+        at = (torch.tensor([r for r in rs for _ in range(int(q[r]))]),
+              torch.cat([torch.arange(int(q[r])) for r in rs]))  # each token of the step, in batch order
+        got = router.run(plan, feed[at])
         wants = {dt: _columns(m, _copy(m, caches[dt]), feed, active) for dt, m in refs.items()}
-        oracle = wants[torch.float32][active]
-        errs.append({"got": _rel(got, oracle), "ref": _rel(next(iter(wants.values()))[active], oracle)})
+        oracle = wants[torch.float32][at]
+        errs.append({"got": _rel(got, oracle), "ref": _rel(next(iter(wants.values()))[at], oracle)})
         a = torch.tensor([int(torch.randint(1, int(q[r]) + 1, (1,), generator=g)) if r in rs else 0
                           for r in range(b)])
         kept = active & (torch.arange(T)[None, :] < a[:, None])
@@ -285,3 +289,32 @@ def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
     for x, y in zip(back.layers, ref.layers, strict=True):
         if hasattr(x, "state"):
             assert all(_rel(u, v) <= 1e-4 for u, v in zip(x.tensors(), y.tensors(), strict=True))
+
+
+def test_verify_steps_at_tp2_on_each_ranks_caches(sd, seed):
+    """Two TP ranks (threads, ``tp_tools.ThreadComm``), each with vLLM-layout caches of its own shapes: the
+    router drives a ``TPFastDecoder`` (its fast step's structure, kernels emulated; no fused verify step, so
+    each verify step runs column by column on the pool's rows, its partial sums meeting across the ranks)
+    through the same scenario. BF16 like the fused test: within BF16 noise of an FP32 TP reference."""
+    from tp_tools import run_threads
+
+    from k3_fastpath.runtime import tp as TP
+    from k3_fastpath.runtime.tp_fast import TPFastDecoder
+
+    def rank_work(rank: int, comm) -> dict:
+        g = torch.Generator().manual_seed(seed)  # the same prompts, drafts and acceptance on every rank
+        m = TP.rank_model(CFG, sd, 2, rank, torch.bfloat16)
+        vc = VllmCaches(m.cfg, INDICES, BLOCKS, BS, torch.bfloat16, num_spec=K, seed=seed + rank)
+        dec = TPFastDecoder(CFG, m, comm, max_batch=4, max_len=MAX_LEN, use_graphs=False)
+        router = VllmDecodeRouter(dec, vc.layers, VllmLayout(False, BS, num_spec=K), (KDA, MLA))
+        refs = {torch.bfloat16: TP.TPModel(CFG, m, comm),
+                torch.float32: TP.TPModel(CFG, TP.rank_model(CFG, sd, 2, rank, torch.float32), comm)}
+        out = _scenario(router, vc, refs, g)
+        return {**out, "candidates": router.candidate_exports, "imports": router.imports}
+
+    for rank, out in enumerate(run_threads(2, rank_work)):
+        for i, step in enumerate(out["steps"]):
+            assert step["got"] <= 2 * step["ref"] + 0.05, f"seed {seed} rank {rank} step {i}: {step}"
+        for back, bf16 in out["state"]:
+            assert back <= 2 * bf16 + 0.05, f"seed {seed} rank {rank}: state {back:.4f}, BF16 reference {bf16:.4f}"
+        assert out["candidates"] == 1 and out["imports"] == 4

@@ -21,6 +21,13 @@ no scratch slot, logits 0.
 A fused verify step needs the executor built with ``spec_tokens >= T`` (scratch slots in the pool) and at
 most ``MAX_VERIFY_ROWS`` rows (the skinny GEMM's and the router's largest M); otherwise
 ``spec_decode.verify_step`` runs the T positions as T decode steps, and the executor records why.
+
+Scratch costs a full KDA state per row and layer: 26.8 MiB per row at a TP16 rank's shapes (6 heads of
+128 x 128 FP32 and their conv windows in 69 KDA layers; 53.6 MiB at TP8), 1.7 GiB for the 64 rows. Fusing
+more rows as several launches of <= 64 rows needs every row's state kept until the commit (the vLLM route
+commits a step only at the next one): 13.4 GiB at batch 64 x 8 tokens on a TP16 rank (26.8 GiB at TP8),
+which the pool does not allocate today; a per-token record from which the accepted state is recomputed at
+commit (what vLLM's recoverssm keeps) would cost less.
 """
 
 from __future__ import annotations
