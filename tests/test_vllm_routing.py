@@ -323,8 +323,7 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
     stood in for (they need a GPU): a pure decode step's ``forward`` runs on the executor and
     ``compute_logits`` on any selection of its placeholder rows returns the reference logits of those rows; a
     step with prefill tokens hands the state back and calls vLLM's forward; both traced."""
-    import vllm.forward_context as fc
-    from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration as Base
+    from vllm_layout import stand_in_vllm_k3
 
     from k3_fastpath.integrations import vllm_model
 
@@ -332,28 +331,7 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
     lens, idx = [5, 3], [2, 6]
     vc = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, seed=seed)
     ref, logits, bts = _prefill(m16, vc, g, lens, idx)
-    for i, layer in enumerate(vc.layers):  # the names vLLM's layers carry
-        layer.prefix = layer.layer_name = f"language_model.model.layers.{i}.self_attn"
-    calls = []
-
-    class LanguageModel(torch.nn.Module):  # stands in for vLLM's KimiLinearForCausalLM
-        def __init__(self):
-            super().__init__()
-            self.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=a) for a in vc.layers])
-
-        def forward(self, **kw):
-            calls.append(kw)
-            return "vllm hidden"
-
-        def compute_logits(self, hidden):
-            return f"vllm logits of {hidden}"
-
-    def stand_in(self, vllm_config, prefix=""):
-        torch.nn.Module.__init__(self)
-        self.language_model = LanguageModel()
-        self.config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=CFG.hidden_size))
-
-    monkeypatch.setattr(Base, "__init__", stand_in)
+    calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size)
     monkeypatch.setenv("K3_FASTPATH_TRACE", str(tmp_path))
     cfg = SimpleNamespace(
         additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 4},
@@ -366,9 +344,6 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
     fast = model._k3_fast
     assert fast.max_batch == 4 and fast.max_len == MAX_LEN and model.requires_raw_input_tokens
     fast.executor = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN)  # what load_weights builds from the checkpoint
-    context = SimpleNamespace(attn_metadata=None)
-    monkeypatch.setattr(fc, "get_forward_context", lambda: context)
-    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
 
     seq = torch.tensor(lens) + 1
     context.attn_metadata = decode_metadata(vc.layers[0].prefix, vc.layers[3].prefix, idx, seq.tolist(), bts)

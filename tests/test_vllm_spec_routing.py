@@ -210,33 +210,14 @@ def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
     hands the committed state back where vLLM reads it and calls vLLM's forward."""
     from types import SimpleNamespace
 
-    import vllm.forward_context as fc
-    from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration as Base
+    from vllm_layout import stand_in_vllm_k3
 
     from k3_fastpath.integrations import vllm_model
 
     m = models[torch.float32]
     g = torch.Generator().manual_seed(seed)
     vc = VllmCaches(CFG, INDICES, BLOCKS, BS, torch.float32, num_spec=K, seed=seed)
-    for i, layer in enumerate(vc.layers):  # the names vLLM's layers carry
-        layer.prefix = layer.layer_name = f"language_model.model.layers.{i}.self_attn"
-    calls = []
-
-    class LanguageModel(torch.nn.Module):  # stands in for vLLM's KimiLinearForCausalLM
-        def __init__(self):
-            super().__init__()
-            self.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=a) for a in vc.layers])
-
-        def forward(self, **kw):
-            calls.append(kw)
-            return "vllm hidden"
-
-    def stand_in(self, vllm_config, prefix=""):
-        torch.nn.Module.__init__(self)
-        self.language_model = LanguageModel()
-        self.config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=CFG.hidden_size))
-
-    monkeypatch.setattr(Base, "__init__", stand_in)
+    calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size)
     cfg = SimpleNamespace(
         additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 4},
         model_config=SimpleNamespace(enforce_eager=True, max_model_len=MAX_LEN, dtype=torch.float32,
@@ -249,9 +230,6 @@ def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
     fast = model._k3_fast
     assert fast.num_spec == K
     fast.executor = DecodeExecutor(m, max_batch=4, max_len=MAX_LEN, spec_tokens=K + 1)  # what load_weights builds
-    context = SimpleNamespace(attn_metadata=None)
-    monkeypatch.setattr(fc, "get_forward_context", lambda: context)
-    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
 
     lens = torch.tensor([6, 4])
     ids = torch.randint(3, CFG.vocab_size, (2, 6), generator=g)

@@ -185,3 +185,39 @@ def vllm_language_model(cfg, state_dict: dict) -> torch.nn.Module:
         mod.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
     assert not re.search(r"experts\.\d+\.", " ".join(out)), "every expert tensor is stacked"
     return root
+
+
+def stand_in_vllm_k3(monkeypatch, vc: VllmCaches, hidden_size: int) -> tuple[list, SimpleNamespace]:
+    """Stand in for what vLLM's K3 model class builds and reads on a GPU: its base constructor builds a
+    language model over ``vc``'s layers (named as vLLM names them) whose ``forward`` appends its keyword
+    arguments to ``calls`` and returns ``"vllm hidden"`` (``compute_logits``: ``"vllm logits of <h>"``), and the
+    forward context is ``context`` (set ``context.attn_metadata`` per step). Returns ``(calls, context)``."""
+    import vllm.forward_context as fc
+    from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration as Base
+
+    for i, layer in enumerate(vc.layers):
+        layer.prefix = layer.layer_name = f"language_model.model.layers.{i}.self_attn"
+    calls: list = []
+
+    class LanguageModel(torch.nn.Module):  # stands in for vLLM's KimiLinearForCausalLM
+        def __init__(self):
+            super().__init__()
+            self.model = SimpleNamespace(layers=[SimpleNamespace(self_attn=a) for a in vc.layers])
+
+        def forward(self, **kw):
+            calls.append(kw)
+            return "vllm hidden"
+
+        def compute_logits(self, hidden):
+            return f"vllm logits of {hidden}"
+
+    def stand_in(self, vllm_config, prefix=""):
+        torch.nn.Module.__init__(self)
+        self.language_model = LanguageModel()
+        self.config = SimpleNamespace(text_config=SimpleNamespace(hidden_size=hidden_size))
+
+    monkeypatch.setattr(Base, "__init__", stand_in)
+    context = SimpleNamespace(attn_metadata=None)
+    monkeypatch.setattr(fc, "get_forward_context", lambda: context)
+    monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
+    return calls, context

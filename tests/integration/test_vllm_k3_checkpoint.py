@@ -39,9 +39,7 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -56,7 +54,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (scripts/bootstrap --vllm)"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
 ARCH = "KimiK3ForConditionalGeneration"
 VISION = ("vision_tower.", "mm_projector.")
 L = "language_model.model.layers."
@@ -229,11 +226,10 @@ def ckpt(cfg, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def got(ckpt, tmp_path_factory):
+    from vllm_child import run_vllm_child
+
     out = tmp_path_factory.mktemp("vllm-k3") / "loaded.pt"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_PLUGINS": "", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, __file__, "--child", str(ckpt[0]), str(out)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+    p = run_vllm_child(__file__, ckpt[0], out)
     blob = torch.load(out, weights_only=True)
     return {**blob, "res": json.loads(blob["res"]), "log": p.stdout + p.stderr}
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -25,7 +23,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (scripts/bootstrap --vllm)"),
 ]
 
-REPO = Path(__file__).resolve().parents[2]
 # rule -> (what the child sets on the real config, a phrase its reason must hold)
 RULES = {
     "eager": ("model_config.enforce_eager = False", "needs enforce_eager"),
@@ -103,17 +100,15 @@ def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT
 
 @pytest.fixture(scope="module")
 def got():
+    from vllm_child import run_vllm_child
+
     from k3_fastpath.presets import get_config
     from k3_fastpath.weights import write_synthetic_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="k3-refusals-") as tmp:
         ckpt = write_synthetic_checkpoint(get_config("k3-tiny"), Path(tmp) / "k3-tiny", seed=0)
         out = Path(tmp) / "res.json"
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_PLUGINS": "",
-               "OMP_NUM_THREADS": "1"}
-        p = subprocess.run([sys.executable, __file__, "--child", str(ckpt), str(out)], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=600)
-        assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
+        run_vllm_child(__file__, ckpt, out)
         return json.loads(out.read_text())
 
 
