@@ -43,7 +43,7 @@ from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.synthetic import synthetic_state_dict
 
 pytest.importorskip("vllm", reason="needs vLLM (scripts/bootstrap --vllm)")
-from vllm_layout import VllmCaches, decode_metadata  # noqa: E402
+from vllm_layout import VllmCaches, decode_metadata, route_vllm_config  # noqa: E402
 
 CFG = preset("k3-tiny").config
 KDA, MLA = "language_model.model.layers.1.self_attn", "language_model.model.layers.3.self_attn"
@@ -333,13 +333,7 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
     ref, logits, bts = _prefill(m16, vc, g, lens, idx)
     calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size)
     monkeypatch.setenv("K3_FASTPATH_TRACE", str(tmp_path))
-    cfg = SimpleNamespace(
-        additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 4},
-        model_config=SimpleNamespace(enforce_eager=True, max_model_len=MAX_LEN, dtype=torch.bfloat16,
-                                     architectures=["KimiK3ForConditionalGeneration"]),
-        scheduler_config=SimpleNamespace(max_num_seqs=16),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS), speculative_config=None)
+    cfg = route_vllm_config(dtype=torch.bfloat16, max_len=MAX_LEN, max_num_seqs=16, block_size=BS, fastpath_max_batch=4)
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     fast = model._k3_fast
     assert fast.max_batch == 4 and fast.max_len == MAX_LEN and model.requires_raw_input_tokens
@@ -390,14 +384,8 @@ def test_load_weights_builds_the_executor_over_vllms_loaded_weights(tmp_path, mo
 
     monkeypatch.setattr(Base, "__init__", stand_in)
     monkeypatch.setattr(Base, "load_weights", lambda self, weights: {"vllm's names"})
-    cfg = SimpleNamespace(
-        additional_config={"decode_backend": "latency_specialized"},
-        model_config=SimpleNamespace(enforce_eager=True, max_model_len=100_000, model=str(ckpt), dtype=torch.bfloat16,
-                                     architectures=["KimiK3ForConditionalGeneration"]),
-        scheduler_config=SimpleNamespace(max_num_seqs=2),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS),
-        speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=3))
+    cfg = route_vllm_config(dtype=torch.bfloat16, max_len=100_000, max_num_seqs=2, block_size=BS, model=str(ckpt),
+                            spec=SimpleNamespace(method="ngram", num_speculative_tokens=3))
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     assert model.load_weights(iter(())) == {"vllm's names"}
     fast = model._k3_fast

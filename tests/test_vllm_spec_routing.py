@@ -24,7 +24,7 @@ from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.synthetic import synthetic_state_dict
 
 pytest.importorskip("vllm", reason="needs vLLM (scripts/bootstrap --vllm)")
-from vllm_layout import VllmCaches, verify_metadata  # noqa: E402
+from vllm_layout import VllmCaches, route_vllm_config, verify_metadata  # noqa: E402
 
 CFG = preset("k3-tiny").config
 KDA, MLA = "language_model.model.layers.1.self_attn", "language_model.model.layers.3.self_attn"
@@ -218,14 +218,8 @@ def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
     g = torch.Generator().manual_seed(seed)
     vc = VllmCaches(CFG, INDICES, BLOCKS, BS, torch.float32, num_spec=K, seed=seed)
     calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size)
-    cfg = SimpleNamespace(
-        additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 4},
-        model_config=SimpleNamespace(enforce_eager=True, max_model_len=MAX_LEN, dtype=torch.float32,
-                                     architectures=["KimiK3ForConditionalGeneration"]),
-        scheduler_config=SimpleNamespace(max_num_seqs=4),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
-        cache_config=SimpleNamespace(cache_dtype="auto", block_size=BS),
-        speculative_config=SimpleNamespace(method="ngram", num_speculative_tokens=K))
+    cfg = route_vllm_config(dtype=torch.float32, max_len=MAX_LEN, max_num_seqs=4, block_size=BS, fastpath_max_batch=4,
+                            spec=SimpleNamespace(method="ngram", num_speculative_tokens=K))
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     fast = model._k3_fast
     assert fast.num_spec == K

@@ -19,3 +19,19 @@ def run_vllm_child(test_file: str, ckpt: str | os.PathLike, out: str | os.PathLi
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"vLLM child failed (rc {p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}"
     return p
+
+
+def child_json(test_file: str, prefix: str) -> dict:
+    """``run_vllm_child`` over a synthetic k3-tiny checkpoint (seed 0) in a temporary directory; the JSON the
+    child wrote to OUT."""
+    import json
+    import tempfile
+
+    from k3_fastpath.presets import get_config
+    from k3_fastpath.weights import write_synthetic_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        ckpt = write_synthetic_checkpoint(get_config("k3-tiny"), Path(tmp) / "k3-tiny", seed=0)
+        out = Path(tmp) / "res.json"
+        run_vllm_child(test_file, ckpt, out)
+        return json.loads(out.read_text())

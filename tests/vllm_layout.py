@@ -221,3 +221,18 @@ def stand_in_vllm_k3(monkeypatch, vc: VllmCaches, hidden_size: int) -> tuple[lis
     monkeypatch.setattr(fc, "get_forward_context", lambda: context)
     monkeypatch.setattr(fc, "is_forward_context_available", lambda: True)
     return calls, context
+
+
+def route_vllm_config(*, dtype: torch.dtype, max_len: int, max_num_seqs: int, block_size: int, spec=None,
+                      model: str | None = None, **extra) -> SimpleNamespace:
+    """The fields of a ``VllmConfig`` the route's model class reads, for ``decode_backend:
+    latency_specialized`` (``extra``: more ``additional_config`` keys; ``spec``: the speculative config)."""
+    mc = SimpleNamespace(enforce_eager=True, max_model_len=max_len, dtype=dtype,
+                         architectures=["KimiK3ForConditionalGeneration"])
+    if model is not None:
+        mc.model = model
+    return SimpleNamespace(additional_config={"decode_backend": "latency_specialized", **extra}, model_config=mc,
+                           scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs),
+                           parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+                           cache_config=SimpleNamespace(cache_dtype="auto", block_size=block_size),
+                           speculative_config=spec)

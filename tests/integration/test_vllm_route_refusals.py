@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -100,16 +99,9 @@ def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT
 
 @pytest.fixture(scope="module")
 def got():
-    from vllm_child import run_vllm_child
+    from vllm_child import child_json
 
-    from k3_fastpath.presets import get_config
-    from k3_fastpath.weights import write_synthetic_checkpoint
-
-    with tempfile.TemporaryDirectory(prefix="k3-refusals-") as tmp:
-        ckpt = write_synthetic_checkpoint(get_config("k3-tiny"), Path(tmp) / "k3-tiny", seed=0)
-        out = Path(tmp) / "res.json"
-        run_vllm_child(__file__, ckpt, out)
-        return json.loads(out.read_text())
+    return child_json(__file__, "k3-refusals-")
 
 
 def test_the_config_is_vllms_own_and_the_supported_one_is_not_refused(got):
