@@ -134,14 +134,15 @@ def _copy(model, cache):
     return copy_cache(out, cache)
 
 
-def test_verify_steps_column_by_column_on_the_standard_path(models, seed):
+@pytest.mark.parametrize("dim_first", [False, True], ids=["SD", "DS"])
+def test_verify_steps_column_by_column_on_the_standard_path(models, dim_first, seed):
     """The executor's standard path (a CPU): each verify step runs as decode steps, one per column, keeping
     each request's state after each; FP32 throughout, so the routed logits and the state handed back equal
-    the reference's up to FP32 rounding."""
+    the reference's up to FP32 rounding. Both conv state layouts (``VLLM_SSM_CONV_STATE_LAYOUT``)."""
     g = torch.Generator().manual_seed(seed)
-    vc = VllmCaches(CFG, INDICES, BLOCKS, BS, torch.float32, num_spec=K, seed=seed)
+    vc = VllmCaches(CFG, INDICES, BLOCKS, BS, torch.float32, num_spec=K, dim_first=dim_first, seed=seed)
     ex = DecodeExecutor(models[torch.float32], max_batch=4, max_len=MAX_LEN)
-    router = VllmDecodeRouter(ex, vc.layers, VllmLayout(False, BS, num_spec=K), (KDA, MLA))
+    router = VllmDecodeRouter(ex, vc.layers, VllmLayout(dim_first, BS, num_spec=K), (KDA, MLA))
     out = _scenario(router, vc, {torch.float32: models[torch.float32]}, g)
     for i, step in enumerate(out["steps"]):
         assert step["got"] <= 1e-4, f"seed {seed} step {i}: {step}"
