@@ -157,3 +157,42 @@ def test_the_standard_verify_conv_is_the_decode_conv_token_by_token(seed):
         seq.index_copy_(0, out[rows], tmp[:B])
         assert torch.equal(got_pool[out[rows]], tmp[:B]), f"token {t}: window kept at slot_out"
     assert torch.equal(got_pool[:9], pool[:9])
+
+
+def test_a_verify_step_of_more_rows_than_one_launch_runs_as_several(model, seed):
+    """``spec_all_rows=True``: scratch for every row of the largest bucket (32 x 8 = 256), so a verify step of
+    12 requests x 8 tokens (96 rows > 64, one launch's most) runs fused as two launches (8 + 4 requests, each a
+    replay of the (bucket, 8) step) and commits like the decode steps it replaces; without it the executor
+    says why and the rows run as decode steps."""
+    from k3_fastpath.runtime.spec_decode import commit, verify_step
+
+    b, T = 12, 8
+    ex = DecodeExecutor(model, max_len=48, max_batch=32, envelope=Envelope(emulate=True), spec_tokens=T,
+                        spec_all_rows=True)  # room for two caches of 12
+    assert ex._ensure_pool().scratch == 256
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(2, 7, (b,), generator=g)
+    fused = ex.new_cache(b)
+    ex.prefill(torch.randint(3, CFG.vocab_size, (b, 6), generator=g), lens, fused)
+    cols = ex.new_cache(b)
+    copy_cache(cols, fused)
+    feed = torch.randint(3, CFG.vocab_size, (b, T), generator=g)
+    q = torch.randint(1, T + 1, (b,), generator=g)
+    active = torch.arange(T)[None, :] < q[:, None]
+    keep = torch.stack([torch.randint(1, int(n) + 1, (1,), generator=g)[0] for n in q])  # the fed token and more
+    assert ex.verify_reason(b, T, fused) is None
+    logits = ex.verify(feed, fused, active)
+    ex.commit_verify(fused, keep)
+    launches = [r for r in ex.trace.records if r.kind == "verify"]
+    assert [(r.batch, r.bucket) for r in launches] == [(8, 8), (4, 4)] and all(r.fallback is None for r in launches)
+    start = cols.lengths.clone()
+    ref, states = verify_step(ex, cols, feed, active, fused=False)
+    commit(cols, start, states, keep)
+    for r, t in active.nonzero().tolist():
+        _close(logits[r, t], ref[r, t], f"request {r} row {t} logits")
+    assert fused.lengths.tolist() == cols.lengths.tolist() == (start + keep).tolist()
+    for a, c in zip(_kda_state(fused), _kda_state(cols), strict=True):
+        _close(a, c, "committed KDA state")
+    # without scratch for every row: the executor's reason, and the rows as decode steps
+    small = DecodeExecutor(model, max_len=48, max_batch=16, envelope=Envelope(emulate=True), spec_tokens=T)
+    assert "more rows than the 64 scratch rows" in small.verify_reason(b, T, small.new_cache(b))

@@ -4,7 +4,8 @@ Run: python -m pytest -m gpu tests/test_verify_step_gpu.py
 Per case (model, backend, requests B, tokens per request T): a fast (or standard_graph) executor with
 ``spec_tokens = 8``, caches filled by the reference prefill of random prompts; one fused verify step of random
 feeds with ragged active rows, then a commit of random kept rows, against the same rows run as T decode steps
-of the same executor on a copy of the cache (``spec_decode.verify_step(fused=False)`` + its restoring commit):
+of the same executor on a copy of the cache (``spec_decode.verify_step(fused=False)`` + its restoring commit;
+12 x 8 rows run as two launches, ``spec_all_rows``):
 
 * logits: mean KL(decode steps || fused) over the active rows <= 0.01 and every row within 25% of its largest
   logit (``equivalence.spec_decode``'s ``kl_tol`` / ``logit_tol``; a fused step computes each row at
@@ -63,14 +64,14 @@ def _close(a, b, what, rel=0.05):
 
 @pytest.mark.parametrize("name", ["k3-tiny", "tiny-6heads", "k3-mini"])
 @pytest.mark.parametrize("backend", ["latency_specialized", "standard_graph"])
-@pytest.mark.parametrize("batch,tokens", [(1, 2), (1, 8), (3, 4), (8, 8)])
+@pytest.mark.parametrize("batch,tokens", [(1, 2), (1, 8), (3, 4), (8, 8), (12, 8)])
 def test_fused_verify_step_on_graphs(name, backend, batch, tokens, seed):
     model = _model(name)
     if name == "k3-mini" and backend == "standard_graph" and batch > 1:
         pytest.skip(reason="k3-mini's standard path: batch 1 is enough (its experts are dequantised BF16 copies)")
     max_len = 128
     ex = DecodeExecutor(model, backend=backend, max_len=max_len, max_batch=2 * batch, buckets=(1, 2, 4, 8),
-                        spec_tokens=8)
+                        spec_tokens=8, spec_all_rows=batch * tokens > 64)  # 12 x 8: two launches (8 + 4)
     assert ex.fast, ex.model_reason
     ex.warmup_and_capture()
     g = torch.Generator().manual_seed(seed)

@@ -59,7 +59,7 @@ from .standard_ops import standard_op_table
 from .standard_prefill import prefill_op_table
 from .step_plan import ModelPlan
 from .trace import ExecutionTrace, StepRecord, trace_dir_from_env
-from .verify_step import commit_verify, load_verify, verify_bucket, verify_io, verify_rows
+from .verify_step import MAX_VERIFY_ROWS, commit_verify, load_verify, verify_io, verify_launches, verify_rows
 
 BACKENDS = ("latency_specialized", "standard", "standard_graph")
 STEP_BACKENDS = ("latency_specialized", "standard_graph")  # backends that run fast_step.run_step
@@ -92,7 +92,7 @@ class DecodeExecutor:
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
                  envelope: Envelope | None = None, options: DecodeOptions | None = None,
                  pool_from: DecodeExecutor | None = None, ops: Mapping[str, OpImpl] | None = None,
-                 spec_tokens: int = 0) -> None:
+                 spec_tokens: int = 0, spec_all_rows: bool = False) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_batch < 1 or max_len < 1:
@@ -110,6 +110,7 @@ class DecodeExecutor:
         if not 0 <= spec_tokens <= 8:
             raise ValueError(f"spec_tokens {spec_tokens}: a verify step holds 1..8 tokens per sequence (0: none)")
         self.spec_tokens = spec_tokens  # the most tokens per sequence of a fused verify step (0: none)
+        self.spec_all_rows = spec_all_rows  # scratch for every row of the largest bucket's verify step
         self.verify_splits: dict[str, int] = {}  # why verify steps ran as decode steps, counted
         self._pending_verify: tuple[torch.Tensor, int] | None = None  # (the verified cache's slots, T)
         base = envelope or Envelope()
@@ -131,9 +132,9 @@ class DecodeExecutor:
         self.pool: CachePool | None = None
         if pool_from is not None:  # e.g. the standard_graph backend timed on the fast backend's caches
             if (pool_from.max_len, pool_from.max_batch, pool_from.kv_dtype, pool_from.kv_scale, pool_from.dtype,
-                    verify_rows(pool_from.spec_tokens, pool_from.buckets)) != (
+                    verify_rows(pool_from.spec_tokens, pool_from.buckets, pool_from.spec_all_rows)) != (
                     max_len, self.max_batch, self.kv_dtype, kv_scale, self.dtype,
-                    verify_rows(spec_tokens, self.buckets)) or pool_from.model is not model:
+                    verify_rows(spec_tokens, self.buckets, spec_all_rows)) or pool_from.model is not model:
                 raise ValueError("pool_from must be an executor over the same model with the same max_len, "
                                  "max_batch, dtype, kv_dtype, kv_scale and verify scratch (spec_tokens x buckets)")
             self.pool = pool_from._ensure_pool()
@@ -165,7 +166,8 @@ class DecodeExecutor:
         if self.pool is None:
             self.pool = CachePool(self.cfg, self.max_batch + 1, self.max_len, self.dtype, self.device,
                                   kv_dtype=self.kv_dtype, kv_scale=self.kv_scale,
-                                  scratch=verify_rows(self.spec_tokens, self.buckets) if self.fast else 0)
+                                  scratch=verify_rows(self.spec_tokens, self.buckets, self.spec_all_rows)
+                                  if self.fast else 0)
         return self.pool
 
     def new_cache(self, batch: int, max_len: int | None = None, *, kv_dtype: torch.dtype | None = None,
@@ -246,7 +248,7 @@ class DecodeExecutor:
             return
         pool = self._ensure_pool()
         keys: list[Any] = [("verify", b, t) for t in range(self.spec_tokens, 0, -1) for b in
-                           sorted(self.buckets, reverse=True) if b * t <= pool.scratch]
+                           sorted(self.buckets, reverse=True) if b * t <= min(pool.scratch, MAX_VERIFY_ROWS)]
         for key in sorted(keys, key=lambda k: -k[1] * k[2]) + sorted(self.buckets, reverse=True):
             if self.graphs is not None:
                 self._ensure_bucket(key)
@@ -416,9 +418,9 @@ class DecodeExecutor:
             reason = check()
         if reason:
             return reason
-        if verify_bucket(batch, tokens, self.buckets, self._ensure_pool().scratch) is None:
-            return (f"{batch} sequences x {tokens} tokens: more than {self.pool.scratch} rows in a bucket "
-                    "(the largest fused verify step)")
+        if verify_launches(batch, tokens, self.buckets, self._ensure_pool().scratch) is None:
+            return (f"{batch} sequences x {tokens} tokens: more rows than the {self.pool.scratch} scratch rows "
+                    "keep to the commit (DecodeExecutor(spec_all_rows=True) keeps every row of the largest bucket)")
         return None
 
     def record_verify_split(self, reason: str) -> None:
@@ -437,14 +439,19 @@ class DecodeExecutor:
             raise ValueError(f"no fused verify step of {b} x {T}: {reason}")
         if active is None:
             active = torch.ones(b, T, dtype=torch.bool, device=self.device)
-        bucket = verify_bucket(b, T, self.buckets, self.pool.scratch)
-        key = ("verify", bucket, T)
-        self._ensure_bucket(key)
-        io = self._io_for(key)
-        load_verify(io, feed, active, cache.slots, cache.lengths, self.pool.scratch_base)
-        self.trace.record(self._replay_or_run(key, StepRecord(0, self.backend, b, bucket, kind="verify", tokens=T)))
+        out = []
+        for first, n, bucket in verify_launches(b, T, self.buckets, self.pool.scratch):
+            key = ("verify", bucket, T)
+            self._ensure_bucket(key)
+            io = self._io_for(key)
+            rows = slice(first, first + n)
+            load_verify(io, feed[rows], active[rows], cache.slots[rows], cache.lengths[rows],
+                        self.pool.scratch_base + first * T)
+            self.trace.record(self._replay_or_run(key, StepRecord(0, self.backend, n, bucket, kind="verify",
+                                                                  tokens=T)))
+            out.append(io.logits[: n * T].view(n, T, -1).clone())
         self._pending_verify = (cache.slots, T)
-        return io.logits[: b * T].view(b, T, -1).clone()
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def commit_verify(self, cache: Any, keep: torch.Tensor) -> None:
         """After ``verify`` on ``cache``: each sequence's caches those after its first ``keep[b]`` rows (0: the

@@ -19,14 +19,17 @@ advanced by ``keep``. Padded rows (a sequence with fewer drafts, or past the bat
 no scratch slot, logits 0.
 
 A fused verify step needs the executor built with ``spec_tokens >= T`` (scratch slots in the pool) and at
-most ``MAX_VERIFY_ROWS`` rows (the skinny GEMM's and the router's largest M); otherwise
-``spec_decode.verify_step`` runs the T positions as T decode steps, and the executor records why.
+most ``MAX_VERIFY_ROWS`` rows (the skinny GEMM's and the router's largest M), or, with
+``DecodeExecutor(spec_all_rows=True)`` (scratch for every row of the largest bucket), several launches of at
+most that many rows each (``verify_launches``: whole sequences per launch, each a replay of the same
+per-(bucket, T) graph); otherwise ``spec_decode.verify_step`` runs the T positions as T decode steps, and
+the executor records why.
 
 Scratch costs a full KDA state per row and layer: 26.8 MiB per row at a TP16 rank's shapes (6 heads of
 128 x 128 FP32 and their conv windows in 69 KDA layers; 53.6 MiB at TP8), 1.7 GiB for the 64 rows. Fusing
 more rows as several launches of <= 64 rows needs every row's state kept until the commit (the vLLM route
 commits a step only at the next one): 13.4 GiB at batch 64 x 8 tokens on a TP16 rank (26.8 GiB at TP8),
-which the pool does not allocate today; a per-token record from which the accepted state is recomputed at
+hence ``spec_all_rows`` is opt-in; a per-token record from which the accepted state is recomputed at
 commit (what vLLM's recoverssm keeps) would cost less.
 """
 
@@ -44,12 +47,34 @@ VerifyKey = tuple[str, int, int]  # ("verify", sequence bucket Bk, tokens per se
 MAX_VERIFY_ROWS = min(GEMM_MAX_M, ROUTER_MAX_M)  # the rows of one fused step: the largest M both kernels take
 
 
-def verify_rows(spec_tokens: int, buckets: Sequence[int]) -> int:
+def verify_rows(spec_tokens: int, buckets: Sequence[int], all_rows: bool = False) -> int:
     """Scratch KDA slots a pool needs for verify steps of up to ``spec_tokens`` tokens per sequence: one per
-    row of the largest fused step (0 when ``spec_tokens`` is 0)."""
+    row of the largest fused launch (0 when ``spec_tokens`` is 0), or with ``all_rows`` one per row of the
+    largest bucket's verify step (fused as several launches, ``verify_launches``)."""
     if spec_tokens <= 0:
         return 0
-    return min(MAX_VERIFY_ROWS, max(buckets) * spec_tokens)
+    rows = max(buckets) * spec_tokens
+    return rows if all_rows else min(MAX_VERIFY_ROWS, rows)
+
+
+def verify_launches(batch: int, tokens: int, buckets: Sequence[int], scratch: int
+                    ) -> list[tuple[int, int, int]] | None:
+    """How a verify step of ``batch`` sequences x ``tokens`` rows runs fused: (first sequence, sequences,
+    bucket) per launch of at most ``MAX_VERIFY_ROWS`` rows, in order; None where the scratch cannot keep every
+    row's state to the commit. Sequence b's row t keeps its state in scratch slot ``b * tokens + t`` whatever
+    launch runs it, so ``commit_verify`` does not see the launches."""
+    limit = min(scratch, MAX_VERIFY_ROWS)
+    one = verify_bucket(batch, tokens, buckets, limit)
+    if one is not None:
+        return [(0, batch, one)]
+    per = max((b for b in buckets if b * tokens <= limit), default=0)
+    if batch * tokens > scratch or per == 0:
+        return None
+    out = []
+    for first in range(0, batch, per):
+        n = min(per, batch - first)
+        out.append((first, n, verify_bucket(n, tokens, buckets, limit)))
+    return out
 
 
 def verify_bucket(batch: int, tokens: int, buckets: Sequence[int], max_rows: int) -> int | None:
