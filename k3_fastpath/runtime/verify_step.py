@@ -23,7 +23,9 @@ most ``MAX_VERIFY_ROWS`` rows (the skinny GEMM's and the router's largest M), or
 ``DecodeExecutor(spec_all_rows=True)`` (scratch for every row of the largest bucket), several launches of at
 most that many rows each (``verify_launches``: whole sequences per launch, each a replay of the same
 per-(bucket, T) graph); otherwise ``spec_decode.verify_step`` runs the T positions as T decode steps, and
-the executor records why.
+the executor records why. Each launch or decode step reads every weight once: B x T rows cost
+ceil(B T / 64) weight passes as launches against T as decode steps (2 against 8 at 16 x 8, 4 against 8 at
+32 x 8, equal at 64 x 8, where only kernels taking M > 64 would read the weights fewer times).
 
 Scratch costs a full KDA state per row and layer: 26.8 MiB per row at a TP16 rank's shapes (6 heads of
 128 x 128 FP32 and their conv windows in 69 KDA layers; 53.6 MiB at TP8), 1.7 GiB for the 64 rows. Fusing
