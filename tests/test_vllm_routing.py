@@ -385,13 +385,14 @@ def test_load_weights_builds_the_executor_over_vllms_loaded_weights(tmp_path, mo
     monkeypatch.setattr(Base, "__init__", stand_in)
     monkeypatch.setattr(Base, "load_weights", lambda self, weights: {"vllm's names"})
     cfg = route_vllm_config(dtype=torch.bfloat16, max_len=100_000, max_num_seqs=2, block_size=BS, model=str(ckpt),
-                            spec=SimpleNamespace(method="ngram", num_speculative_tokens=3))
+                            spec=SimpleNamespace(method="ngram", num_speculative_tokens=3),
+                            fastpath_spec_all_rows=True)
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     assert model.load_weights(iter(())) == {"vllm's names"}
     fast = model._k3_fast
     ex = fast.executor
     assert ex.max_batch == 2 and ex.max_len == vllm_model.DEFAULT_MAX_LEN and ex.kv_dtype == torch.bfloat16
-    assert ex.spec_tokens == 4  # verify steps of 1 + 3 tokens (the n-gram config's)
+    assert ex.spec_tokens == 4 and ex.spec_all_rows  # verify steps of 1 + 3 tokens (the n-gram config's)
     ours = ex.model.model.layers[1].self_attn.q_proj.weight
     vllm_w = getattr(lang.model.layers, "1").self_attn.in_proj_qkvgfab.weight
     assert ours.untyped_storage().data_ptr() == vllm_w.untyped_storage().data_ptr()  # a view, not a copy

@@ -291,3 +291,16 @@ def test_verify_steps_at_tp2_on_each_ranks_caches(sd, seed):
         for back, bf16 in out["state"]:
             assert back <= 2 * bf16 + 0.05, f"seed {seed} rank {rank}: state {back:.4f}, BF16 reference {bf16:.4f}"
         assert out["candidates"] == 1 and out["imports"] == 4
+
+
+def test_the_memory_check_counts_the_verify_scratch():
+    """``pool_bytes`` adds one KDA slot per scratch row: 64 rows by default, every row of the largest bucket
+    with ``fastpath_spec_all_rows`` (32 requests x 4 tokens: 128)."""
+    from k3_fastpath.integrations.vllm_routing import pool_bytes
+
+    lac = CFG.linear_attn_config
+    slot = len(CFG.kda_layer_ids) * (3 * (lac.short_conv_kernel_size - 1) * lac.projection_dim * 2
+                                     + lac.num_heads * lac.head_dim ** 2 * 4)
+    args = (CFG, 32, 64, torch.bfloat16, torch.bfloat16)
+    assert pool_bytes(*args, 4) - pool_bytes(*args) == 64 * slot
+    assert pool_bytes(*args, 4, True) - pool_bytes(*args) == 128 * slot

@@ -16,7 +16,9 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
     tensor parallelism N > 1: a ``TPFastDecoder`` over the rank's share, on vLLM's TP group,
     ``vllm_tp_comm``; every rank classifies the same steps, so the collectives line up) built
     with ``fastpath_max_batch`` (default min(max_num_seqs, 64)) / ``fastpath_max_len`` (default
-    min(max_model_len, 4096)) from ``additional_config``, and its CUDA graphs captured. The trace's meta
+    min(max_model_len, 4096)) / ``fastpath_spec_all_rows`` (default false: scratch for verify steps of at
+    most 64 rows, ``DecodeExecutor(spec_all_rows=...)``) from ``additional_config``, and its CUDA graphs
+    captured. The trace's meta
     records what is shared (``weights_in_place``). At the first forward the views are checked to still alias
     vLLM's parameters (``InPlaceWeights.aliasing_problem``: a post-load re-layout would leave a copy) and a
     later ``load_weights`` (a weight update) cannot reach the executor's expert layouts: either makes every
@@ -117,6 +119,7 @@ class FastPathState:
         self.max_len = int(get("fastpath_max_len", min(int(mc.max_model_len), DEFAULT_MAX_LEN)))
         spec = vllm_config.speculative_config  # a method the route serves (``config_refusal`` checked it)
         self.num_spec = int(spec.num_speculative_tokens) if spec is not None else 0
+        self.spec_all_rows = bool(get("fastpath_spec_all_rows", False))  # DecodeExecutor(spec_all_rows=...)
         self.executor: Any = None
         self.router: Any = None
         self.logits: torch.Tensor | None = None  # the last routed step's [B, V]
@@ -173,7 +176,7 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
         experts = weights.routed_experts_copied * (2 if device.type == "cuda" else 1)  # stacks (+ fragments)
         spec_tokens = fast.num_spec + 1 if fast.num_spec else 0
         check_device_memory(device, pool_bytes(model.cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype,
-                                               spec_tokens) + weights.prepared_bytes + experts)
+                                               spec_tokens, fast.spec_all_rows) + weights.prepared_bytes + experts)
         if tp > 1:  # this rank's share, its partial sums meeting over vLLM's own TP group (an FP8 cache is refused)
             from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
@@ -184,7 +187,7 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
                 mla = next(layer.self_attn for i, layer in enumerate(self._vllm_layers()) if cfg.is_mla_layer(i))
                 kv_scale = float(mla._k_scale)
             ex = DecodeExecutor(model, max_batch=fast.max_batch, max_len=fast.max_len, kv_dtype=kv_dtype,
-                                kv_scale=kv_scale, spec_tokens=spec_tokens)
+                                kv_scale=kv_scale, spec_tokens=spec_tokens, spec_all_rows=fast.spec_all_rows)
         ex.trace.set_meta(weights_in_place=weights.summary())
         fast.weights = weights
         ex.warmup_and_capture()

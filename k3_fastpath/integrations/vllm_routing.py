@@ -555,9 +555,9 @@ def check_device_memory(device: torch.device, need: int) -> None:
 
 
 def pool_bytes(cfg: Any, max_batch: int, max_len: int, dtype: torch.dtype, kv_dtype: torch.dtype,
-               spec_tokens: int = 0) -> int:
+               spec_tokens: int = 0, spec_all_rows: bool = False) -> int:
     """Bytes of the executor's slot pool (``max_batch + 1`` slots, and the KDA scratch slots of verify steps of
-    ``spec_tokens``) for the memory check."""
+    ``spec_tokens``, ``verify_step.verify_rows``) for the memory check."""
     from ..runtime.cache_pool import CachePool
     from ..runtime.verify_step import verify_rows
 
@@ -566,6 +566,6 @@ def pool_bytes(cfg: Any, max_batch: int, max_len: int, dtype: torch.dtype, kv_dt
     kv = torch.empty((), dtype=kv_dtype).element_size()
     kda = 3 * (lac.short_conv_kernel_size - 1) * lac.projection_dim * esz + lac.num_heads * lac.head_dim ** 2 * 4
     mla = CachePool.latent_length(max_len) * cfg.mla_latent_dim * kv
-    scratch = verify_rows(spec_tokens, (max_batch,))
+    scratch = verify_rows(spec_tokens, (max_batch,), spec_all_rows)
     return (max_batch + 1) * (len(cfg.kda_layer_ids) * kda + len(cfg.mla_layer_ids) * mla) \
         + scratch * len(cfg.kda_layer_ids) * kda
