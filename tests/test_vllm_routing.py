@@ -281,8 +281,10 @@ def test_emulated_fast_step_over_reordered_slots(m16, seed):
 
     def check(out, want):
         scale = float(want.abs().max())
-        # BF16 GEMMs of another batch bucket round differently (0.6% of scale seen); a wrong slot is O(1)
-        assert float((out - want).abs().max()) <= 2e-2 * scale, f"seed {seed}"
+        # BF16 GEMMs of another batch bucket round differently: 0.6% of scale typically, 3.8% at seed 345797192
+        # (request 2 stepped alone in bucket 1 here, in bucket 4 there, then a near-tie expert pick); a row of
+        # the wrong slot is 94-148% off (four seeds)
+        assert float((out - want).abs().max()) <= 0.1 * scale, f"seed {seed}"
         rec = ex.trace.records[-1]
         assert rec.fallback is None and rec.batch == out.shape[0] and rec.kernel_fallbacks  # emulated: no GPU
 
