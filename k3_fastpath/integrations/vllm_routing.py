@@ -74,7 +74,7 @@ import torch
 
 from ..runtime.cache_pool import PooledCache
 from ..runtime.envelope import PREFILL_REASON
-from ..runtime.spec_decode import MAX_DRAFT_TOKENS
+from ..runtime.spec_decode import MAX_DRAFT_TOKENS, kda_tensors
 from ..runtime.trace import StepRecord
 from .vllm_state import (
     KdaSlot,
@@ -347,7 +347,7 @@ class VllmDecodeRouter:
         if p.fused:
             self.ex.commit_verify(p.step, keep.to(self.ex.device))
         else:
-            tensors = self._kda_rows(self.pool_cache.layers)
+            tensors = kda_tensors(self.pool_cache)
             for b in range(len(p.keys)):
                 a = int(keep[b])
                 if 0 < a < int(p.query_lens[b]):
@@ -359,10 +359,6 @@ class VllmDecodeRouter:
                 self.lengths[key] = int(p.start[b] + keep[b])
                 self.slots[key] = KdaSlot.spec(p.blocks[b], int(keep[b]))
 
-    def _kda_rows(self, layers: list[Any]) -> list[torch.Tensor]:
-        """Every KDA tensor of ``layers`` (layer-major, ``KDACache.tensors`` order)."""
-        return [t for layer in layers if hasattr(layer, "state") for t in layer.tensors()]
-
     def _candidate(self, p: PendingVerify, b: int, t: int) -> list[list[torch.Tensor]]:
         """Request ``b``'s KDA state after its token ``t`` of the pending verify step, per KDA layer."""
         if p.fused:
@@ -370,7 +366,7 @@ class VllmDecodeRouter:
             slot = pool.scratch_base + b * p.tokens + t
             flat = [stack[layer, slot] for layer in range(pool.kda_stacks[0].shape[0]) for stack in pool.kda_stacks]
         elif t == int(p.query_lens[b]) - 1:
-            flat = [x[int(p.rows[b])] for x in self._kda_rows(self.pool_cache.layers)]
+            flat = [x[int(p.rows[b])] for x in kda_tensors(self.pool_cache)]
         else:
             flat = [x[b] for x in p.snapshots[t]]
         return [flat[i: i + 4] for i in range(0, len(flat), 4)]
@@ -429,13 +425,13 @@ class VllmDecodeRouter:
             if hasattr(self.ex, "record_verify_split"):
                 self.ex.record_verify_split(why)
             gathered = self._gather(step, rows_t, b)
-            view = step.layers if gathered else self.pool_cache.layers
+            view = step if gathered else self.pool_cache
             pick = torch.arange(b, device=dev) if gathered else rows_t
             cols = []
             for t in range(T):
                 cols.append(self.ex.decode(feed[:, t].contiguous(), step, active[:, t].contiguous()))
                 if t + 1 < T:
-                    snapshots.append([x.index_select(0, pick.to(x.device)) for x in self._kda_rows(view)])
+                    snapshots.append([x.index_select(0, pick.to(x.device)) for x in kda_tensors(view)])
             logits = torch.stack(cols, 1)
             if gathered:
                 self._scatter(step, rows_t)

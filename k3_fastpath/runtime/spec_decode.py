@@ -223,7 +223,8 @@ class SyntheticDrafter:
         return out, None
 
 
-def _kda_tensors(cache: Any) -> list[torch.Tensor]:
+def kda_tensors(cache: Any) -> list[torch.Tensor]:
+    """Every KDA tensor of ``cache`` (layer-major, ``KDACache.tensors`` order)."""
     from ..reference.kda import KDACache
 
     return [t for layer in cache.layers if isinstance(layer, KDACache) for t in layer.tensors()]
@@ -256,7 +257,7 @@ def verify_step(stepper: Any, cache: Any, feed: torch.Tensor, active: torch.Tens
     for i in range(cols):
         logits.append(stepper.decode(feed[:, i].contiguous(), cache, act[:, i].contiguous()))
         if i + 1 < cols:
-            states.append([t.clone() for t in _kda_tensors(cache)])
+            states.append([t.clone() for t in kda_tensors(cache)])
     return torch.stack(logits, 1), states
 
 
@@ -268,7 +269,7 @@ def commit(cache: Any, start: torch.Tensor, states: list[list[torch.Tensor]] | F
     if isinstance(states, FusedVerify):
         states.stepper.commit_verify(cache, keep)
         return
-    tensors = _kda_tensors(cache)
+    tensors = kda_tensors(cache)
     for n in range(1, len(states) + 1):
         group = (keep == n).nonzero().flatten()
         if len(group):
