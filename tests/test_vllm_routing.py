@@ -302,12 +302,13 @@ def test_emulated_fast_step_over_reordered_slots(m16, seed):
     assert [router.rows[idx[r]] for r in perm] == [1, 0, 2]
     check(out, direct.decode(tok, cache)[perm])
     # and the state handed back to vLLM is the direct executor's up to the bucket's rounding, measured against
-    # each tensor's scale like the logits (seed 1970295640: a BF16 conv-window entry 0.022 off at scale 2.95,
-    # 0.8%); a wrong row or orientation would differ by O(scale)
+    # each tensor's scale with the logits' bound (seed 1970295640: a BF16 conv-window entry 0.8% of scale off; a
+    # near-tie expert pick moves the state as it moves the logits: 2.9% at seed 123 in the TP2 test); a wrong
+    # row or orientation would differ by O(scale)
     assert router.sync_back() == 3
 
     def close(a, b):
-        return float((a.float() - b.float()).abs().max()) <= 2e-2 * float(b.float().abs().max())
+        return float((a.float() - b.float()).abs().max()) <= 0.1 * float(b.float().abs().max())
 
     for r, i in enumerate(idx):
         back, n = m16.new_cache(1, MAX_LEN), int(seq[r]) + 1
