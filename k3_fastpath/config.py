@@ -82,6 +82,9 @@ class K3Config:
     activation_situ_beta: float
     activation_situ_linear_beta: float
     attn_res_block_size: int
+    # multi-token prediction: next-token (MTP) layers after the decoder, checkpoint names model.layers.{L + j}.*
+    # (L = num_hidden_layers), each an MLA + MLP block without AttnRes (reference/mtp.py); 0: none
+    num_nextn_predict_layers: int = 0
     # routed-expert weight format in the checkpoint: "mxfp4" (compressed-tensors mxfp4-pack-quantized) or "bf16"
     expert_format: str = "mxfp4"
     name: str = "custom"
@@ -180,6 +183,8 @@ class K3Config:
             "activation_situ_linear_beta": self.activation_situ_linear_beta,
             "attn_res_block_size": self.attn_res_block_size,
         }
+        if self.num_nextn_predict_layers:
+            text["num_nextn_predict_layers"] = self.num_nextn_predict_layers
         out: dict[str, Any] = {
             "model_type": "kimi_k3",
             "architectures": ["KimiK3ForConditionalGeneration"],
@@ -346,6 +351,7 @@ def from_hf_dict(raw: dict[str, Any], name: str = "custom") -> K3Config:
         activation_situ_beta=f("activation_situ_beta", float, 4.0),
         activation_situ_linear_beta=f("activation_situ_linear_beta", float, 25.0),
         attn_res_block_size=f("attn_res_block_size", int),
+        num_nextn_predict_layers=f("num_nextn_predict_layers", int, 0),
         expert_format=expert_format,
         name=str(raw.get("k3_verify_preset", name)),
         _raw=raw,
@@ -385,6 +391,8 @@ def validate(cfg: K3Config) -> None:
     for k, v in positive.items():
         if v <= 0:
             raise ConfigError(f"config field '{p}{k}' must be positive, got {v}")
+    if cfg.num_nextn_predict_layers < 0:
+        raise ConfigError(f"config field '{p}num_nextn_predict_layers' must be >= 0")
     if cfg.qk_rope_head_dim < 0:
         raise ConfigError(f"config field '{p}qk_rope_head_dim' must be >= 0")
     if not cfg.rms_norm_eps > 0:

@@ -19,6 +19,9 @@ loaders in vLLM, mlx-lm and colibri): text-model tensors live under ``language_m
     language_model.model.layers.{i}.block_sparse_moe.shared_experts.{gate,up,down}_proj.weight
     language_model.model.output_attn_res_norm.weight / output_attn_res_proj.weight, model.norm.weight
     language_model.lm_head.weight
+    language_model.model.layers.{L+j}.{embed_tokens,enorm,hnorm,eh_proj,shared_head.norm,shared_head.head}.weight
+        and the block's input_layernorm / self_attn (MLA) / post_attention_layernorm / MLP tensors, no AttnRes
+        (next-token layers j < num_nextn_predict_layers, L = num_hidden_layers; ``mtp_layer_specs``)
 
 ``A_log`` ships zero-padded to ``head_dim`` entries for ``num_heads`` real heads (only the first
 ``num_heads`` are used). FP32 parameters (A_log, dt_bias, conv weights, o_norm, the correction bias)
@@ -68,14 +71,30 @@ class TensorSpec:
         return self.numel * {"BF16": 2, "F32": 4, "U8": 1}[self.dtype]
 
 
-def layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
+def mtp_layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
+    """Next-token (MTP) layer ``i`` (``num_hidden_layers`` <= i): vLLM's ``KimiK3MTP`` names (its
+    ``_rewrite_spec_layer_name``): the input norms and projection, the shared head, the embedding copy, then
+    a decoder block of layer i's kind without AttnRes tensors (MLA: ``i + 1`` is in no ``kda_layers``)."""
+    h, v = cfg.hidden_size, cfg.vocab_size
+    p = f"model.layers.{i}."
+    head = [TensorSpec(p + "embed_tokens.weight", (v, h), "BF16", COL, "embedding"),
+            TensorSpec(p + "enorm.weight", (h,), "BF16", REP, "norm"),
+            TensorSpec(p + "hnorm.weight", (h,), "BF16", REP, "norm"),
+            TensorSpec(p + "eh_proj.weight", (h, 2 * h), "BF16", REP, "linear"),
+            TensorSpec(p + "shared_head.norm.weight", (h,), "BF16", REP, "norm"),
+            TensorSpec(p + "shared_head.head.weight", (v, h), "BF16", COL, "linear")]
+    return head + layer_specs(cfg, i, attn_res=False)
+
+
+def layer_specs(cfg: K3Config, i: int, attn_res: bool = True) -> list[TensorSpec]:
     h = cfg.hidden_size
     lac = cfg.linear_attn_config
     p = f"model.layers.{i}."
     out: list[TensorSpec] = []
 
     def add(name: str, shape: tuple[int, ...], dtype: str, tp: str, kind: str) -> None:
-        out.append(TensorSpec(p + name, tuple(shape), dtype, tp, kind))
+        if attn_res or not name.startswith(("self_attention_res_", "mlp_res_")):
+            out.append(TensorSpec(p + name, tuple(shape), dtype, tp, kind))
 
     add("self_attention_res_norm.weight", (h,), "BF16", REP, "norm")
     add("self_attention_res_proj.weight", (1, h), "BF16", REP, "linear")
@@ -142,7 +161,7 @@ def layer_specs(cfg: K3Config, i: int) -> list[TensorSpec]:
 
 
 def tensor_specs(cfg: K3Config) -> list[TensorSpec]:
-    """Every tensor of the checkpoint, in a stable order (embedding, layers 0.., final, lm_head)."""
+    """Every tensor of the checkpoint, in a stable order (embedding, layers 0.., final, lm_head, MTP layers)."""
     h = cfg.hidden_size
     out = [TensorSpec("model.embed_tokens.weight", (cfg.vocab_size, h), "BF16", COL, "embedding")]
     for i in range(cfg.num_hidden_layers):
@@ -151,4 +170,6 @@ def tensor_specs(cfg: K3Config) -> list[TensorSpec]:
     out.append(TensorSpec("model.output_attn_res_proj.weight", (1, h), "BF16", REP, "linear"))
     out.append(TensorSpec("model.norm.weight", (h,), "BF16", REP, "norm"))
     out.append(TensorSpec("lm_head.weight", (cfg.vocab_size, h), "BF16", COL, "linear"))
+    for i in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        out.extend(mtp_layer_specs(cfg, i))
     return out

@@ -11,7 +11,8 @@
 
 A preset spec is a preset name with overrides, ``NAME[:key=value[,...]]``: ``experts`` (the expert pool,
 ``num_experts``), ``layers`` (``num_hidden_layers``, K3's KDA/MLA cadence re-derived) and ``tp`` (the
-tensor-parallel size the preset stands for), e.g. ``k3-tp8-rank:experts=128``: the rank emulation of
+tensor-parallel size the preset stands for) and ``mtp`` (``num_nextn_predict_layers``: next-token layers after the
+decoder, the ``mtp`` drafter's), e.g. ``k3-tp8-rank:experts=128``: the rank emulation of
 ``measure/rank_emulation.py`` (a full TP8 rank does not fit one H200). The config's ``name`` is the
 canonical spec, so a bundle says what ran. A bad name or spec raises a one-line ``ConfigError``.
 """
@@ -137,7 +138,7 @@ def preset(name: str) -> Preset:
 
 
 # ---------------------------------------------------------------------------------------------- preset specs
-SPEC_KEYS = ("experts", "layers", "tp")  # the overrides a preset spec takes, in their canonical order
+SPEC_KEYS = ("experts", "layers", "tp", "mtp")  # the overrides a preset spec takes, in their canonical order
 
 
 def is_preset_spec(name_or_path: str) -> bool:
@@ -198,6 +199,8 @@ def preset_spec(spec: str) -> Preset:
         changes["linear_attn_config"] = dataclasses.replace(cfg.linear_attn_config, kda_layers=kda,
                                                             full_attn_layers=full)
         changes["first_k_dense_replace"] = min(cfg.first_k_dense_replace, n)
+    if "mtp" in ov:
+        changes["num_nextn_predict_layers"] = ov["mtp"]
     name = spec_name(base, ov)
     try:
         cfg = cfg.replace(name=name, **changes)

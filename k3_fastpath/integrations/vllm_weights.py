@@ -146,12 +146,14 @@ def executor_model_in_place(language_model: Any, cfg: Any, dtype: torch.dtype, t
     """The executor's ``K3ForCausalLM`` whose tensors are vLLM's (module docstring). ``language_model``: vLLM's
     text model (``KimiK3ForConditionalGeneration.language_model``), weights loaded; at tensor parallelism
     ``tp`` one rank's, and the model returned is that rank's (``runtime.tp.rank_config(cfg, tp)``, what
-    ``TPModel`` runs). Raises ``ValueError`` naming a tensor vLLM has no source for."""
+    ``TPModel`` runs). Raises ``ValueError`` naming a tensor vLLM has no source for. Next-token (MTP) layers
+    are left out: vLLM's text model skips their tensors (its MTP proposer owns them) and the route serves
+    the decoder only."""
     from ..manifest import tensor_specs
     from ..reference.model import K3ForCausalLM
     from ..runtime.tp import rank_config
 
-    cfg = rank_config(cfg, tp)
+    cfg = rank_config(cfg.replace(num_nextn_predict_layers=0), tp)
     specs = {s.name: s for s in tensor_specs(cfg)}
     params = {n: p.detach() for n, p in language_model.named_parameters()}
     heads = cfg.linear_attn_config.num_heads

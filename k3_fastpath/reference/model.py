@@ -13,6 +13,10 @@ Decoder layer ``i`` (attribute names are the checkpoint's):
     f = mlp / block_sparse_moe(post_attention_layernorm(h))
     return prefix_sum + f, blocks
 
+With ``num_nextn_predict_layers`` > 0 the next-token (MTP) layers (reference/mtp.py) follow the decoder
+layers in ``model.layers`` under their checkpoint names; ``prefill_hidden`` gives an MTP drafter the hidden
+states the final norm reads.
+
 Residual adds happen in the model dtype (in serving BF16: "the prefix accumulates each sublayer's output
 rounded to BF16"). Padded tokens (``t >= lengths[b]``) get a zero embedding, attention outputs 0 for them
 and the MLP is not run on them, so their stream stays exactly 0 and their logits are returned as exactly 0.
@@ -38,6 +42,7 @@ from .common import RMSNorm
 from .kda import KDACache, KimiDeltaAttention
 from .mla import GatedMLA, MLACache
 from .moe import LatentMoE, dense_mlp
+from .mtp import K3MTPLayer
 
 
 @dataclass
@@ -105,12 +110,37 @@ class K3DecoderLayer(nn.Module):
         return prefix_sum + f, blocks
 
 
+class DecoderLayers(nn.ModuleList):
+    """``model.layers``: iterating it, ``len()`` and indexing give the decoder layers ``0 .. L-1``; the
+    next-token (MTP) layers are held after them at keys ``L ..`` (so their ``state_dict`` names are the
+    checkpoint's ``model.layers.{L+j}.*``) and reached through ``K3ForCausalLM.mtp_layers``, never as
+    decoder layers."""
+
+    def __init__(self, layers: list[nn.Module], mtp: list[nn.Module]) -> None:
+        super().__init__()
+        self._num_decoder = len(layers)
+        for j, m in enumerate(layers + mtp):
+            self.add_module(str(j), m)
+
+    def __len__(self) -> int:
+        return self._num_decoder
+
+    def __iter__(self):
+        return iter(list(self._modules.values())[: self._num_decoder])
+
+    @property
+    def mtp(self) -> list[nn.Module]:
+        return list(self._modules.values())[self._num_decoder:]
+
+
 class K3Model(nn.Module):
     def __init__(self, cfg: K3Config, dtype: torch.dtype = torch.bfloat16) -> None:
         super().__init__()
         h = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h, dtype=dtype)
-        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers))
+        n = cfg.num_hidden_layers
+        self.layers = DecoderLayers([K3DecoderLayer(cfg, i, dtype) for i in range(n)],
+                                    [K3MTPLayer(cfg, n + j, dtype) for j in range(cfg.num_nextn_predict_layers)])
         self.output_attn_res_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.output_attn_res_proj = nn.Linear(h, 1, bias=False, dtype=dtype)
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
@@ -193,7 +223,13 @@ class K3ForCausalLM(nn.Module):
         return K3Cache(layers=layers, lengths=torch.zeros(batch, dtype=torch.long, device=device), max_len=max_len)
 
     # ------------------------------------------------------------------ running
-    def _run(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: K3Cache, mla_mode: str) -> torch.Tensor:
+    @property
+    def mtp_layers(self) -> list[K3MTPLayer]:
+        """The next-token layers (``cfg.num_nextn_predict_layers``; reference/mtp.py)."""
+        return self.model.layers.mtp
+
+    def _run(self, input_ids: torch.Tensor, lengths: torch.Tensor, cache: K3Cache, mla_mode: str,
+             hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         dev = self.device
         ids, lengths, start_pos, valid = prepare_step(input_ids, lengths, cache, dev)
         x = self.model.embed_tokens(ids)
@@ -207,7 +243,18 @@ class K3ForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         cache.lengths = start_pos + lengths
-        return torch.where(valid[..., None], logits, torch.zeros((), dtype=logits.dtype, device=dev))
+        logits = torch.where(valid[..., None], logits, torch.zeros((), dtype=logits.dtype, device=dev))
+        return (logits, x) if hidden else logits
+
+    @torch.no_grad()
+    def prefill_hidden(self, input_ids: torch.Tensor, lengths: torch.Tensor | None, cache: K3Cache
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``prefill`` that also returns the hidden states the final norm reads (after the AttnRes output
+        mix), ``[B, T, H]`` in the model dtype: what vLLM hands an MTP drafter as the target's hidden states
+        (padded rows 0)."""
+        if lengths is None:
+            lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long)
+        return self._run(input_ids, lengths, cache, "plain", hidden=True)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, lengths: torch.Tensor | None, cache: K3Cache) -> torch.Tensor:

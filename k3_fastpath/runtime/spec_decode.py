@@ -34,8 +34,10 @@ were drawn from, None when deterministic; ``SpecConfig.method`` names them):
   is controlled (per position about ``p``; the first rejection ends a step): for ``equivalence.spec_decode``
   and perf points at chosen acceptance lengths.
 
-K3's next-token (MTP) layer is the other drafter the issue names: ``SpecConfig.drafter`` refuses ``mtp``
-with the reason (no preset here has ``num_nextn_predict_layers``; the loader skips ``*.mtp*`` tensors).
+- ``MTPDrafter`` (``mtp``): K3's next-token layer (``reference/mtp.py``; a config with
+  ``num_nextn_predict_layers``, e.g. the preset spec ``k3-tiny:mtp=1``) chained greedily as vLLM's MTP
+  proposer runs it: the target's hidden states of the context, then each draft fed back with the layer's
+  own hidden state, one layer for every draft. A model without the layer is refused with the reason.
 """
 
 from __future__ import annotations
@@ -109,10 +111,11 @@ class SpecConfig:
             return NgramDrafter(self.ngram_min, self.ngram_max)
         if self.method == "synthetic":
             return DraftModelDrafter(model, self.p, seed)
-        layers = int(getattr(model.cfg, "num_nextn_predict_layers", 0) or 0)
-        raise ValueError(f"speculative method mtp: {getattr(model.cfg, 'name', 'the model')} has "
-                         f"{layers} next-token (MTP) layers; this path serves no MTP drafter (the loader skips "
-                         "*.mtp* tensors): use ngram or synthetic")
+        if not getattr(model, "mtp_layers", None):
+            raise ValueError(f"speculative method mtp: {getattr(model.cfg, 'name', 'the model')} has no next-token "
+                             "(MTP) layer (config num_nextn_predict_layers is 0): use ngram or synthetic, or a "
+                             "checkpoint with one (preset spec NAME:mtp=1)")
+        return MTPDrafter(model)
 
 
 class DraftModelDrafter:
@@ -176,6 +179,60 @@ class DraftModelDrafter:
             if i + 1 < kmax:
                 feed = torch.tensor([d[-1] if d else 0 for d in drafts], device=dev)
                 logits = self.model.decode(feed, cache)
+        for r, a in enumerate(rows):
+            out[a] = (drafts[r], None)
+        return out
+
+
+class MTPDrafter:
+    """K3's next-token layer as vLLM's MTP proposer runs it (``vllm/v1/worker/gpu/spec_decode/mtp``), on the
+    reference ``model`` (the standard path on the engine's own weights, like ``DraftModelDrafter``). For a
+    context ``t_0 .. t_n`` (``t_n`` the last emitted token, not yet seen by the target): the target's hidden
+    states ``h_0 .. h_{n-1}`` (``K3ForCausalLM.prefill_hidden`` over ``t_0 .. t_{n-1}``), the layer over the
+    pairs ``(t_{p+1}, h_p)`` at positions ``p = 0 .. n-1`` (filling its own latent cache), draft 1 the argmax
+    of the target's ``lm_head`` at the last pair; draft ``j`` then feeds ``(draft j-1, the layer's own s)`` at
+    position ``n + j - 2``. The first layer serves every draft (vLLM's ``MTPSpeculator`` passes no step
+    index). Stateless like ``DraftModelDrafter``: each call recomputes the contexts' hidden states (a check's
+    drafter; vLLM reuses the verify step's own hidden states)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.layer = model, model.mtp_layers[0]
+
+    def propose(self, b: int, prompt: Sequence[int], emitted: Sequence[int], k: int
+                ) -> tuple[list[int], torch.Tensor | None]:
+        return self.propose_batch([(b, prompt, emitted, k)])[0]
+
+    @torch.no_grad()
+    def propose_batch(self, asks: Sequence[tuple[int, Sequence[int], Sequence[int], int]]
+                      ) -> list[tuple[list[int], torch.Tensor | None]]:
+        out: list[tuple[list[int], torch.Tensor | None]] = [([], None) for _ in asks]
+        rows = [i for i, (_, p, e, k) in enumerate(asks) if k > 0 and len(p) + len(e) >= 2]
+        if not rows:
+            return out
+        m, dev = self.model, self.model.device
+        ctxs = [list(asks[i][1]) + list(asks[i][2]) for i in rows]
+        kmax = max(asks[i][3] for i in rows)
+        n = torch.tensor([len(c) - 1 for c in ctxs], device=dev)  # pairs per row
+        width = int(n.max())
+        seen = torch.zeros(len(rows), width, dtype=torch.long, device=dev)  # t_0 .. t_{n-1}
+        nxt = torch.zeros_like(seen)  # t_1 .. t_n
+        for r, c in enumerate(ctxs):
+            seen[r, : len(c) - 1] = torch.tensor(c[:-1])
+            nxt[r, : len(c) - 1] = torch.tensor(c[1:])
+        _, hidden = m.prefill_hidden(seen, n, m.new_cache(len(rows), width))
+        cache = self.layer.new_cache(len(rows), width + kmax)
+        embed = m.model.embed_tokens
+        lh, s = self.layer(embed(nxt), hidden, cache, torch.zeros_like(n), n, mode="plain")
+        last = torch.arange(len(rows), device=dev), n - 1
+        lh, s = lh[last][:, None], s[last][:, None]
+        drafts: list[list[int]] = [[] for _ in rows]
+        for j in range(kmax):
+            tok = m.lm_head(lh[:, 0]).float().argmax(-1)
+            for r, a in enumerate(rows):
+                if j < asks[a][3]:
+                    drafts[r].append(int(tok[r]))
+            if j + 1 < kmax:
+                lh, s = self.layer(embed(tok[:, None]), s, cache, n + j, torch.ones_like(n), mode="absorbed")
         for r, a in enumerate(rows):
             out[a] = (drafts[r], None)
         return out
