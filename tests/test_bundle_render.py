@@ -250,3 +250,14 @@ def test_cli_render_json_and_errors(tmp_path: Path) -> None:
         timeout=120,
     )
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and "no such file" in bad.stderr
+
+
+def test_summary_cells_name_the_model_a_metric_describes() -> None:
+    """A metric holding a model (or engine) description says which in summary.md: the evals' ``model`` names
+    the checkpoint scored (the sentinel), which the run-level config (the tier's preset) does not."""
+    from verify.bundle.schema import _cell
+
+    model = {"scored": "sentinel", "name": "k3-sentinel", "digest": "b8249949577eb18c786ca7ea", "path": "/tmp/s"}
+    assert _cell(model) == "k3-sentinel @ b8249949577e {4 keys}"
+    assert _cell({"name": "k3-tiny", "seed": 0}) == "k3-tiny {2 keys}"
+    assert _cell({"a": 1}) == "{1 keys}" and _cell([1, 2]) == "[2 items]"

@@ -343,6 +343,9 @@ def _cell(v: Any) -> str:
         s = json.dumps(v)
     elif isinstance(v, float):
         s = f"{v:.6g}"
+    elif isinstance(v, dict) and isinstance(v.get("name"), str):  # a model, an engine: say which
+        digest = v.get("digest")
+        s = v["name"] + (f" @ {digest[:12]}" if isinstance(digest, str) else "") + f" {{{len(v)} keys}}"
     elif isinstance(v, (dict, list)):
         s = f"{{{len(v)} keys}}" if isinstance(v, dict) else f"[{len(v)} items]"
     else:
