@@ -189,3 +189,24 @@ def test_a_one_step_warmup_with_a_time_limit_fits_the_schedule(tmp_path):
     plan = dataclasses.replace(PLAN, steps=4, time_limit_s=600.0)
     rec = sentinel_train.train(plan, tmp_path / "w1", "cpu", log=lambda _: None)
     assert rec["steps_done"] == 4 and rec["steps_scheduled"] == 4
+
+
+def test_a_preset_with_a_next_token_layer_trains_it_and_writes_it(tmp_path):
+    """``--preset k3-tiny:mtp=1``: the loss adds ``mtp_weight`` x the next-token layer's loss on the token
+    after next (recorded beside the total), the layer's weights get gradients, and the checkpoint carries the
+    layer under vLLM's names and loads through the normal path with it."""
+    from k3_fastpath.reference.model import load_reference
+    from k3_fastpath.weights import load_checkpoint
+
+    plan = sentinel_train.TrainPlan(preset="k3-tiny:mtp=1", steps=4, batch=2, seq_len=384, warmup=1,
+                                    mrcr_chars=300, mrcr_needles=(2,))
+    rec = sentinel_train.train(plan, tmp_path / "m", "cpu", log=lambda _: None)
+    assert all(p["mtp_loss"] > 0 and p["loss"] > p["mtp_loss"] * plan.mtp_weight for p in rec["loss_curve"])
+    cfg, sd = load_checkpoint(tmp_path / "m")
+    assert cfg.num_nextn_predict_layers == 1 and f"model.layers.{cfg.num_hidden_layers}.eh_proj.weight" in sd
+    model = load_reference(cfg, sd, dtype=torch.float32)
+    ids = torch.randint(3, cfg.vocab_size, (2, 12))
+    lengths = torch.tensor([12, 9])
+    logits, hidden = model._run(ids, lengths, model.new_cache(2, 12), "plain", hidden=True)
+    sentinel_train._mtp_logits(model, ids, lengths, hidden)[0, :8].sum().backward()
+    assert float(model.mtp_layers[0].eh_proj.weight.grad.abs().sum()) > 0

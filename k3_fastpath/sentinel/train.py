@@ -18,6 +18,10 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
 - with ``--compile-glue``, the reference's FP32 elementwise glue through ``torch.compile`` (``train_glue``);
 - the KDA recurrence: fla's fused ``chunk_kda`` on CUDA (``fla_kda``; ``--kda reference`` keeps the
   reference's chunked form), the reference's elsewhere;
+- a preset with a next-token (MTP) layer (a preset spec such as ``k3-sentinel:mtp=1``): the layer learns the
+  token after next from the model's own hidden states (``_mtp_logits``, vLLM's pairing), its loss on the
+  answer tokens weighted by ``mtp_weight`` and added to the total (the curve records both), so the ``mtp``
+  drafter proposes from a trained layer;
 - AdamW (FP32 master weights, BF16 autocast on CUDA; its fused kernel there), linear warm-up then cosine
   decay, gradient clip;
 - the router's correction bias balanced without an auxiliary loss (each step ``bias += rate * sign(mean
@@ -52,7 +56,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..presets import preset
+from ..presets import preset_spec
 from ..synthetic import synthetic_state_dict
 from ..tokenizer import EOS_ID, PAD_ID
 from ..weights import checkpoint_digest
@@ -96,6 +100,8 @@ class TrainPlan:
     kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
     moe: str = "grouped"  # the routed experts: grouped (moe_grouped: batched over experts) or reference
     compile_glue: bool = False  # the reference's elementwise glue through torch.compile (train_glue)
+    mtp_weight: float = 0.3  # the next-token (MTP) layer's loss weight, where the preset has one (a preset spec
+    # such as k3-sentinel:mtp=1): its prediction of the token after next, on the answer tokens
     fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
     # choices) instead of pinned configs (fla_kda.pin_fla_configs)
 
@@ -104,8 +110,9 @@ class TrainPlan:
             raise ValueError(f"kda must be one of {KDA_IMPLS}, got {self.kda!r}")
         if self.moe not in MOE_IMPLS:
             raise ValueError(f"moe must be one of {MOE_IMPLS}, got {self.moe!r}")
-        if self.steps < 1 or self.batch < 1 or self.seq_len < 16 or not self.lr > 0:
-            raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16 and lr > 0: {self}")
+        if self.steps < 1 or self.batch < 1 or self.seq_len < 16 or not self.lr > 0 or self.mtp_weight < 0:
+            raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16, lr > 0 and mtp_weight >= 0: "
+                             f"{self}")
         if {t for t, _ in self.mix} - set(tasks.TASKS) or not all(w > 0 for _, w in self.mix):
             raise ValueError(f"mix names tasks of {tasks.TASKS} with positive weights, got {self.mix}")
 
@@ -278,6 +285,19 @@ def _label_parts(model) -> None:
         mod.register_forward_hook(leave)
 
 
+def _mtp_logits(model, ids: torch.Tensor, lengths: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The first next-token layer over the batch (``reference/mtp.py``, as vLLM's proposer runs it at a
+    prefill): row ``p`` pairs ``ids[:, p + 1]`` with the target's hidden state ``hidden[:, p]`` -> logits
+    ``[B, T - 1, V]`` through the target's head (row p predicts ``ids[:, p + 2]``); None without the layer."""
+    if not model.mtp_layers:
+        return None
+    layer, b, t = model.mtp_layers[0], ids.shape[0], ids.shape[1]
+    n = (lengths - 1).clamp(min=0)
+    lh, _ = layer(model.model.embed_tokens(ids[:, 1:]), hidden[:, :-1], layer.new_cache(b, t - 1),
+                  torch.zeros_like(n), n, mode="plain")
+    return model.lm_head(lh)
+
+
 def _use_kda(model, choice: str, device: str, autotune: bool = False) -> str:
     """Set every KDA layer's T > 1 recurrence per ``choice``; returns the one used (``reference``/``fla``).
     ``fla`` where it cannot run raises ValueError with the reason. fla's kernels take pinned configs
@@ -341,7 +361,7 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
         # the workspace setting must precede the process's first cuBLAS handle
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
-    cfg = preset(plan.preset).config
+    cfg = preset_spec(plan.preset).config
     tcfg = training_config(cfg)
     model = load_reference(tcfg, synthetic_state_dict(tcfg, plan.seed, "stable"), dtype=torch.float32).to(device)
     model.train()
@@ -388,9 +408,15 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
             for c in loads:
                 c.zero_()
             with autocast:
-                logits = model._run(ids, lengths, model.new_cache(ids.shape[0], ids.shape[1]), "plain")
+                logits, hidden = model._run(ids, lengths, model.new_cache(ids.shape[0], ids.shape[1]), "plain",
+                                            hidden=True)
+                mtp_logits = _mtp_logits(model, ids, lengths, hidden)
             pred, gold = logits[:, :-1].float(), ids[:, 1:]
             loss = F.cross_entropy(pred[mask[:, 1:]], gold[mask[:, 1:]])
+            mtp_loss = None
+            if mtp_logits is not None:  # row p predicts the token after next, ids[:, p + 2]
+                mtp_loss = F.cross_entropy(mtp_logits[:, :-1].float()[mask[:, 2:]], ids[:, 2:][mask[:, 2:]])
+                loss = loss + plan.mtp_weight * mtp_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, plan.clip)
@@ -407,8 +433,12 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
             if device.startswith("cuda") and profile and step + 1 in PROFILED_STEPS:
                 torch.cuda.synchronize()
             if step % 10 == 0 or step == steps - 1:
-                curve.append({"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)})
-                log(f"step {step}: loss {loss.item():.4f} ({time.monotonic() - t0:.0f} s)")
+                point = {"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)}
+                if mtp_loss is not None:
+                    point["mtp_loss"] = round(mtp_loss.item(), 5)
+                curve.append(point)
+                log(f"step {step}: loss {loss.item():.4f}" + ("" if mtp_loss is None else f" (mtp {mtp_loss.item():.4f})")
+                    + f" ({time.monotonic() - t0:.0f} s)")
 
     record = {"plan": dataclasses.asdict(plan), "kda_impl": kda, "compiled_glue": glue or None,
               "steps_done": done, "steps_scheduled": steps,
