@@ -69,3 +69,32 @@ def cpu_construction_stand_ins(vc, on_mxfp4_refusal) -> None:
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{tempfile.mktemp(prefix='k3-gloo-')}")
         initialize_model_parallel(1, 1)
+
+
+def synthetic_checkpoint(cfg, out_dir: Path) -> tuple[Path, dict]:
+    """The seeded synthetic checkpoint of ``cfg`` (seed 0) written to ``out_dir`` and every tensor it holds,
+    read back by checkpoint name."""
+    import glob
+
+    from safetensors import safe_open
+
+    from k3_fastpath.weights import write_synthetic_checkpoint
+
+    d = write_synthetic_checkpoint(cfg, out_dir, seed=0)
+    tensors = {}
+    for f in sorted(glob.glob(str(d / "*.safetensors"))):
+        with safe_open(f, "pt") as h:
+            tensors.update({k: h.get_tensor(k) for k in h.keys()})
+    return d, tensors
+
+
+def child_blob(test_file: str, ckpt: str | os.PathLike, out: Path) -> dict:
+    """``run_vllm_child`` writing a ``torch.save`` blob to ``out``: the blob, its ``res`` JSON parsed, and the
+    child's output as ``log``."""
+    import json
+
+    import torch
+
+    p = run_vllm_child(test_file, ckpt, out)
+    blob = torch.load(out, weights_only=True)
+    return {**blob, "res": json.loads(blob["res"]), "log": p.stdout + p.stderr}

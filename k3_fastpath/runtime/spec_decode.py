@@ -118,7 +118,20 @@ class SpecConfig:
         return MTPDrafter(model)
 
 
-class DraftModelDrafter:
+class BatchedDrafter:
+    """A drafter that proposes for many requests at once (``propose_batch``, which the generator calls);
+    ``propose`` is one request of it."""
+
+    def propose(self, b: int, prompt: Sequence[int], emitted: Sequence[int], k: int
+                ) -> tuple[list[int], torch.Tensor | None]:
+        return self.propose_batch([(b, prompt, emitted, k)])[0]
+
+    def propose_batch(self, asks: Sequence[tuple[int, Sequence[int], Sequence[int], int]]
+                      ) -> list[tuple[list[int], torch.Tensor | None]]:
+        raise NotImplementedError
+
+
+class DraftModelDrafter(BatchedDrafter):
     """The synthetic drafter at an engine: the reference model (``model``, the standard path on the engine's
     own weights) drafts its greedy continuation of the request, and each draft token is kept with
     probability ``p``, else replaced by another token. The draw for draft position ``j`` of a request is a
@@ -146,10 +159,6 @@ class DraftModelDrafter:
             return tok
         t = rng.randrange(self.vocab - 1)  # any token but the draft model's
         return t + 1 if t >= tok else t
-
-    def propose(self, b: int, prompt: Sequence[int], emitted: Sequence[int], k: int
-                ) -> tuple[list[int], torch.Tensor | None]:
-        return self.propose_batch([(b, prompt, emitted, k)])[0]
 
     @torch.no_grad()
     def propose_batch(self, asks: Sequence[tuple[int, Sequence[int], Sequence[int], int]]
@@ -184,7 +193,7 @@ class DraftModelDrafter:
         return out
 
 
-class MTPDrafter:
+class MTPDrafter(BatchedDrafter):
     """K3's next-token layer as vLLM's MTP proposer runs it (``vllm/v1/worker/gpu/spec_decode/mtp``), on the
     reference ``model`` (the standard path on the engine's own weights, like ``DraftModelDrafter``). For a
     context ``t_0 .. t_n`` (``t_n`` the last emitted token, not yet seen by the target): the target's hidden
@@ -197,10 +206,6 @@ class MTPDrafter:
 
     def __init__(self, model: Any) -> None:
         self.model, self.layer = model, model.mtp_layers[0]
-
-    def propose(self, b: int, prompt: Sequence[int], emitted: Sequence[int], k: int
-                ) -> tuple[list[int], torch.Tensor | None]:
-        return self.propose_batch([(b, prompt, emitted, k)])[0]
 
     @torch.no_grad()
     def propose_batch(self, asks: Sequence[tuple[int, Sequence[int], Sequence[int], int]]

@@ -212,16 +212,9 @@ def cfg():
 
 @pytest.fixture(scope="module")
 def ckpt(cfg, tmp_path_factory):
-    from safetensors import safe_open
+    from vllm_child import synthetic_checkpoint
 
-    from k3_fastpath.weights import write_synthetic_checkpoint
-
-    d = write_synthetic_checkpoint(cfg, tmp_path_factory.mktemp("k3ckpt") / "k3-tiny-mtp", seed=0)
-    W = {}
-    for f in sorted(glob.glob(str(d / "*.safetensors"))):
-        with safe_open(f, "pt") as h:
-            W.update({k: h.get_tensor(k) for k in h.keys()})
-    return d, W
+    return synthetic_checkpoint(cfg, tmp_path_factory.mktemp("k3ckpt") / "k3-tiny-mtp")
 
 
 @pytest.fixture(scope="module")
@@ -237,12 +230,9 @@ def mtp_names(cfg, ckpt):
 
 @pytest.fixture(scope="module")
 def got(ckpt, tmp_path_factory):
-    from vllm_child import run_vllm_child
+    from vllm_child import child_blob
 
-    out = tmp_path_factory.mktemp("vllm-k3-mtp") / "loaded.pt"
-    p = run_vllm_child(__file__, ckpt[0], out)
-    blob = torch.load(out, weights_only=True)
-    return {**blob, "res": json.loads(blob["res"]), "log": p.stdout + p.stderr}
+    return child_blob(__file__, ckpt[0], tmp_path_factory.mktemp("vllm-k3-mtp") / "loaded.pt")
 
 
 def _mtp_layout(cfg, W):
