@@ -75,7 +75,10 @@ def test_the_synthetic_drafters_acceptance_is_about_its_p(seed):
     rates = res.stats.rates()
     # position 0 examined by every verify step but a request's last, which has no token left to draft
     assert res.stats.steps - 3 <= res.stats.examined[0] <= res.stats.steps and res.stats.steps > 3 * 60 / 4
-    assert all(abs(r - 0.6) < 0.2 for r in rates), rates
+    # each position's rate is a binomial share of the drafts it examined (later positions see fewer: a step's
+    # first rejection ends it): within 4 standard errors, at least 0.2 (seed 493550808: 23 of 28 at the third)
+    for r, n in zip(rates, res.stats.examined, strict=True):
+        assert abs(r - 0.6) < max(0.2, 4 * (0.6 * 0.4 / n) ** 0.5), (rates, res.stats.examined, seed)
     assert 1.0 < res.stats.mean_acceptance_length() < 4.0
 
 

@@ -50,7 +50,7 @@ def test_ngram_drafter_proposes_what_followed_the_latest_earlier_match():
     assert SpecConfig.parse("ngram:5:min=2,max=4") == SpecConfig("ngram", 5, 2, 4)
     with pytest.raises(ValueError, match="METHOD:K\\[:OPTIONS\\]"):
         SpecConfig.parse("ngram")
-    with pytest.raises(ValueError, match="0 next-token \\(MTP\\) layers"):
+    with pytest.raises(ValueError, match="no next-token \\(MTP\\) layer"):
         SpecConfig("mtp", 3).drafter(type("M", (), {"cfg": CFG})())
     assert SpecConfig.parse("synthetic:2:p=0.5") == SpecConfig("synthetic", 2, p=0.5)
     with pytest.raises(ValueError, match="option 'p=0.5' is not one of min=N, max=N for ngram"):
