@@ -172,8 +172,10 @@ def test_the_standard_tier_scores_a_trained_sentinel_on_a_cpu(tmp_path):
     sentinel = tmp_path / "sentinel"
     train = [sys.executable, "-m", "k3_fastpath.sentinel.train", "--out", str(sentinel), "--preset", "k3-tiny",
              "--steps", "2", "--warmup", "1", "--batch", "2", "--seq-len", "384", "--mrcr-chars", "300",
-             "--device", "cpu"]
+             "--heldout-items", "2", "--device", "cpu"]
     subprocess.run(train, cwd=repo, check=True, capture_output=True, timeout=300)
+    held = json.loads((sentinel / "training.json").read_text())["heldout"]
+    assert held["checkpoint"]["gsm8k"]["items"] == 2 and held["training_forward"]["mrcr"]["answer_tokens"] > 0
     env = {**os.environ, DIR_ENV: str(sentinel)}
 
     def run(out: str, *extra: str) -> subprocess.CompletedProcess:

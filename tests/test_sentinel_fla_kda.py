@@ -19,7 +19,7 @@ from k3_fastpath.sentinel import fla_kda
 from k3_fastpath.sentinel import train as sentinel_train
 
 PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=2, batch=2, seq_len=384, warmup=1, mrcr_chars=300,
-                                mrcr_needles=(2,))
+                                mrcr_needles=(2,), heldout_items=0)
 
 
 class _ChunkKDA(torch.autograd.Function):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3_fastpath.sentinel import heldout
 from k3_fastpath.sentinel import train as sentinel_train
 from k3_fastpath.sentinel.tokenizer import build_sentinel_tokenizer
 from k3_fastpath.tokenizer import EOS_ID
@@ -19,7 +20,7 @@ from k3_fastpath.weights import checkpoint_digest, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=3, batch=2, seq_len=384, warmup=1, mrcr_chars=300,
-                                mrcr_needles=(2,))
+                                mrcr_needles=(2,), heldout_items=0)
 
 
 def test_rows_mask_the_prompt_and_end_on_im_end():
@@ -118,7 +119,7 @@ def test_a_time_limit_fits_the_schedule_and_names_the_steps_that_replay_it():
 def test_profile_logs_where_the_profiled_steps_spend_their_time(tmp_path):
     lines: list[str] = []
     plan = sentinel_train.TrainPlan(preset="k3-tiny", steps=7, batch=2, seq_len=384, warmup=1, mrcr_chars=300,
-                                mrcr_needles=(2,))
+                                mrcr_needles=(2,), heldout_items=0)
     rec = sentinel_train.train(plan, tmp_path / "p", "cpu", log=lines.append, profile=True)
     table = next(x for x in lines if x.startswith("profile of 3 steps"))
     assert "aten::mm" in table and rec["steps_done"] == 7
@@ -199,7 +200,7 @@ def test_a_preset_with_a_next_token_layer_trains_it_and_writes_it(tmp_path):
     from k3_fastpath.weights import load_checkpoint
 
     plan = sentinel_train.TrainPlan(preset="k3-tiny:mtp=1", steps=4, batch=2, seq_len=384, warmup=1,
-                                    mrcr_chars=300, mrcr_needles=(2,))
+                                    mrcr_chars=300, mrcr_needles=(2,), heldout_items=0)
     rec = sentinel_train.train(plan, tmp_path / "m", "cpu", log=lambda _: None)
     assert all(p["mtp_loss"] > 0 and p["loss"] > p["mtp_loss"] * plan.mtp_weight for p in rec["loss_curve"])
     cfg, sd = load_checkpoint(tmp_path / "m")
@@ -210,3 +211,44 @@ def test_a_preset_with_a_next_token_layer_trains_it_and_writes_it(tmp_path):
     logits, hidden = model._run(ids, lengths, model.new_cache(2, 12), "plain", hidden=True)
     sentinel_train._mtp_logits(model, ids, lengths, hidden)[0, :8].sum().backward()
     assert float(model.mtp_layers[0].eh_proj.weight.grad.abs().sum()) > 0
+
+
+def test_heldout_scores_the_training_forward_and_the_written_checkpoint_alike(tmp_path):
+    """After training, items of another seed's training streams (eval questions excluded) are scored by the
+    training forward and by the checkpoint loaded back: on a CPU both run the reference KDA in FP32, so only
+    the experts' MXFP4 rounding parts them; the record and the log carry both."""
+    lines: list[str] = []
+    plan = dataclasses.replace(PLAN, heldout_items=3)
+    rec = sentinel_train.train(plan, tmp_path / "h", "cpu", log=lines.append)
+    held = rec["heldout"]
+    assert held == json.loads((tmp_path / "h" / "training.json").read_text())["heldout"]
+    assert held["seed"] == plan.seed + heldout.HELDOUT_SEED_OFFSET and held["checkpoint_dtype"] == "float32"
+    for side in ("training_forward", "checkpoint"):
+        assert set(held[side]) == {"gsm8k", "aime25", "mrcr"}
+        assert all(m["items"] == 3 and m["answer_tokens"] > 3 for m in held[side].values())
+    for task, m in held["checkpoint"].items():
+        assert m["loss"] == pytest.approx(held["training_forward"][task]["loss"], rel=0.02)
+    assert any(x.startswith("held-out items") for x in lines) and sum(" checkpoint " in x for x in lines) == 3
+
+
+def test_heldout_metrics_follow_the_argmax_and_can_fail():
+    """``heldout.score`` on an oracle forward (the next token's logit highest) is perfect; one wrong argmax
+    at an answer's first token costs that item its first token and its exactness, one inside the prompt
+    costs nothing."""
+    rows = [([5, 6, 7, 8, 9], [0, 0, 1, 1, 1]), ([4, 3, 7, 2], [0, 1, 1, 1])]
+    wrong: set[tuple[int, int]] = set()
+
+    def forward(ids, lengths):
+        logits = torch.zeros(*ids.shape, 16)
+        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+        logits.scatter_(2, nxt[..., None], 5.0)
+        for b, t in wrong:
+            logits[b, t, (nxt[b, t] + 1) % 16] = 9.0
+        return logits
+
+    ok = heldout.score(forward, rows, "cpu")
+    assert ok["token_accuracy"] == ok["first_token_accuracy"] == ok["answers_exact"] == 1.0 and ok["answer_tokens"] == 6
+    wrong.update({(0, 1), (0, 0)})  # row 0's first answer token (predicted at 1); at 0 it predicts prompt
+    bad = heldout.score(forward, rows, "cpu")
+    assert bad["first_token_accuracy"] == 0.5 and bad["answers_exact"] == 0.5 and bad["loss"] > ok["loss"]
+    assert bad["token_accuracy"] == pytest.approx(5 / 6, abs=1e-4)

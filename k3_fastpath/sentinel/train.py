@@ -102,6 +102,8 @@ class TrainPlan:
     compile_glue: bool = False  # the reference's elementwise glue through torch.compile (train_glue)
     mtp_weight: float = 0.3  # the next-token (MTP) layer's loss weight, where the preset has one (a preset spec
     # such as k3-sentinel:mtp=1): its prediction of the token after next, on the answer tokens
+    heldout_items: int = 16  # items per task scored after training by the training forward and by the written
+    # checkpoint (heldout.py; 0: none)
     fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
     # choices) instead of pinned configs (fla_kda.pin_fla_configs)
 
@@ -110,8 +112,10 @@ class TrainPlan:
             raise ValueError(f"kda must be one of {KDA_IMPLS}, got {self.kda!r}")
         if self.moe not in MOE_IMPLS:
             raise ValueError(f"moe must be one of {MOE_IMPLS}, got {self.moe!r}")
-        if self.steps < 1 or self.batch < 1 or self.seq_len < 16 or not self.lr > 0 or self.mtp_weight < 0:
-            raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16, lr > 0 and mtp_weight >= 0: "
+        if (self.steps < 1 or self.batch < 1 or self.seq_len < 16 or not self.lr > 0 or self.mtp_weight < 0
+                or self.heldout_items < 0):
+            raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16, lr > 0, mtp_weight >= 0 "
+                             f"and heldout_items >= 0: "
                              f"{self}")
         if {t for t, _ in self.mix} - set(tasks.TASKS) or not all(w > 0 for _, w in self.mix):
             raise ValueError(f"mix names tasks of {tasks.TASKS} with positive weights, got {self.mix}")
@@ -127,11 +131,11 @@ class Batches:
         self.too_long = {task: 0 for task, _ in plan.mix}  # seq_len (skipped: never cut, see _item)
         self.rng = random.Random(f"k3-sentinel-mix:{plan.seed}")
         self.streams = {}
+        self.exclude = {task: tasks.eval_prompt_keys(task, EVAL_SEEDS, EVAL_EXCLUDE[task]) for task, _ in plan.mix}
         for task, _ in plan.mix:
-            exclude = tasks.eval_prompt_keys(task, EVAL_SEEDS, EVAL_EXCLUDE[task])
             for n in (plan.mrcr_needles if task == "mrcr" else (None,)):
                 kw = {"n_needles": n, "mrcr_chars": plan.mrcr_chars} if n else {}
-                self.streams.setdefault(task, []).append(tasks.train_items(task, plan.seed, exclude, **kw))
+                self.streams.setdefault(task, []).append(tasks.train_items(task, plan.seed, self.exclude[task], **kw))
 
     def row(self) -> tuple[list[int], list[int]]:
         """One training row: an item, or with ``plan.pack`` whole items up to ``seq_len``: the oldest waiting
@@ -158,13 +162,10 @@ class Batches:
         MRCR answer without the message it repeats. A task whose items mostly do not fit is an error."""
         while True:
             task = self.rng.choices([t for t, _ in self.plan.mix], weights=[w for _, w in self.plan.mix])[0]
-            item = next(self.rng.choice(self.streams[task]))
-            prompt = self.tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
-            p_ids = self.tok(prompt)["input_ids"]
-            a_ids = self.tok(item.messages[-1]["content"])["input_ids"] + [EOS_ID]
+            ids, mask = item_row(self.tok, next(self.rng.choice(self.streams[task])))
             self.drawn[task] += 1
-            if len(p_ids) + len(a_ids) <= self.plan.seq_len:
-                return p_ids + a_ids, [0] * len(p_ids) + [1] * len(a_ids)
+            if len(ids) <= self.plan.seq_len:
+                return ids, mask
             self.too_long[task] += 1
             if self.too_long[task] > max(TOO_LONG_SLACK, self.drawn[task] // 2):
                 raise ValueError(f"seq_len {self.plan.seq_len} is too short for {task}: {self.too_long[task]} of "
@@ -172,15 +173,29 @@ class Batches:
                                  f"{' or lower --mrcr-chars' if task == 'mrcr' else ''})")
 
     def batch(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        rows = [self.row() for _ in range(self.plan.batch)]
-        t = max(len(r[0]) for r in rows)
-        ids = torch.full((len(rows), t), PAD_ID, dtype=torch.long)
-        mask = torch.zeros((len(rows), t), dtype=torch.bool)
-        for i, (r, m) in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r)
-            mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
-        lengths = torch.tensor([len(r) for r, _ in rows])
-        return ids.to(device), lengths.to(device), mask.to(device)
+        return padded([self.row() for _ in range(self.plan.batch)], device)
+
+
+def item_row(tok, item: tasks.TaskItem) -> tuple[list[int], list[int]]:
+    """An item as one sequence of token ids and its loss mask: the chat's prompt tokenized as the engines
+    tokenize it (template with the generation prompt), then the answer's tokens and ``<|im_end|>``, the
+    mask 1 on the answer only."""
+    prompt = tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
+    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    a_ids = tok(item.messages[-1]["content"], add_special_tokens=False)["input_ids"] + [EOS_ID]
+    return p_ids + a_ids, [0] * len(p_ids) + [1] * len(a_ids)
+
+
+def padded(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of (ids, mask) as right-padded ``ids [B, T]``, ``lengths [B]`` and ``mask [B, T]`` (bool)."""
+    t = max(len(r[0]) for r in rows)
+    ids = torch.full((len(rows), t), PAD_ID, dtype=torch.long)
+    mask = torch.zeros((len(rows), t), dtype=torch.bool)
+    for i, (r, m) in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
+    lengths = torch.tensor([len(r) for r, _ in rows])
+    return ids.to(device), lengths.to(device), mask.to(device)
 
 
 class BatchesAhead:
@@ -337,6 +352,29 @@ def _gate_loads(model) -> tuple[list, list]:
     return gates, loads
 
 
+def _heldout(plan: TrainPlan, model, tok, exclude, ckpt: Path, device: str, autocast, log) -> dict:
+    """``heldout.heldout_report`` of the trained model (its training forward, under the training autocast)
+    and of the checkpoint just written, logged as a table."""
+    from .heldout import heldout_report, report_lines
+
+    model.eval()
+
+    def train_forward(ids, lengths):
+        with autocast:
+            return model._run(ids, lengths, model.new_cache(ids.shape[0], ids.shape[1]), "plain")
+
+    t0 = time.monotonic()
+    try:
+        report = heldout_report(plan, tok, exclude, train_forward, ckpt, device, plan.heldout_items)
+    except (RuntimeError, ValueError, OSError) as e:  # the trained checkpoint is kept: the record says why
+        log(f"held-out scoring failed: {type(e).__name__}: {e}")  # this part is missing
+        return {"error": f"{type(e).__name__}: {e}"}
+    report["s"] = round(time.monotonic() - t0, 2)
+    for line in report_lines(report):
+        log(line)
+    return report
+
+
 PROFILED_STEPS = (3, 6)  # ``--profile``: the steps [start, end) torch.profiler records (after warm-up)
 
 
@@ -463,6 +501,8 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
             raise DigestMismatch(f"the rebuilt checkpoint's digest {record['checkpoint_digest']} is not the expected "
                                  f"{expect_digest} (another plan, step count, GPU model or software stack: "
                                  f"{record['device']}, torch {record['torch']}); nothing written to {out}")
+        if plan.heldout_items:
+            record["heldout"] = _heldout(plan, model, tok, batches.exclude, tmp / "ckpt", device, autocast, log)
         (tmp / "ckpt" / "training.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         os.rename(tmp / "ckpt", out)
     finally:

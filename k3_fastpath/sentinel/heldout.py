@@ -1,0 +1,109 @@
+"""The trained sentinel on items it never trained on, through the training forward and through its written
+checkpoint: where the two disagree, what the evals score is not what training fitted.
+
+Training runs the reference model with dense BF16 experts, BF16 autocast and (on CUDA) fla's chunked KDA;
+the evals serve the MXFP4 checkpoint the project's writer made, loaded back by ``weights.load_checkpoint``
+into the reference model with its own KDA recurrence. ``heldout_report`` scores both on the same
+teacher-forced rows: per task, the answer tokens' mean loss, the share of answer tokens whose argmax is the
+next token (``token_accuracy``), that share at each answer's first token (``first_token_accuracy``: where a
+prompt hands over to the answer) and the share of items whose every answer token is the argmax
+(``answers_exact``: what greedy decoding would reproduce whole). The items come from the training streams
+under another seed (``HELDOUT_SEED_OFFSET``), eval questions excluded as in training.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from . import tasks
+
+HELDOUT_SEED_OFFSET = 1_000_003  # the held-out items' stream seed: the plan's seed plus this
+ROWS_PER_FORWARD = 8
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [B, T], lengths [B]) -> logits [B, T, V]
+
+
+def heldout_rows(plan, tok, exclude: dict[str, set[str]], n: int) -> dict[str, list]:
+    """Per task of ``plan.mix``: ``n`` items (MRCR's split over the plan's needle counts) of its training stream under the held-out seed that fit
+    ``plan.seq_len``, as (ids, mask) rows (``train.item_row``)."""
+    from .train import item_row
+
+    seed, out = plan.seed + HELDOUT_SEED_OFFSET, {}
+    for task, _ in plan.mix:
+        needles = plan.mrcr_needles if task == "mrcr" else (None,)
+        rows = []
+        for j, k in enumerate(needles):
+            kw = {"n_needles": k, "mrcr_chars": plan.mrcr_chars} if k else {}
+            want = n // len(needles) + (j < n % len(needles))
+            stream, got = tasks.train_items(task, seed, exclude[task], **kw), 0
+            for _ in range(50 * want):
+                if got == want:
+                    break
+                ids, mask = item_row(tok, next(stream))
+                if len(ids) <= plan.seq_len:
+                    rows.append((ids, mask))
+                    got += 1
+        out[task] = rows
+    return out
+
+
+@torch.no_grad()
+def score(forward: Forward, rows: list, device) -> dict[str, float | int]:
+    """Teacher-forced metrics of ``forward`` on ``rows`` (see the module docstring)."""
+    from .train import padded
+
+    loss_sum, right, tokens, first_right, exact = 0.0, 0, 0, 0, 0
+    for c in range(0, len(rows), ROWS_PER_FORWARD):
+        chunk = rows[c: c + ROWS_PER_FORWARD]
+        ids, lengths, mask = padded(chunk, device)
+        logits = forward(ids, lengths)[:, :-1].float()
+        gold, m = ids[:, 1:], mask[:, 1:]
+        loss_sum += float(F.cross_entropy(logits[m], gold[m], reduction="sum"))
+        hit = (logits.argmax(-1) == gold) & m
+        right += int(hit.sum())
+        tokens += int(m.sum())
+        first = m.int().argmax(-1)  # each row's first answer position (every row has an answer)
+        first_right += int(hit.gather(1, first[:, None]).sum())
+        exact += int(((hit | ~m).all(-1)).sum())
+    n = len(rows)
+    return {"items": n, "answer_tokens": tokens, "loss": round(loss_sum / max(1, tokens), 5),
+            "token_accuracy": round(right / max(1, tokens), 5), "first_token_accuracy": round(first_right / max(1, n), 5),
+            "answers_exact": round(exact / max(1, n), 5)}
+
+
+def heldout_report(plan, tok, exclude: dict[str, set[str]], train_forward: Forward, checkpoint: str | Path,
+                   device, n: int) -> dict:
+    """Both forwards scored on ``n`` held-out rows per task: ``{"seed", "items_per_task", "training_forward": {task:
+    metrics}, "checkpoint": {task: metrics}, "checkpoint_dtype"}``; the checkpoint is loaded as the
+    reference engine loads it (BF16 on CUDA, FP32 on a CPU)."""
+    from ..reference.model import load_reference
+    from ..weights import load_checkpoint
+
+    rows = heldout_rows(plan, tok, exclude, n)
+    report = {"seed": plan.seed + HELDOUT_SEED_OFFSET, "items_per_task": n,
+              "training_forward": {t: score(train_forward, r, device) for t, r in rows.items()}}
+    dtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    cfg, sd = load_checkpoint(checkpoint)
+    ref = load_reference(cfg, sd, dtype=dtype, device=device).eval()
+    del sd
+
+    def ref_forward(ids, lengths):
+        return ref.prefill(ids, lengths, ref.new_cache(ids.shape[0], ids.shape[1]))
+
+    report["checkpoint"] = {t: score(ref_forward, r, device) for t, r in rows.items()}
+    report["checkpoint_dtype"] = str(dtype).replace("torch.", "")
+    return report
+
+
+def report_lines(report: dict) -> list[str]:
+    """The report as a table: one line per task and forward."""
+    out = [f"held-out items (seed {report['seed']}): loss / token accuracy / first answer token / answers exact"]
+    for side in ("training_forward", "checkpoint"):
+        for task, m in report[side].items():
+            out.append(f"  {side:<16} {task:<7} {m['loss']:8.4f} {m['token_accuracy']:7.3f} "
+                       f"{m['first_token_accuracy']:7.3f} {m['answers_exact']:7.3f}  ({m['items']} items)")
+    return out
