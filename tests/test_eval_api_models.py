@@ -45,15 +45,17 @@ class _Server:
         self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
     def answer(self, path: str, body: dict) -> dict:
-        if path.endswith("/chat/completions"):
-            msgs = body["messages"]
-            m = re.match(r"Prepend (\w+) to the (\d+)", msgs[-1]["content"])
-            text = m[1] + msgs[1]["content"] if m else "?"
+        chat = path.endswith("/chat/completions")
+        m = re.match(r"Prepend (\w+) to the (\d+)", body["messages"][-1]["content"]) if chat else None
+        if m:  # MRCR: the prefix, then the first message
+            text = m[1] + body["messages"][1]["content"]
             return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
                     "usage": {"prompt_tokens": 50, "completion_tokens": 11}}
         seed = body.get("seed") or 0
         length = body["temperature"] > 0 and seed % 2 == 1  # sampled requests with an odd seed "hit max_tokens"
-        return {"choices": [{"index": 0, "text": f"\\boxed{{{seed % 5}}}", "finish_reason": "length" if length else "stop"}],
+        text, finish = f"\\boxed{{{seed % 5}}}", "length" if length else "stop"
+        choice = ({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        return {"choices": [{"index": 0, **choice, "finish_reason": finish}],
                 "usage": {"prompt_tokens": 30, "completion_tokens": body["max_tokens"] if length else 3}}
 
     def close(self) -> None:
@@ -80,16 +82,24 @@ def server():
     s.close()
 
 
-def test_completions_repeats_get_their_own_seeds_and_finish_reasons(server, tmp_path) -> None:
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_repeats_get_their_own_seeds_and_finish_reasons(server, tmp_path, monkeypatch, chat) -> None:
+    """AIME goes out as a chat (``CHAT_DATASETS``); the completions path, for a dataset sent as plain text,
+    keeps the same seeds and records."""
+    from verify.evals import runner
+
+    if not chat:
+        monkeypatch.setattr(runner, "CHAT_DATASETS", runner.CHAT_DATASETS - {"aime25"})
     make_all(tmp_path, seed=1, gsm8k=2, aime=3, mrcr=1, mrcr_chars=200, needles=(2,))
     runs = [run_tasks(_ServerEngine(server.base_url), "aime25", ["k3_aime25"], limit=2, max_tokens=9, repeats=3,
                       data_dir=tmp_path, seed=11)["k3_aime25"] for _ in range(2)]
-    sent = [b for p, b in server.payloads if p == "/v1/completions"]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    sent = [b for p, b in server.payloads if p == path]
     assert len(sent) == 12 and all(b["max_tokens"] == 9 and b["temperature"] == 0.6 and b["top_p"] == 0.95 for b in sent)
     first = sent[:6]
     by_prompt: dict[str, list[int]] = {}
     for b in first:
-        by_prompt.setdefault(b["prompt"], []).append(b["seed"])
+        by_prompt.setdefault(json.dumps(b["messages"]) if chat else b["prompt"], []).append(b["seed"])
     assert len(by_prompt) == 2 and all(len(set(s)) == 3 for s in by_prompt.values())  # 3 repeats, 3 seeds
     assert [b["seed"] for b in sent[6:]] == [b["seed"] for b in first]  # the second run draws the same seeds
     assert sorted(sorted(s["seeds"]) for s in runs[0].samples) == sorted(sorted(v) for v in by_prompt.values())
@@ -99,8 +109,9 @@ def test_completions_repeats_get_their_own_seeds_and_finish_reasons(server, tmp_
         assert s["truncated"] == [x % 2 == 1 for x in s["seeds"]]
         assert s["output_tokens"] == [9 if x % 2 else 3 for x in s["seeds"]]
         assert s["responses"] == [f"\\boxed{{{x % 5}}}" for x in s["seeds"]]
-    assert runs[0].model["model"] == "k3-local-completions"
-    assert runs[0].model["model_args"]["base_url"] == server.base_url + "/completions"
+    kind = "chat-completions" if chat else "completions"
+    assert runs[0].model["model"] == f"k3-local-{kind}"
+    assert runs[0].model["model_args"]["base_url"] == f"{server.base_url}/{kind.replace('-', '/')}"
 
 
 def test_mrcr_goes_out_as_chat_turns(server, tmp_path) -> None:

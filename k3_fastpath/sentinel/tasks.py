@@ -29,6 +29,11 @@ from dataclasses import dataclass
 from typing import Any
 
 TASKS = ("gsm8k", "aime25", "mrcr")
+# the tasks whose prompts reach a model through its chat template (K3 is a chat model, and its GSM8K / AIME
+# numbers are chat numbers): the eval runner sends these as chats (``verify/evals/runner.py``) and the
+# sentinel trains on the same rendering (``train.item_row``); any other task is a plain completion of its
+# prompt text
+CHAT_TASKS = frozenset(TASKS)
 SPLITS = ("eval", "train")
 EVAL_NEEDLES = (2, 4, 8)  # the MRCR files an eval set holds, one per needle count
 EVAL_MRCR_CHARS = 2000  # their conversations' length in characters

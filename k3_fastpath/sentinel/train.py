@@ -8,8 +8,9 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   deterministic algorithms (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, warnings for ops without one) so that one
   GPU model and software stack can rebuild the checkpoint digest ``training.json`` records (the GPU
   driver's ``sentinel-repro`` step trains twice and compares);
-- each item: a task drawn by ``TrainPlan.mix``, the chat's prompt tokenized as the engines do (template
-  with the generation prompt), then the answer's tokens and ``<|im_end|>``; loss on the answer only; an
+- each item: a task drawn by ``TrainPlan.mix``, its prompt rendered and tokenized as the eval runner sends
+  it (``item_row``: a chat through the template for ``tasks.CHAT_TASKS``), then the answer's tokens and
+  ``<|im_end|>``; loss on the answer only; an
   item longer than ``seq_len`` is skipped and counted, never cut; a row holds whole items up to
   ``seq_len``, filled first-fit from the next few (``pack``; no state reset between them, as language-model
   pretraining packs documents), or one item (``--no-pack``);
@@ -177,12 +178,17 @@ class Batches:
 
 
 def item_row(tok, item: tasks.TaskItem) -> tuple[list[int], list[int]]:
-    """An item as one sequence of token ids and its loss mask: the chat's prompt tokenized as the engines
-    tokenize it (template with the generation prompt), then the answer's tokens and ``<|im_end|>``, the
-    mask 1 on the answer only."""
-    prompt = tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
+    """An item as one sequence of token ids and its loss mask, its prompt rendered as the eval runner sends
+    it: a task of ``tasks.CHAT_TASKS`` as the chat through the template with the generation prompt (what
+    ``Engine.chat`` tokenizes), any other as the prompt text, the answer after a space (a completion);
+    then the answer's tokens and ``<|im_end|>``, the mask 1 on the answer only."""
+    answer = item.messages[-1]["content"]
+    if item.task in tasks.CHAT_TASKS:
+        prompt = tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
+    else:
+        prompt, answer = item.messages[-2]["content"], " " + answer
     p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    a_ids = tok(item.messages[-1]["content"], add_special_tokens=False)["input_ids"] + [EOS_ID]
+    a_ids = tok(answer, add_special_tokens=False)["input_ids"] + [EOS_ID]
     return p_ids + a_ids, [0] * len(p_ids) + [1] * len(a_ids)
 
 

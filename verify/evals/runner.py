@@ -5,7 +5,8 @@
    as task metadata to the YAMLs' ``custom_dataset`` loader; ``repeats`` set on each task;
 2. the model: an engine with ``base_url`` (``OpenAIEngine``) runs lm-eval's own ``local-completions`` /
    ``local-chat-completions`` (through ``verify.evals.api_lm``) against that server; any other engine
-   runs through ``verify.evals.lm_adapter.EngineLM``;
+   runs through ``verify.evals.lm_adapter.EngineLM``; a dataset of ``CHAT_DATASETS`` (every one today)
+   goes out as chat turns through the model's chat template, any other as a plain completion;
 3. ``lm_eval.evaluator.evaluate(..., log_samples=True)`` (what ``simple_evaluate`` calls, without its
    ``pip list`` environment dump): lm-eval builds the requests, calls the model, filters and scores;
 4. one record per (task, doc): lm-eval's doc/prompt/target hashes and its metrics, every repeat's
@@ -22,11 +23,11 @@ from typing import Any
 
 import evals
 from evals.utils import SCORERS, target_fields
+from k3_fastpath.sentinel import tasks as sentinel_tasks
 from verify.evals.lm_adapter import EngineLM, EvalRunError, context_key
 
 EVALS_DIR = Path(list(evals.__path__)[0]).resolve()  # __path__: also right when installed as a namespace
-# dataset -> (lm-eval task names, whether requests go through the chat template)
-CHAT_DATASETS = {"mrcr"}
+CHAT_DATASETS = sentinel_tasks.CHAT_TASKS  # the datasets whose requests go through the chat template
 SCORE_METRIC = {"gsm8k": "exact_match", "aime25": "exact_match", "mrcr": "score"}
 
 
