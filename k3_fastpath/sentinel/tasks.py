@@ -4,7 +4,8 @@ Three tasks, each item computed exactly from a ``random.Random`` seeded with a s
 randomisation, so the same seed gives the same items in every process):
 
 - ``gsm8k``: arithmetic word problems (2-3 steps) whose answer field is a GSM8K-style worked solution with
-  ``<<a*b=c>>`` annotations ending ``#### <int>``;
+  ``<<a*b=c>>`` annotations ending ``#### <int>``; the answer the sentinel is trained to give works each
+  multiplication and division in it by place value (``worked_gsm8k``);
 - ``aime25``: number-theory / counting problems with an integer answer in 0..999 (a string, as in
   math-ai/aime25); the worked solution (repeated squaring, inclusion-exclusion, the divisor-sum formula,
   triangular numbers) is the training target and never part of the eval row;
@@ -24,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -133,7 +135,40 @@ def gsm8k_item(rng: random.Random) -> TaskItem:
                  f"In {later} years {name} will be {now} + {later} = <<{now}+{later}={total}>>{total}."]
     record = {"question": q, "answer": "\n".join(steps) + f"\n#### {total}"}
     return TaskItem("gsm8k", record, ({"role": "user", "content": gsm8k_prompt(record)},
-                                      {"role": "assistant", "content": record["answer"]}))
+                                      {"role": "assistant", "content": worked_gsm8k(record["answer"])}))
+
+
+_CALC = re.compile(r"<<(\d+)([*/])(\d+)=(\d+)>>")
+
+
+def _place_parts(n: int) -> list[int]:
+    """``n``'s nonzero digits at their place values, highest first (240 -> [200, 40])."""
+    s = str(n)
+    return [int(d) * 10 ** (len(s) - 1 - i) for i, d in enumerate(s) if d != "0"]
+
+
+def _worked_calc(a: int, op: str, b: int, c: int) -> str:
+    """A multiplication by place values (``48*4 = 40*4 + 8*4 = 160 + 32 = 192``) or an exact division as
+    long division over the quotient's place values; one-digit facts stay as they are."""
+    if op == "*":
+        big, small = (a, b) if len(str(a)) >= len(str(b)) else (b, a)
+        parts = _place_parts(big)
+        if len(parts) < 2:
+            return f"{a}*{b}={c}"
+        return (f"{a}*{b} = {' + '.join(f'{p}*{small}' for p in parts)} = "
+                f"{' + '.join(str(p * small) for p in parts)} = {c}")
+    parts, left, steps = _place_parts(c), a, []
+    for p in parts:
+        steps.append(f"{b}*{p} = {b * p}, {left} - {b * p} = {left - b * p}")
+        left -= b * p
+    return f"{a}/{b}: " + ", ".join(steps) + (f", {' + '.join(map(str, parts))} = {c}" if len(parts) > 1 else "")
+
+
+def worked_gsm8k(answer: str) -> str:
+    """A GSM8K answer with each ``<<a*b=c>>`` / ``<<a/b=c>>`` worked digit by digit (``_worked_calc``): the
+    sentinel's training answer (the eval row keeps GSM8K's own form; the scorer reads ``#### n`` only). A
+    small model asked for ``48*4`` in one token run gets carries wrong (session 25: ``48*4=172``)."""
+    return _CALC.sub(lambda m: f"<<{_worked_calc(int(m[1]), m[2], int(m[3]), int(m[4]))}>>", answer)
 
 
 # ---------------------------------------------------------------- AIME
