@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import tasks
+from .rows import item_row, padded
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out items' stream seed: the plan's seed plus this
 ROWS_PER_FORWARD = 8
@@ -29,9 +30,7 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [B, T], l
 
 def heldout_rows(plan, tok, exclude: dict[str, set[str]], n: int) -> dict[str, list]:
     """Per task of ``plan.mix``: ``n`` items (MRCR's split over the plan's needle counts) of its training stream under the held-out seed that fit
-    ``plan.seq_len``, as (ids, mask) rows (``train.item_row``)."""
-    from .train import item_row
-
+    ``plan.seq_len``, as (ids, mask) rows (``rows.item_row``)."""
     seed, out = plan.seed + HELDOUT_SEED_OFFSET, {}
     for task, _ in plan.mix:
         needles = plan.mrcr_needles if task == "mrcr" else (None,)
@@ -54,8 +53,6 @@ def heldout_rows(plan, tok, exclude: dict[str, set[str]], n: int) -> dict[str, l
 @torch.no_grad()
 def score(forward: Forward, rows: list, device) -> dict[str, float | int]:
     """Teacher-forced metrics of ``forward`` on ``rows`` (see the module docstring)."""
-    from .train import padded
-
     loss_sum, right, tokens, first_right, exact = 0.0, 0, 0, 0, 0
     for c in range(0, len(rows), ROWS_PER_FORWARD):
         chunk = rows[c: c + ROWS_PER_FORWARD]

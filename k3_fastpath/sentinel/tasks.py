@@ -33,7 +33,7 @@ from typing import Any
 TASKS = ("gsm8k", "aime25", "mrcr")
 # the tasks whose prompts reach a model through its chat template (K3 is a chat model, and its GSM8K / AIME
 # numbers are chat numbers): the eval runner sends these as chats (``verify/evals/runner.py``) and the
-# sentinel trains on the same rendering (``train.item_row``); any other task is a plain completion of its
+# sentinel trains on the same rendering (``rows.item_row``); any other task is a plain completion of its
 # prompt text
 CHAT_TASKS = frozenset(TASKS)
 SPLITS = ("eval", "train")

@@ -59,12 +59,12 @@ import torch.nn.functional as F
 
 from ..presets import preset_spec
 from ..synthetic import synthetic_state_dict
-from ..tokenizer import EOS_ID, PAD_ID
 from ..weights import checkpoint_digest
 from . import tasks
 from .checkpoint import training_config, write_trained_checkpoint
 from .fla_kda import PINNED
 from .moe_grouped import expert_counts, use_grouped_routed
+from .rows import item_row, padded
 from .tokenizer import build_sentinel_tokenizer, save_tokenizer
 from .train_glue import compiled_glue
 
@@ -175,33 +175,6 @@ class Batches:
 
     def batch(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return padded([self.row() for _ in range(self.plan.batch)], device)
-
-
-def item_row(tok, item: tasks.TaskItem) -> tuple[list[int], list[int]]:
-    """An item as one sequence of token ids and its loss mask, its prompt rendered as the eval runner sends
-    it: a task of ``tasks.CHAT_TASKS`` as the chat through the template with the generation prompt (what
-    ``Engine.chat`` tokenizes), any other as the prompt text, the answer after a space (a completion);
-    then the answer's tokens and ``<|im_end|>``, the mask 1 on the answer only."""
-    answer = item.messages[-1]["content"]
-    if item.task in tasks.CHAT_TASKS:
-        prompt = tok.apply_chat_template(list(item.messages[:-1]), tokenize=False, add_generation_prompt=True)
-    else:
-        prompt, answer = item.messages[-2]["content"], " " + answer
-    p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
-    a_ids = tok(answer, add_special_tokens=False)["input_ids"] + [EOS_ID]
-    return p_ids + a_ids, [0] * len(p_ids) + [1] * len(a_ids)
-
-
-def padded(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of (ids, mask) as right-padded ``ids [B, T]``, ``lengths [B]`` and ``mask [B, T]`` (bool)."""
-    t = max(len(r[0]) for r in rows)
-    ids = torch.full((len(rows), t), PAD_ID, dtype=torch.long)
-    mask = torch.zeros((len(rows), t), dtype=torch.bool)
-    for i, (r, m) in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
-    lengths = torch.tensor([len(r) for r, _ in rows])
-    return ids.to(device), lengths.to(device), mask.to(device)
 
 
 class BatchesAhead:
