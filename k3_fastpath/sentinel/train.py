@@ -32,6 +32,11 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
 ``reproduce``) and fails, writing nothing, unless the digest is ``D``: the sentinel is not committed (205 MB),
 it is rebuilt bit for bit on the same GPU model and software stack.
 
+After the last step, ``TrainPlan.heldout_items`` items per task that training never drew are scored
+teacher-forced by the training forward and by the checkpoint just written (``heldout``: per task loss, token
+accuracy, first answer token, answers exact; ``training.json``'s ``heldout``): where the two part, the evals
+score something other than what training fitted.
+
 At the end the MXFP4 checkpoint (``checkpoint.write_trained_checkpoint``), the sentinel tokenizer and
 ``training.json`` (plan, seeds, steps, wall time, loss curve, device, versions) are written into ``--out``
 atomically enough for a failed run to leave nothing: all of it goes to a temporary sibling first.
@@ -346,7 +351,7 @@ def _heldout(plan: TrainPlan, model, tok, exclude, ckpt: Path, device: str, auto
     try:
         report = heldout_report(plan, tok, exclude, train_forward, ckpt, device, plan.heldout_items)
     except (RuntimeError, ValueError, OSError) as e:  # the trained checkpoint is kept: the record says why
-        log(f"held-out scoring failed: {type(e).__name__}: {e}")  # this part is missing
+        log(f"held-out scoring failed: {type(e).__name__}: {e}")
         return {"error": f"{type(e).__name__}: {e}"}
     report["s"] = round(time.monotonic() - t0, 2)
     for line in report_lines(report):

@@ -5,7 +5,7 @@
    as task metadata to the YAMLs' ``custom_dataset`` loader; ``repeats`` set on each task;
 2. the model: an engine with ``base_url`` (``OpenAIEngine``) runs lm-eval's own ``local-completions`` /
    ``local-chat-completions`` (through ``verify.evals.api_lm``) against that server; any other engine
-   runs through ``verify.evals.lm_adapter.EngineLM``; a dataset of ``CHAT_DATASETS`` (every one today)
+   runs through ``verify.evals.lm_adapter.EngineLM``; a dataset of ``CHAT_DATASETS`` (all three)
    goes out as chat turns through the model's chat template, any other as a plain completion;
 3. ``lm_eval.evaluator.evaluate(..., log_samples=True)`` (what ``simple_evaluate`` calls, without its
    ``pip list`` environment dump): lm-eval builds the requests, calls the model, filters and scores;
