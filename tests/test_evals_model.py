@@ -158,7 +158,7 @@ def test_synthetic_data_holds_the_limit(tmp_path):
     assert len(rows) == 73 and rows[:50] == (tmp_path / "default" / "gsm8k" / "test.jsonl").read_text().splitlines()
 
 
-@pytest.mark.slow  # ~40 s on the 2-core CPU: a 2-step k3-tiny sentinel, then 6 items x 2 engines x 128 tokens
+@pytest.mark.slow  # ~3 min on the 2-core CPU: a 2-step k3-tiny sentinel, then 6 items x 2 engines x 192 tokens
 def test_the_standard_tier_scores_a_trained_sentinel_on_a_cpu(tmp_path):
     """End to end, as a contributor runs it: `python -m k3_fastpath.sentinel.train`, then the standard tier's
     gsm8k with ``$K3_SENTINEL_DIR``: the CPU's sizes (cpu_params) planned and run, the sentinel and its
