@@ -13,6 +13,7 @@ under another seed (``HELDOUT_SEED_OFFSET``), eval questions excluded as in trai
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,23 +30,16 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (ids [B, T], l
 
 
 def heldout_rows(plan, tok, exclude: dict[str, set[str]], n: int) -> dict[str, list]:
-    """Per task of ``plan.mix``: ``n`` items (MRCR's split over the plan's needle counts) of its training stream under the held-out seed that fit
-    ``plan.seq_len``, as (ids, mask) rows (``rows.item_row``)."""
+    """Per task of ``plan.mix``: ``n`` items of its training streams under the held-out seed (MRCR's split
+    over the plan's needle counts) that fit ``plan.seq_len``, as (ids, mask) rows (``rows.item_row``)."""
     seed, out = plan.seed + HELDOUT_SEED_OFFSET, {}
     for task, _ in plan.mix:
-        needles = plan.mrcr_needles if task == "mrcr" else (None,)
+        streams = tasks.train_streams(task, seed, exclude[task], plan.mrcr_needles, plan.mrcr_chars)
         rows = []
-        for j, k in enumerate(needles):
-            kw = {"n_needles": k, "mrcr_chars": plan.mrcr_chars} if k else {}
-            want = n // len(needles) + (j < n % len(needles))
-            stream, got = tasks.train_items(task, seed, exclude[task], **kw), 0
-            for _ in range(50 * want):
-                if got == want:
-                    break
-                ids, mask = item_row(tok, next(stream))
-                if len(ids) <= plan.seq_len:
-                    rows.append((ids, mask))
-                    got += 1
+        for j, stream in enumerate(streams):
+            want = n // len(streams) + (j < n % len(streams))
+            fits = (r for r in (item_row(tok, next(stream)) for _ in range(50 * want)) if len(r[0]) <= plan.seq_len)
+            rows.extend(itertools.islice(fits, want))
         out[task] = rows
     return out
 

@@ -166,8 +166,8 @@ def _worked_calc(a: int, op: str, b: int, c: int) -> str:
 
 def worked_gsm8k(answer: str) -> str:
     """A GSM8K answer with each ``<<a*b=c>>`` / ``<<a/b=c>>`` worked digit by digit (``_worked_calc``): the
-    sentinel's training answer (the eval row keeps GSM8K's own form; the scorer reads ``#### n`` only). A
-    small model asked for ``48*4`` in one token run gets carries wrong (session 25: ``48*4=172``)."""
+    sentinel's training answer (the eval row keeps GSM8K's own form; the scorer reads ``#### n`` only), so
+    no step asks the model for a multi-digit product or quotient in one go."""
     return _CALC.sub(lambda m: f"<<{_worked_calc(int(m[1]), m[2], int(m[3]), int(m[4]))}>>", answer)
 
 
@@ -319,6 +319,15 @@ def eval_prompt_keys(task: str, seeds: tuple[int, ...], n: int) -> set[str]:
     ``EVAL_NEEDLES`` at ``EVAL_MRCR_CHARS``) made with each of ``seeds``."""
     needles = EVAL_NEEDLES if task == "mrcr" else (None,)
     return {t.prompt_key for s in seeds for k in needles for t in items(task, "eval", s, n, n_needles=k)}
+
+
+def train_streams(task: str, seed: int, exclude: set[str], needles: tuple[int, ...], mrcr_chars: int
+                  ) -> list[Iterator[TaskItem]]:
+    """``task``'s training streams under ``seed`` (``train_items``): one for GSM8K / AIME, one per needle
+    count of ``needles`` for MRCR (conversations of ``mrcr_chars``)."""
+    if task != "mrcr":
+        return [train_items(task, seed, exclude)]
+    return [train_items(task, seed, exclude, n_needles=n, mrcr_chars=mrcr_chars) for n in needles]
 
 
 def train_items(task: str, seed: int, exclude: set[str], *, n_needles: int | None = None,

@@ -139,9 +139,8 @@ class Batches:
         self.streams = {}
         self.exclude = {task: tasks.eval_prompt_keys(task, EVAL_SEEDS, EVAL_EXCLUDE[task]) for task, _ in plan.mix}
         for task, _ in plan.mix:
-            for n in (plan.mrcr_needles if task == "mrcr" else (None,)):
-                kw = {"n_needles": n, "mrcr_chars": plan.mrcr_chars} if n else {}
-                self.streams.setdefault(task, []).append(tasks.train_items(task, plan.seed, self.exclude[task], **kw))
+            self.streams[task] = tasks.train_streams(task, plan.seed, self.exclude[task], plan.mrcr_needles,
+                                                     plan.mrcr_chars)
 
     def row(self) -> tuple[list[int], list[int]]:
         """One training row: an item, or with ``plan.pack`` whole items up to ``seq_len``: the oldest waiting
