@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,26 @@ def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
 
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "run0"))
     assert len(tok) == cfg.vocab_size and tok.eos_token_id == EOS_ID
+
+
+def test_two_processes_with_two_threads_train_the_same_checkpoint(tmp_path):
+    """The documented rebuild runs in a new process: on the CPU with two threads, torch's default kernels
+    gave the same plan another digest in each process (one thread did not); training runs under
+    deterministic algorithms (``deterministic``) and two processes must agree. The mode is restored after."""
+    args = ["--preset", "k3-tiny", "--steps", "3", "--batch", "2", "--seq-len", "256", "--warmup", "1",
+            "--mrcr-chars", "300", "--heldout-items", "0", "--device", "cpu"]
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    digests = []
+    for i in range(2):
+        r = subprocess.run([sys.executable, "-m", "k3_fastpath.sentinel.train", "--out", str(tmp_path / f"p{i}"), *args],
+                           cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+        digests.append(json.loads((tmp_path / f"p{i}" / "training.json").read_text())["checkpoint_digest"])
+    assert digests[0] == digests[1]
+    before = torch.are_deterministic_algorithms_enabled()
+    with sentinel_train.deterministic("cpu"):
+        assert torch.are_deterministic_algorithms_enabled()
+    assert torch.are_deterministic_algorithms_enabled() == before
 
 
 def test_items_longer_than_a_row_are_skipped_whole_and_counted():

@@ -4,10 +4,10 @@ The reference model (``reference.model.K3ForCausalLM``, autograd through every l
 LatentMoE with dense BF16 experts, AttnRes) learns the three tasks' training streams (``tasks``; every
 eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
 
-- initial weights: ``synthetic.synthetic_state_dict(training config, seed, "stable")``; on CUDA,
-  deterministic algorithms (``CUBLAS_WORKSPACE_CONFIG=:4096:8``, warnings for ops without one) so that one
-  GPU model and software stack can rebuild the checkpoint digest ``training.json`` records (the GPU
-  driver's ``sentinel-repro`` step trains twice and compares);
+- initial weights: ``synthetic.synthetic_state_dict(training config, seed, "stable")``; deterministic
+  algorithms on every device for the run (``deterministic``) so that one device model and software stack
+  rebuilds the checkpoint digest ``training.json`` records (the GPU driver's ``sentinel-repro`` step trains
+  twice and compares; on the CPU a test trains in two processes);
 - each item: a task drawn by ``TrainPlan.mix``, its prompt rendered and tokenized as the eval runner sends
   it (``item_row``: a chat through the template for ``tasks.CHAT_TASKS``), then the answer's tokens and
   ``<|im_end|>``; loss on the answer only; an
@@ -45,6 +45,7 @@ atomically enough for a failed run to leave nothing: all of it goes to a tempora
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -56,6 +57,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -372,16 +374,34 @@ def train(plan: TrainPlan, out_dir: str | Path, device: str = "cpu", log=print, 
     (where a step's time goes; the training itself is unchanged). ``expect_digest``: a rebuild of a recorded
     checkpoint (its ``training.json``'s ``checkpoint_digest``, trained with its ``reproduce`` steps): a
     different digest raises ``DigestMismatch`` and writes nothing."""
-    from ..reference.model import load_reference
-
     out = Path(out_dir)
     if out.exists():
         raise FileExistsError(f"{out} already exists")
-    torch.manual_seed(plan.seed)
-    if device.startswith("cuda"):  # bit-reproducible on one GPU model and software stack (training.json);
-        # the workspace setting must precede the process's first cuBLAS handle
+    with deterministic(device):
+        return _train(plan, out, device, log, profile, expect_digest)
+
+
+@contextlib.contextmanager
+def deterministic(device: str) -> Iterator[None]:
+    """Within the block, torch's deterministic algorithms (warnings for an op without one), the process's
+    setting restored after. On every device: on a CPU with two threads the default kernels gave the same plan
+    another digest in each process (one thread, or this mode, gave one digest). On CUDA also cuBLAS's fixed
+    workspace (``CUBLAS_WORKSPACE_CONFIG``, read at the process's first cuBLAS handle: set, not restored)."""
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    if device.startswith("cuda"):
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
+
+
+def _train(plan: TrainPlan, out: Path, device: str, log, profile: bool, expect_digest: str | None) -> dict:
+    """``train``'s run, under ``deterministic``."""
+    from ..reference.model import load_reference
+
+    torch.manual_seed(plan.seed)
     cfg = preset_spec(plan.preset).config
     tcfg = training_config(cfg)
     model = load_reference(tcfg, synthetic_state_dict(tcfg, plan.seed, "stable"), dtype=torch.float32).to(device)
