@@ -118,6 +118,20 @@ def fla_kda() -> tuple[Any, Any] | None:
     return fused_recurrent_kda_fwd, rms_norm_gated
 
 
+FLA_KDA_STEP = "standard path: PyTorch conv update + fla fused_recurrent_kda_fwd + fla rms_norm_gated"
+TORCH_KDA_STEP = "standard path: PyTorch KDA step"
+
+
+def _kda_library(device: torch.device | str | None) -> str:
+    """What ``kda_step_standard`` runs on ``device``: fla on CUDA tensors where fla imports, else PyTorch (the
+    reason in parentheses; None: both, as the first call's tensors decide)."""
+    if fla_kda() is None:
+        return f"{TORCH_KDA_STEP} (fla not importable)"
+    if device is None:
+        return f"{FLA_KDA_STEP} on CUDA tensors, else {TORCH_KDA_STEP.removeprefix('standard path: ')}"
+    return FLA_KDA_STEP if torch.device(device).type == "cuda" else f"{TORCH_KDA_STEP} (fla runs on CUDA tensors)"
+
+
 def _conv_standard(x, w, pool, idx):
     """SiLU causal depthwise conv of one new input per row on pool rows ``idx`` (updated in place)."""
     win = torch.cat([pool.index_select(0, idx), x[:, None, :].to(pool.dtype)], dim=1)  # [B, W, C]
@@ -434,8 +448,7 @@ def standard_op_table(compiled_glue: bool = False, device: torch.device | str | 
     compile fails at warm-up, so the steps' trace records say what served them). ``mxfp4_experts``: the
     routed experts in MXFP4 through humming-kernels (``standard_mxfp4.py``); ``ValueError`` with the reason
     where humming cannot serve ``device``."""
-    kda_lib = ("standard path: PyTorch conv update + fla fused_recurrent_kda_fwd + fla rms_norm_gated"
-               if fla_kda() is not None else "standard path: PyTorch KDA step (fla not importable)")
+    kda_lib = _kda_library(device)
     experts_lib = ("standard path: torch._grouped_mm over BF16 experts (sorted rows), FP32 combine"
                    if hasattr(torch, "_grouped_mm") else "standard path: gathered bmm over BF16 experts")
     experts_fn = moe_experts_standard

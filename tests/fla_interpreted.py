@@ -1,0 +1,125 @@
+"""fla's ``chunk_kda`` run on the CPU through Triton's interpreter, against ``reference.kda.kda_chunked`` in FP64.
+
+Run as a script in its own process (``TRITON_INTERPRET=1`` must be set before Triton decorates fla's kernels,
+and an fla imported earlier in a process keeps compiled kernels): ``python tests/fla_interpreted.py CASES``
+with ``CASES`` a JSON list of ``[T, pad, beta_scale]``; prints one JSON object: per case the relative error
+(``max |fla - ref| / max |ref|``) of the output, the final state and the six input gradients, and the configs
+the pinned kernels took (``fla_kda.PINNED.used``). ``beta_scale`` != 1 feeds the reference a scaled beta:
+the control that shows the comparison can fail.
+
+The same wrapper (``fla_kda.fla_kda_chunked``) and config pinning (``fla_kda.pin_fla_configs``) training runs
+on the GPU; the configs are those fla lists for a machine without a GPU (fla's hardware checks fall back to
+CPU), so this holds the recurrence and our contract with it (log decay, beta after its sigmoid, scale 1, the
+initial state and its gradient), not the H100/H200 configs or TF32 dots (``test_sentinel_fla_kda_gpu.py``).
+
+One adaptation of the interpreter: it runs a kernel's ``range`` loops with Python ``int`` loop variables,
+where compiled Triton has int32 scalars, and fla's kernels call ``.to(tl.int64)`` on them. ``_tensor_loops``
+gives the kernels 0-d int32 interpreter tensors instead (the compiled semantics), for the duration of each
+kernel call.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.runtime import interpreter  # noqa: E402
+
+B, H, D = 1, 2, 128  # one sequence of two heads at the sentinel's (K3's) head dim
+NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dstate")
+
+
+def _tensor_range(*args):
+    bounds = [a.handle.data.item() if isinstance(a, tl.tensor) else getattr(a, "value", a) for a in args]
+    for i in builtins.range(*bounds):
+        yield tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
+
+
+def _tensor_loops() -> None:
+    """Make every interpreted kernel call see ``range`` as ``_tensor_range`` (restored after the call)."""
+    patch = interpreter._patch_lang
+
+    class Scope:
+        def __init__(self, fn):
+            self.inner, self.g = patch(fn), fn.__globals__
+            self.had, self.old = "range" in self.g, self.g.get("range")
+            self.g["range"] = _tensor_range
+
+        def restore(self) -> None:
+            if self.had:
+                self.g["range"] = self.old
+            else:
+                self.g.pop("range", None)
+            self.inner.restore()
+
+    interpreter._patch_lang = Scope
+
+
+def _inputs(t: int, pad: int, seed: int) -> list[torch.Tensor]:
+    from k3_fastpath.reference.kda import l2_normalize
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    q = l2_normalize(rnd(B, t, H, D)) * D ** -0.5
+    k = l2_normalize(rnd(B, t, H, D))
+    v = rnd(B, t, H, D)
+    g_log = -5.0 * torch.sigmoid(rnd(B, t, H, D) - 2.0)  # K3's lower bound -5, mostly mild decays
+    beta = torch.sigmoid(rnd(B, t, H))
+    if pad:  # padding tokens as the model feeds them: alpha 1, beta 0, zero q/k/v
+        q[:, -pad:], k[:, -pad:], v[:, -pad:], g_log[:, -pad:], beta[:, -pad:] = 0, 0, 0, 0, 0
+    state = 0.1 * rnd(B, H, D, D)
+    return [x.contiguous().requires_grad_(True) for x in (q, k, v, g_log, beta, state)]
+
+
+def _run(fn, inputs, weights) -> list[torch.Tensor]:
+    o, s = fn(*inputs)
+    loss = (o * weights[0]).sum() + (s * weights[1]).sum()
+    return [o.detach(), s.detach(), *torch.autograd.grad(loss, inputs)]
+
+
+def compare(t: int, pad: int, beta_scale: float) -> dict[str, float]:
+    from k3_fastpath.reference.kda import kda_chunked
+    from k3_fastpath.sentinel.fla_kda import fla_kda_chunked
+
+    inputs = _inputs(t, pad, seed=t + pad)
+    gen = torch.Generator().manual_seed(7)
+    weights = (torch.randn(B, t, H, D, generator=gen), torch.randn(B, H, D, D, generator=gen))
+
+    def reference(q, k, v, g_log, beta, state):
+        return kda_chunked(q.double(), k.double(), v.double(), g_log.double(), beta.double() * beta_scale,
+                           state.double())
+
+    fla = _run(fla_kda_chunked, inputs, weights)
+    ref = _run(reference, inputs, weights)
+    if not all(torch.isfinite(x).all() for x in fla):
+        return {"nonfinite": 1.0}
+    return {n: float((f.double() - r).abs().max() / r.abs().max().clamp_min(1e-30))
+            for n, f, r in zip(NAMES, fla, ref, strict=True)}
+
+
+def main(cases: list[list[float]]) -> dict:
+    _tensor_loops()
+    import fla.ops.kda  # noqa: F401  (every kernel chunk_kda launches)
+
+    from k3_fastpath.sentinel.fla_kda import PINNED, pin_fla_configs
+
+    pinned = pin_fla_configs()
+    errors = [compare(int(t), int(pad), float(scale)) for t, pad, scale in cases]
+    return {"pinned": pinned, "errors": errors, "configs": dict(PINNED.used)}
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    print(json.dumps(main(json.loads(sys.argv[1]))))
