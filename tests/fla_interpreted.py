@@ -12,56 +12,26 @@ on the GPU; the configs are those fla lists for a machine without a GPU (fla's h
 CPU), so this holds the recurrence and our contract with it (log decay, beta after its sigmoid, scale 1, the
 initial state and its gradient), not the H100/H200 configs or TF32 dots (``test_sentinel_fla_kda_gpu.py``).
 
-One adaptation of the interpreter: it runs a kernel's ``range`` loops with Python ``int`` loop variables,
-where compiled Triton has int32 scalars, and fla's kernels call ``.to(tl.int64)`` on them. ``_tensor_loops``
-gives the kernels 0-d int32 interpreter tensors instead (the compiled semantics), for the duration of each
-kernel call.
+The interpreter as ``tests/triton_interpreter.py`` sets it up (one adaptation: tensor loop variables).
 """
 
 from __future__ import annotations
 
-import builtins
 import json
-import os
 import sys
 from pathlib import Path
 
-os.environ["TRITON_INTERPRET"] = "1"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+from triton_interpreter import interpret  # noqa: E402
+
+interpret()  # before torch / fla import any Triton kernel
+
 import torch  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.runtime import interpreter  # noqa: E402
 
 B, H, D = 1, 2, 128  # one sequence of two heads at the sentinel's (K3's) head dim
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dstate")
-
-
-def _tensor_range(*args):
-    bounds = [a.handle.data.item() if isinstance(a, tl.tensor) else getattr(a, "value", a) for a in args]
-    for i in builtins.range(*bounds):
-        yield tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
-
-
-def _tensor_loops() -> None:
-    """Make every interpreted kernel call see ``range`` as ``_tensor_range`` (restored after the call)."""
-    patch = interpreter._patch_lang
-
-    class Scope:
-        def __init__(self, fn):
-            self.inner, self.g = patch(fn), fn.__globals__
-            self.had, self.old = "range" in self.g, self.g.get("range")
-            self.g["range"] = _tensor_range
-
-        def restore(self) -> None:
-            if self.had:
-                self.g["range"] = self.old
-            else:
-                self.g.pop("range", None)
-            self.inner.restore()
-
-    interpreter._patch_lang = Scope
 
 
 def _inputs(t: int, pad: int, seed: int) -> list[torch.Tensor]:
@@ -110,7 +80,6 @@ def compare(t: int, pad: int, beta_scale: float) -> dict[str, float]:
 
 
 def main(cases: list[list[float]]) -> dict:
-    _tensor_loops()
     import fla.ops.kda  # noqa: F401  (every kernel chunk_kda launches)
 
     from k3_fastpath.sentinel.fla_kda import PINNED, pin_fla_configs

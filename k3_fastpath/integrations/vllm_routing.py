@@ -60,9 +60,11 @@ the index-reuse detection above except through the length check.
 Not tested here against a running vLLM on a GPU (the GPU host has no vLLM): the classification runs on
 vLLM's own metadata classes, the state moves on tensors shaped by vLLM's own shape/dtype calculators, and
 the end-to-end tests drive the router with the reference model on a CPU (tests/test_vllm_routing.py,
-tests/test_vllm_spec_routing.py). Where vLLM's verify kernels read and write a request's KDA state is taken
-from their source (``fused_recurrent_kda`` and ``causal_conv1d_update`` with ``num_accepted_tokens``, vLLM
-0.32), not from running them: they are Triton kernels, and vLLM-CPU's conv update ignores the offset.
+tests/test_vllm_spec_routing.py). Where vLLM's verify kernels read and write a request's KDA state
+(``fused_recurrent_kda`` and ``causal_conv1d_update`` with ``num_accepted_tokens``, vLLM 0.32) is held to
+those Triton kernels themselves, run on the CPU through Triton's interpreter from state this module exported
+(tests/integration/test_vllm_kda_kernels_interpreted.py: outputs, the state read back after each accepted
+count, the candidates ``settle`` exports); vLLM-CPU's own conv update (C++) ignores the offset.
 """
 
 from __future__ import annotations

