@@ -18,6 +18,9 @@ object, one entry per case (``CASES``). Per case, a batch of two verify rows of 
    at ``KdaSlot.spec(blocks, t + 1)``, what ``VllmDecodeRouter.settle`` does) into a copy of the caches
    before the step, against the caches vLLM's kernels left: ``candidate_conv_equal``, ``candidate_rec_err``.
 
+A plain decode step (no speculative decoding: ``KdaSlot.plain(index)``, a window of W-1 inputs) runs vLLM's
+``causal_conv1d_update`` and ``fused_recurrent_kda_packed_decode`` the same way (``plain``).
+
 ``lie`` tells vLLM's kernels another ``num_accepted_tokens`` than the state was written at: the control that
 shows a wrong mapping fails.
 
@@ -64,7 +67,10 @@ try:
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 finally:
     current_platform.is_cpu = _is_cpu
-from vllm.models.kimi_k3.nvidia.ops.third_party.kda import fused_recurrent_kda  # noqa: E402
+from vllm.models.kimi_k3.nvidia.ops.third_party.kda import (  # noqa: E402
+    fused_recurrent_kda,
+    fused_recurrent_kda_packed_decode,
+)
 
 from k3_fastpath.integrations.vllm_state import KdaSlot, VllmLayout, export_kda, import_request  # noqa: E402
 from k3_fastpath.presets import preset_spec  # noqa: E402
@@ -75,6 +81,7 @@ from k3_fastpath.sentinel.fla_kda import pin_fla_configs  # noqa: E402
 K = 3  # draft tokens: every request holds K + 1 state blocks
 N = 16  # state indices in the caches
 BLOCKS = [[5, 9, 2, 11], [3, 7, 12, 14]]
+PLAIN = [6, 13]  # the plain decode step's state indices
 # name -> (conv state dim-first (DS), per request (a0, query length), num_accepted_tokens told to vLLM - a0)
 CASES = {
     "SD": (False, [(2, 4), (4, 2)], 0),
@@ -170,10 +177,54 @@ def run_case(dim_first: bool, requests: list[tuple[int, int]], lie: int) -> dict
     return res
 
 
+def run_plain(dim_first: bool) -> dict:
+    """One decode token for two requests at state indices ``PLAIN``: outputs and the state read back."""
+    cfg = preset_spec("k3-tiny").config
+    lac = cfg.linear_attn_config
+    c, h, d, w = lac.projection_dim, lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+    layout = VllmLayout(conv_dim_first=dim_first, block_size=16, num_spec=0)
+    kda_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i)]
+    conv_shape = (N, 3 * c, w - 1) if dim_first else (N, w - 1, 3 * c)
+    caches = [(torch.randn(conv_shape), torch.randn(N, h, d, d)) if cfg.is_kda_layer(i)
+              else torch.zeros(4, 16, cfg.mla_latent_dim) for i in range(cfg.num_hidden_layers)]
+    layer, states, inputs = kda_layers[0], [], []
+    for idx in PLAIN:
+        st = [[torch.randn(w - 1, c) for _ in range(3)] + [0.1 * torch.randn(h, d, d)] for _ in kda_layers]
+        export_kda(cfg, caches, layout, st, KdaSlot.plain(idx))
+        states.append(st[0])
+        inputs.append([torch.randn(1, c) for _ in range(3)])
+    wts = [torch.randn(c, w) for _ in range(3)]
+    raw_g, raw_beta = torch.randn(1, len(PLAIN), h, d), torch.randn(1, len(PLAIN), h)
+    A_log, dt_bias = 0.5 * torch.randn(h), 0.5 * torch.randn(h * d)
+    conv_all, rec = caches[layer]
+    mixed = torch.cat([torch.cat(x, dim=-1) for x in inputs])
+    idx = torch.tensor(PLAIN, dtype=torch.int32)
+    conv_out = causal_conv1d_update(mixed, conv_all if dim_first else conv_all.transpose(-1, -2), torch.cat(wts),
+                                    None, activation="silu", conv_state_indices=idx, out=torch.empty_like(mixed))
+    out, _ = fused_recurrent_kda_packed_decode(mixed_qkv=conv_out, raw_g=raw_g, raw_beta=raw_beta, A_log=A_log,
+                                               dt_bias=dt_bias, lower_bound=lac.gate_lower_bound,
+                                               initial_state=rec, state_indices=idx)
+    res = {"out_err": [], "windows_equal": [], "state_err": []}
+    for b, i in enumerate(PLAIN):
+        ref_out, after = _reference(inputs[b], wts, states[b], raw_g[0, b:b + 1], raw_beta[0, b:b + 1], A_log,
+                                    dt_bias, lac.gate_lower_bound, d)
+        res["out_err"].append(_rel(out[0, b:b + 1], ref_out))
+        pool = [KDACache.empty(cfg, 2, conv_dtype=torch.float32) if cfg.is_kda_layer(j)
+                else MLACache.empty(cfg, 2, 8) for j in range(cfg.num_hidden_layers)]
+        import_request(cfg, caches, layout, pool, 1, KdaSlot.plain(i), torch.tensor([0]), 0)
+        got = pool[layer]
+        res["windows_equal"].append([all(torch.equal(g[1], r) for g, r in
+                                         zip((got.conv_q, got.conv_k, got.conv_v), after[0][:3], strict=True))])
+        res["state_err"].append(_rel(got.state[1], after[0][3]))
+    return res
+
+
 def main() -> dict:
     pinned = pin_fla_configs(("vllm.model_executor.layers.mamba.ops", "vllm.models.kimi_k3"))
     torch.manual_seed(0)
-    return {"pinned": pinned, "cases": {name: run_case(*case) for name, case in CASES.items()}}
+    cases = {name: run_case(*case) for name, case in CASES.items()}
+    cases.update({f"plain {lay}": run_plain(lay == "DS") for lay in ("SD", "DS")})
+    return {"pinned": pinned, "cases": cases}
 
 
 if __name__ == "__main__":
