@@ -118,6 +118,11 @@ def fla_kda() -> tuple[Any, Any] | None:
     return fused_recurrent_kda_fwd, rms_norm_gated
 
 
+def fla_for(t: torch.Tensor) -> tuple[Any, Any] | None:
+    """fla's pair for a step on ``t``'s device: on CUDA tensors where fla imports, else None (PyTorch)."""
+    return fla_kda() if t.is_cuda else None
+
+
 FLA_KDA_STEP = "standard path: PyTorch conv update + fla fused_recurrent_kda_fwd + fla rms_norm_gated"
 TORCH_KDA_STEP = "standard path: PyTorch KDA step"
 
@@ -164,13 +169,13 @@ def kda_step_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, 
     if slot_out is not None:
         y = kda_verify_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
                                 slot, conv_q, conv_k, conv_v, state, eps=eps, lower_bound=lower_bound,
-                                slot_out=slot_out, tokens=tokens, fla=fla_kda() if q.is_cuda else None,
+                                slot_out=slot_out, tokens=tokens, fla=fla_for(q),
                                 decode_step=kda_step_standard, glue=glue)
         return out.copy_(y) if out is not None else y
     B, C = q.shape
     _, H, D, _ = state.shape
     idx = slot.long()
-    fla = fla_kda() if q.is_cuda else None
+    fla = fla_for(q)
     qc, kc, vc = _glue(glue, "kda_conv", q, k, v, conv_q_w, conv_k_w, conv_v_w, conv_q, conv_k, conv_v, idx,
                        q.dtype if fla is not None else torch.float32)
     if fla is not None:
