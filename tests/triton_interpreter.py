@@ -68,3 +68,19 @@ def interpret() -> None:
 
     builder.create_masked_load = lambda self, ptrs, mask, *a: load(self, ptrs, as_i1(mask), *a)
     builder.create_masked_store = lambda self, ptrs, value, mask, *a: store(self, ptrs, value, as_i1(mask), *a)
+
+
+def let_vllm_use_triton() -> None:
+    """vLLM-CPU disables Triton on a build without Triton's CPU backend (``vllm.triton_utils``: it then hands
+    its modules a placeholder ``triton``); a stand-in ``cpu`` driver entry, which launches nothing, makes it keep
+    the real one, whose kernels the interpreter runs. Call before anything imports vLLM."""
+    import types
+
+    from triton.backends import backends
+
+    class CpuDriver:
+        @staticmethod
+        def is_active() -> bool:
+            return True
+
+    backends.setdefault("cpu", types.SimpleNamespace(driver=CpuDriver))

