@@ -29,41 +29,17 @@ from triton_interpreter import interpret  # noqa: E402
 interpret()  # before torch / fla import any Triton kernel
 
 import torch  # noqa: E402
+from kda_chunk_tools import chunk_inputs, rel_err, run_with_grads  # noqa: E402
 
 B, H, D = 1, 2, 128  # one sequence of two heads at the sentinel's (K3's) head dim
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dstate")
-
-
-def _inputs(t: int, pad: int, seed: int) -> list[torch.Tensor]:
-    from k3_fastpath.reference.kda import l2_normalize
-
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g)
-
-    q = l2_normalize(rnd(B, t, H, D)) * D ** -0.5
-    k = l2_normalize(rnd(B, t, H, D))
-    v = rnd(B, t, H, D)
-    g_log = -5.0 * torch.sigmoid(rnd(B, t, H, D) - 2.0)  # K3's lower bound -5, mostly mild decays
-    beta = torch.sigmoid(rnd(B, t, H))
-    if pad:  # padding tokens as the model feeds them: alpha 1, beta 0, zero q/k/v
-        q[:, -pad:], k[:, -pad:], v[:, -pad:], g_log[:, -pad:], beta[:, -pad:] = 0, 0, 0, 0, 0
-    state = 0.1 * rnd(B, H, D, D)
-    return [x.contiguous().requires_grad_(True) for x in (q, k, v, g_log, beta, state)]
-
-
-def _run(fn, inputs, weights) -> list[torch.Tensor]:
-    o, s = fn(*inputs)
-    loss = (o * weights[0]).sum() + (s * weights[1]).sum()
-    return [o.detach(), s.detach(), *torch.autograd.grad(loss, inputs)]
 
 
 def compare(t: int, pad: int, beta_scale: float) -> dict[str, float]:
     from k3_fastpath.reference.kda import kda_chunked
     from k3_fastpath.sentinel.fla_kda import fla_kda_chunked
 
-    inputs = _inputs(t, pad, seed=t + pad)
+    inputs = chunk_inputs(B, t, H, D, seed=t + pad, pad=pad)
     gen = torch.Generator().manual_seed(7)
     weights = (torch.randn(B, t, H, D, generator=gen), torch.randn(B, H, D, D, generator=gen))
 
@@ -71,12 +47,11 @@ def compare(t: int, pad: int, beta_scale: float) -> dict[str, float]:
         return kda_chunked(q.double(), k.double(), v.double(), g_log.double(), beta.double() * beta_scale,
                            state.double())
 
-    fla = _run(fla_kda_chunked, inputs, weights)
-    ref = _run(reference, inputs, weights)
+    fla = run_with_grads(fla_kda_chunked, inputs, weights)
+    ref = run_with_grads(reference, inputs, weights)
     if not all(torch.isfinite(x).all() for x in fla):
         return {"nonfinite": 1.0}
-    return {n: float((f.double() - r).abs().max() / r.abs().max().clamp_min(1e-30))
-            for n, f, r in zip(NAMES, fla, ref, strict=True)}
+    return {n: rel_err(f, r) for n, f, r in zip(NAMES, fla, ref, strict=True)}
 
 
 def main(cases: list[list[float]]) -> dict:

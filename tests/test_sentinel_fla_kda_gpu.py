@@ -8,40 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kda_chunk_tools import chunk_inputs, rel_err, run_with_grads
 
-from k3_fastpath.reference.kda import kda_chunked, l2_normalize
+from k3_fastpath.reference.kda import kda_chunked
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an sm_90 CUDA device")]
 TOL = 5e-3  # max |fla - ref| / max |ref| per tensor (fla's FP32 path runs its dots in TF32)
-
-
-def _inputs(b: int, t: int, h: int, d: int, seed: int, pad: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, device="cuda")
-
-    q = l2_normalize(rnd(b, t, h, d)) * d ** -0.5
-    k = l2_normalize(rnd(b, t, h, d))
-    v = rnd(b, t, h, d)
-    g_log = -5.0 * torch.sigmoid(rnd(b, t, h, d) - 2.0)  # K3's lower bound -5, mostly mild decays
-    beta = torch.sigmoid(rnd(b, t, h))
-    if pad:  # padding tokens as the model feeds them: alpha 1, beta 0, zero q/k/v
-        q[:, -pad:], k[:, -pad:], v[:, -pad:], g_log[:, -pad:], beta[:, -pad:] = 0, 0, 0, 0, 0
-    state = 0.1 * rnd(b, h, d, d)
-    return [x.contiguous().requires_grad_(True) for x in (q, k, v, g_log, beta, state)]
-
-
-def _run(fn, inputs, weights):
-    o, s = fn(*inputs)
-    loss = (o * weights[0]).sum() + (s * weights[1]).sum()
-    grads = torch.autograd.grad(loss, inputs)
-    return [o.detach(), s.detach(), *grads]
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
 @pytest.mark.parametrize("t,pad", [(64, 0), (200, 0), (200, 37)])
@@ -64,18 +37,18 @@ def _compare(t: int, pad: int) -> None:
     from k3_fastpath.sentinel.fla_kda import fla_kda_chunked
 
     b, h, d = 3, 6, 128
-    inputs = _inputs(b, t, h, d, seed=t + pad, pad=pad)
+    inputs = chunk_inputs(b, t, h, d, seed=t + pad, pad=pad, device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(7)
     weights = (torch.randn(b, t, h, d, generator=gen, device="cuda"), torch.randn(b, h, d, d, generator=gen, device="cuda"))
     names = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dstate"]
-    ref = _run(kda_chunked, inputs, weights)
-    fla = _run(fla_kda_chunked, inputs, weights)
-    errs = {n: _rel(f, r) for n, f, r in zip(names, fla, ref, strict=True)}
+    ref = run_with_grads(kda_chunked, inputs, weights)
+    fla = run_with_grads(fla_kda_chunked, inputs, weights)
+    errs = {n: rel_err(f, r) for n, f, r in zip(names, fla, ref, strict=True)}
     assert all(torch.isfinite(x).all() for x in fla)
     assert max(errs.values()) < TOL, errs
     # the control: the reference on a 2% larger beta is farther from itself than fla is
     bumped = [x.detach().clone().requires_grad_(True) for x in inputs]
     with torch.no_grad():
         bumped[4].mul_(1.02)
-    off = _run(kda_chunked, bumped, weights)
-    assert _rel(off[0], ref[0]) > TOL and _rel(off[1], ref[1]) > TOL
+    off = run_with_grads(kda_chunked, bumped, weights)
+    assert rel_err(off[0], ref[0]) > TOL and rel_err(off[1], ref[1]) > TOL
