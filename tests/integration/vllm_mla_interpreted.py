@@ -10,7 +10,7 @@ contexts of 37 and 20 positions) are written from executor pool rows into a vLLM
 columns as the values) and by our reference (``kernels.mla_decode.reference.mla_attention_ref`` over the pool
 rows, ``ctx_len = position + 1``): ``o_err`` / ``lse_err``. ``swap_blocks`` hands vLLM a block table with one
 block exchanged for a block no one wrote (exchanging two written blocks would not show: attention over a set
-of positions does not depend on their order): the control. FP32 latents (BF16 loads in the interpreter return garbage here; the mapping
+of positions does not depend on their order): the control. FP32 latents (the interpreter's BF16 is not the GPU's, ``triton_interpreter``; the mapping
 copies bits at any dtype).
 """
 
