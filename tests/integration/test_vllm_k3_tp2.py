@@ -142,7 +142,10 @@ def ranks(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("vllm-tp2")
     ckpt = write_synthetic_checkpoint(get_config("k3-tiny"), root / "k3-tiny", seed=0)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_PLUGINS": "", "OMP_NUM_THREADS": "1"}
+    # VLLM_DIST_IDENT: what vLLM's CPU worker sets before it initialises the groups (the rendezvous file's name),
+    # read by its CPU communicator where vLLM's C++ ops hold the shared-memory manager (on some CPUs)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_PLUGINS": "", "OMP_NUM_THREADS": "1",
+           "VLLM_DIST_IDENT": "rendezvous"}
     procs = [subprocess.Popen([sys.executable, __file__, "--child", str(ckpt), str(r), str(root / "rendezvous"),
                                str(root / f"rank{r}.pt")], cwd=REPO, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(TP)]
