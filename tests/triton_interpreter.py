@@ -10,6 +10,9 @@ and adapts two things where the interpreter departs from compiled Triton:
 - it swaps ``tl``'s builtins (``tl.exp``, ...) for interpreter versions during a call, but a kernel module's
   own alias of one (vLLM's ``exp = tl.exp``) keeps the original, which refuses to run outside a compiled
   kernel: the kernel's globals that are such builtins are swapped too;
+- it calls a kernel's grid function with the arguments already turned into interpreter pointers, where
+  compiled Triton passes the launch's own (tensors): vLLM's ``causal_conv1d_fn`` grid reads
+  ``META["batch_ptr"].nelement()``. The grid is computed from the launch's arguments first;
 - a mask combined from a comparison with a 64-bit scalar (vLLM's ``causal_conv1d_update``) reaches a masked
   load or store as int64 0/1 where compiled Triton has i1: masks are read as ``mask != 0``.
 
@@ -61,6 +64,20 @@ def interpret() -> None:
             self.inner.restore()
 
     interpreter._patch_lang = Scope
+
+    executor = interpreter.GridExecutor
+    call = executor.__call__
+
+    def call_with_host_grid(self, *args, **kwargs):
+        if callable(self.grid):
+            import inspect
+
+            spec = inspect.getfullargspec(self.fn)
+            known = {k: v for k, v in kwargs.items() if k in spec.args or k in spec.kwonlyargs}
+            self.grid = self.grid(inspect.getcallargs(self.fn, *args, **known))
+        return call(self, *args, **kwargs)
+
+    executor.__call__ = call_with_host_grid
 
     builder = interpreter.InterpreterBuilder
     load, store = builder.create_masked_load, builder.create_masked_store

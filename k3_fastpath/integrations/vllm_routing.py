@@ -64,7 +64,8 @@ tests/test_vllm_spec_routing.py). Where vLLM's verify kernels read and write a r
 (``fused_recurrent_kda`` and ``causal_conv1d_update`` with ``num_accepted_tokens``, vLLM 0.32) is held to
 those Triton kernels themselves, run on the CPU through Triton's interpreter from state this module exported
 (tests/integration/test_vllm_kda_kernels_interpreted.py: outputs, the state read back after each accepted
-count, the candidates ``settle`` exports); vLLM-CPU's own conv update (C++) ignores the offset. The MLA
+count, the candidates ``settle`` exports, and the state vLLM's Triton prefill leaves for the first routed
+step); vLLM-CPU's own conv update (C++) ignores the offset. The MLA
 latents written through are attended by vLLM's Triton MLA decode kernel the same way
 (tests/integration/test_vllm_mla_kernel_interpreted.py).
 """

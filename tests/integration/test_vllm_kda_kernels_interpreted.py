@@ -5,7 +5,9 @@ Triton's interpreter (``vllm_kda_interpreted.py``, in a process of its own), fro
 is the reference's after that many tokens, and the candidates ``settle`` exports for an unsettled request land
 where vLLM's kernels leave them. SD and DS conv layouts, two requests of ragged lengths; telling vLLM another
 ``num_accepted_tokens`` fails every comparison (the control). A plain decode step (``KdaSlot.plain``, vLLM's
-``fused_recurrent_kda_packed_decode``) likewise."""
+``fused_recurrent_kda_packed_decode``) likewise, and a prefill (vLLM's ``causal_conv1d_fn`` +
+``chunk_kda_with_fused_gate``) hands the route's first decode step the reference's state after the prompt, with
+and without speculative decoding."""
 
 from __future__ import annotations
 
@@ -36,13 +38,14 @@ def cases() -> dict:
     return out["cases"]
 
 
-@pytest.mark.parametrize("case", ["SD", "DS", "plain SD", "plain DS"])
+@pytest.mark.parametrize("case", ["SD", "DS", "plain SD", "plain DS", "prefill SD, 0 drafts", "prefill DS, 0 drafts",
+                                  "prefill SD, 3 drafts", "prefill DS, 3 drafts"])
 def test_vllms_kernels_agree_with_the_routes_mapping(cases, case):
     got = cases[case]
     assert max(got["out_err"]) < TOL, got
     assert all(all(eq) for eq in got["windows_equal"]), got
     assert max(got["state_err"]) < TOL, got
-    if not case.startswith("plain"):
+    if "candidate_conv_equal" in got:
         assert all(got["candidate_conv_equal"]) and max(got["candidate_rec_err"]) < TOL, got
 
 

@@ -19,7 +19,11 @@ object, one entry per case (``CASES``). Per case, a batch of two verify rows of 
    before the step, against the caches vLLM's kernels left: ``candidate_conv_equal``, ``candidate_rec_err``.
 
 A plain decode step (no speculative decoding: ``KdaSlot.plain(index)``, a window of W-1 inputs) runs vLLM's
-``causal_conv1d_update`` and ``fused_recurrent_kda_packed_decode`` the same way (``plain``).
+``causal_conv1d_update`` and ``fused_recurrent_kda_packed_decode`` the same way (``plain``). A prefill
+(``prefill``: vLLM's ``causal_conv1d_fn`` and ``chunk_kda_with_fused_gate`` over two prompts from zero state)
+leaves the state the route's first decode step imports: at ``KdaSlot.plain(index)``, or with speculative
+decoding at ``KdaSlot.spec(blocks, 1)``, the request's first block, where vLLM's own first verify step reads
+it (``num_accepted_tokens`` 1).
 
 ``lie`` tells vLLM's kernels another ``num_accepted_tokens`` than the state was written at: the control that
 shows a wrong mapping fails.
@@ -53,10 +57,11 @@ from vllm.platforms import current_platform  # noqa: E402
 _is_cpu = current_platform.is_cpu
 current_platform.is_cpu = lambda: False
 try:
-    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update
 finally:
     current_platform.is_cpu = _is_cpu
 from vllm.models.kimi_k3.nvidia.ops.third_party.kda import (  # noqa: E402
+    chunk_kda_with_fused_gate,
     fused_recurrent_kda,
     fused_recurrent_kda_packed_decode,
 )
@@ -71,6 +76,7 @@ K = 3  # draft tokens: every request holds K + 1 state blocks
 N = 16  # state indices in the caches
 BLOCKS = [[5, 9, 2, 11], [3, 7, 12, 14]]
 PLAIN = [6, 13]  # the plain decode step's state indices
+PROMPT = [70, 9]  # prompt lengths of the prefill cases (one past a 64-token chunk, one inside the first)
 # name -> (conv state dim-first (DS), per request (a0, query length), num_accepted_tokens told to vLLM - a0)
 CASES = {
     "SD": (False, [(2, 4), (4, 2)], 0),
@@ -208,11 +214,64 @@ def run_plain(dim_first: bool) -> dict:
     return res
 
 
+def run_prefill(dim_first: bool, num_spec: int) -> dict:
+    """A prompt of ``PROMPT`` tokens per request prefilled as vLLM's KDA layer prefills it (``causal_conv1d_fn``
+    per q / k / v with ``cache_indices``, ``chunk_kda_with_fused_gate`` from zero state, the final state stored
+    at the index), then read back where the route's first decode step reads it: ``KdaSlot.plain(index)``, or
+    with speculative decoding ``KdaSlot.spec(blocks, 1)`` (index = the request's first block)."""
+    cfg = preset_spec("k3-tiny").config
+    lac = cfg.linear_attn_config
+    c, h, d, w = lac.projection_dim, lac.num_heads, lac.head_dim, lac.short_conv_kernel_size
+    layout = VllmLayout(conv_dim_first=dim_first, block_size=16, num_spec=num_spec)
+    kda_layers = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i)]
+    win = w - 1 + num_spec
+    caches = [(torch.randn((N, 3 * c, win) if dim_first else (N, win, 3 * c)), torch.randn(N, h, d, d))
+              if cfg.is_kda_layer(i) else torch.zeros(4, 16, cfg.mla_latent_dim) for i in range(cfg.num_hidden_layers)]
+    layer = kda_layers[0]
+    conv_all, rec = caches[layer]
+    conv = conv_all if dim_first else conv_all.transpose(-1, -2)  # [N, 3C, win], as the kernels take it
+    index = torch.tensor([b[0] for b in BLOCKS], dtype=torch.int32)
+    lens = PROMPT
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    x = [torch.randn(sum(lens), c) for _ in range(3)]
+    wts = [torch.randn(c, w) for _ in range(3)]
+    raw_g, raw_beta = torch.randn(1, sum(lens), h, d), torch.randn(1, sum(lens), h)
+    A_log, dt_bias = 0.5 * torch.randn(h), 0.5 * torch.randn(h * d)
+    fresh = torch.zeros(len(lens), dtype=torch.bool)
+    outs = [causal_conv1d_fn(xi.transpose(0, 1), wi, None, activation="silu", conv_states=conv[:, j * c:(j + 1) * c],
+                             has_initial_state=fresh, cache_indices=index, query_start_loc=qsl).transpose(0, 1)
+            for j, (xi, wi) in enumerate(zip(x, wts, strict=True))]
+    q, k, v = (o.reshape(1, -1, h, d) for o in outs)
+    o, final = chunk_kda_with_fused_gate(q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta, A_log=A_log, g_bias=dt_bias,
+                                         scale=d ** -0.5, initial_state=torch.zeros(len(lens), h, d, d),
+                                         output_final_state=True, lower_bound=lac.gate_lower_bound,
+                                         use_qk_l2norm_in_kernel=True, cu_seqlens=qsl)
+    rec[index.long()] = final.to(rec.dtype)
+    res = {"out_err": [], "windows_equal": [], "state_err": []}
+    zero = [torch.zeros(w - 1, c) for _ in range(3)] + [torch.zeros(h, d, d)]
+    for b, idx in enumerate(index.tolist()):
+        sl = slice(int(qsl[b]), int(qsl[b + 1]))
+        ref_out, after = _reference([xi[sl] for xi in x], wts, zero, raw_g[0, sl], raw_beta[0, sl], A_log, dt_bias,
+                                    lac.gate_lower_bound, d)
+        res["out_err"].append(_rel(o[0, sl], ref_out))
+        pool = [KDACache.empty(cfg, 2, conv_dtype=torch.float32) if cfg.is_kda_layer(i)
+                else MLACache.empty(cfg, 2, 8) for i in range(cfg.num_hidden_layers)]
+        at = KdaSlot.spec(torch.tensor(BLOCKS[b]), 1) if num_spec else KdaSlot.plain(idx)
+        import_request(cfg, caches, layout, pool, 1, at, torch.tensor([0]), 0)
+        got = pool[layer]
+        res["windows_equal"].append([bool(torch.allclose(g[1], r, rtol=0, atol=0)) for g, r in
+                                     zip((got.conv_q, got.conv_k, got.conv_v), after[-1][:3], strict=True)])
+        res["state_err"].append(_rel(got.state[1], after[-1][3]))
+    return res
+
+
 def main() -> dict:
-    pinned = pin_fla_configs(("vllm.model_executor.layers.mamba.ops", "vllm.models.kimi_k3"))
+    pinned = pin_fla_configs(("vllm.model_executor.layers.mamba.ops", "vllm.models.kimi_k3",
+                              "vllm.third_party.flash_linear_attention"))
     torch.manual_seed(0)
     cases = {name: run_case(*case) for name, case in CASES.items()}
     cases.update({f"plain {lay}": run_plain(lay == "DS") for lay in ("SD", "DS")})
+    cases.update({f"prefill {lay}, {k} drafts": run_prefill(lay == "DS", k) for lay in ("SD", "DS") for k in (0, K)})
     return {"pinned": pinned, "cases": cases}
 
 
