@@ -8,9 +8,11 @@ the pinned kernels took (``fla_kda.PINNED.used``). ``beta_scale`` != 1 feeds the
 the control that shows the comparison can fail.
 
 The same wrapper (``fla_kda.fla_kda_chunked``) and config pinning (``fla_kda.pin_fla_configs``) training runs
-on the GPU; the configs are those fla lists for a machine without a GPU (fla's hardware checks fall back to
-CPU), so this holds the recurrence and our contract with it (log decay, beta after its sigmoid, scale 1, the
-initial state and its gradient), not the H100/H200 configs or TF32 dots (``test_sentinel_fla_kda_gpu.py``).
+on the GPU, over the config lists fla builds on a Hopper GPU (``_as_hopper``: fla reads the GPU's shared memory
+and name at import; here it is told an H100's), so each kernel runs the block sizes and stages training picks
+on an H100 / H200 (the test compares them with a GPU run's record). This holds the recurrence and our
+contract with it (log decay, beta after its sigmoid, scale 1, the initial state and its gradient) at those
+configs; TF32 dots and the hardware itself stay with ``test_sentinel_fla_kda_gpu.py``.
 
 The interpreter as ``tests/triton_interpreter.py`` sets it up (one adaptation: tensor loop variables).
 """
@@ -54,7 +56,22 @@ def compare(t: int, pad: int, beta_scale: float) -> dict[str, float]:
     return {n: rel_err(f, r) for n, f, r in zip(NAMES, fla, ref, strict=True)}
 
 
+HOPPER_SMEM = 232448  # fla's Backend.HOPPER: an H100's (and H200's) opt-in shared memory per block, bytes
+
+
+def _as_hopper() -> None:
+    """Make fla build its config lists as on a Hopper GPU (before ``fla.ops`` is imported: the lists are made
+    at import): its shared-memory query answers ``HOPPER_SMEM``, ``IS_NVIDIA_HOPPER`` is set."""
+    import fla.utils
+    import fla.utils.hardware as hw
+
+    hw.get_all_max_shared_mem = lambda: [HOPPER_SMEM]
+    hw.check_shared_mem.cache_clear()
+    hw.IS_NVIDIA_HOPPER = fla.utils.IS_NVIDIA_HOPPER = True
+
+
 def main(cases: list[list[float]]) -> dict:
+    _as_hopper()
     import fla.ops.kda  # noqa: F401  (every kernel chunk_kda launches)
 
     from k3_fastpath.sentinel.fla_kda import PINNED, pin_fla_configs

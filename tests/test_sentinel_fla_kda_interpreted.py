@@ -1,8 +1,8 @@
 """fla's ``chunk_kda``, the sentinel's training recurrence, held to the reference on the CPU: fla's own Triton
-kernels (forward and backward) run through Triton's interpreter with the configs pinned as training pins them,
+kernels (forward and backward) run through Triton's interpreter with the configs training pins on a Hopper GPU,
 through ``fla_kda.fla_kda_chunked``, against ``reference.kda.kda_chunked`` in FP64 (``tests/fla_interpreted.py``
 runs them in a process of its own). A 2% larger beta on the reference's side must fail the same tolerance.
-What only a GPU shows (fla's Hopper configs, TF32 dots) stays with ``test_sentinel_fla_kda_gpu.py``."""
+What only a GPU shows (TF32 dots, the compiled kernels on the hardware) stays with ``test_sentinel_fla_kda_gpu.py``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 HELPER = Path(__file__).with_name("fla_interpreted.py")
+REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # max |fla - ref| / max |ref| per tensor: FP32 through the interpreter (no TF32) against FP64
 CASES = [[64, 0, 1.0], [200, 37, 1.0], [200, 37, 1.02]]  # (T, padded tail, beta scale of the reference)
 
@@ -43,9 +44,21 @@ def test_the_comparison_fails_on_a_two_percent_larger_beta(interpreted):
     assert min(errs[n] for n in ("o", "final_state", "dq", "dk")) > 100 * TOL, errs
 
 
-def test_every_kernel_ran_pinned_to_one_config(interpreted):
-    """No autotuning: each kernel chunk_kda launched, forward and backward, took the one config the rule
-    picked (recorded as training.json records them)."""
+GPU_RECORD = REPO / "bundles/runs/2026-12-06-h100-session25/sentinel-training-aeb3233.json"  # an H100 training
+
+
+def _blocks(config: str) -> dict[str, str]:
+    """A config as Triton prints it, without what does not change the arithmetic (warps, CTAs, registers)."""
+    kv = dict(part.split(": ") for part in config.split(", "))
+    return {k: v for k, v in kv.items() if k not in ("num_warps", "num_ctas", "maxnreg", "ir_override")}
+
+
+def test_every_kernel_ran_the_block_sizes_training_runs_on_a_gpu(interpreted):
+    """No autotuning: each kernel chunk_kda launched, forward and backward, took the one config the rule picks
+    from fla's Hopper lists, with the block sizes and stages an H100 training run recorded (training.json's
+    ``fla_configs``; there one kernel dropped to 2 warps where 4 did not fit, which changes no arithmetic)."""
     used = interpreted["configs"]
     assert interpreted["pinned"] > 10
-    assert any("fwd" in name for name in used) and any("bwd" in name for name in used), used
+    gpu = json.loads(GPU_RECORD.read_text())["fla_configs"]["used"]
+    assert set(used) == set(gpu)
+    assert {k: _blocks(v) for k, v in used.items()} == {k: _blocks(v) for k, v in gpu.items()}
