@@ -3,7 +3,7 @@ that behaves as fla's autograd Function does where it matters here: it saves ``i
 backward (and recomputes through ``reference.kda.kda_chunked``). The layer updates its cache state in place
 after the recurrence; the wrapper must hand fla a copy, or the backward finds its saved tensor modified (the
 failure of step 0 on the H200, bundles/runs/2026-12-04-h200-session17). fla's own numerics against the
-reference are held on the GPU by tests/test_sentinel_fla_kda_gpu.py."""
+reference: tests/test_sentinel_fla_kda_interpreted.py (CPU) and tests/test_sentinel_fla_kda_gpu.py."""
 
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ The reference's chunked form builds a ``[B, h, L, L, K]`` decay tensor per chunk
 several of them per layer (at 16 rows of 1,024 tokens, 6 heads of 128: ~200 MB each, 16 chunks, 5 KDA
 layers); fla computes the same recurrence in fused kernels. ``fla_kda_chunked`` takes what
 ``kda_chunked`` takes (``q``/``k`` normalised, ``q`` already scaled, ``g_log`` the per-channel log decay,
-``beta`` after its sigmoid, FP32) and returns ``(o [B, T, h, V], final_state [B, h, K, V])``; the GPU test
-``tests/test_sentinel_fla_kda_gpu.py`` holds its outputs and gradients to the reference's. Only training
+``beta`` after its sigmoid, FP32) and returns ``(o [B, T, h, V], final_state [B, h, K, V])``; its outputs and
+gradients are held to the reference's on a GPU (``tests/test_sentinel_fla_kda_gpu.py``) and on the CPU through
+Triton's interpreter at the configs training pins on Hopper (``tests/test_sentinel_fla_kda_interpreted.py``). Only training
 uses it (``TrainPlan.kda``): the reference model the fast path is compared against keeps its own
 formulation.
 
