@@ -151,6 +151,22 @@ def test_profile_logs_where_the_profiled_steps_spend_their_time(tmp_path):
     assert all(float(line.split()[3]) > 0 for line in parts)  # host ms of each part's forward
 
 
+def test_a_packed_row_holds_at_most_one_mrcr_conversation(monkeypatch):
+    """MRCR asks for the k-th message of a kind; a second conversation earlier in the same row (no reset
+    between items) could hold more of that kind. Packed rows never hold two; without the rule they do."""
+    tok = build_sentinel_tokenizer(512)
+    plan = dataclasses.replace(PLAN, seq_len=1024, mix=(("gsm8k", 0.3), ("mrcr", 0.7)))
+
+    def most_per_row(rows):
+        return max(tok.decode(r[0]).count("(1 indexed)") for r in rows)
+
+    packed = sentinel_train.Batches(plan, tok)
+    assert most_per_row([packed.row() for _ in range(25)]) == 1
+    monkeypatch.setattr(sentinel_train, "ONE_PER_ROW", frozenset())
+    unruled = sentinel_train.Batches(plan, tok)
+    assert most_per_row([unruled.row() for _ in range(25)]) >= 2
+
+
 def test_packed_rows_hold_whole_items_and_lose_none():
     """``pack``: rows are whole items within seq_len, first-fit from the waiting items; every item of the
     unpacked stream lands in exactly one row (only the order changes), and rows are fuller than taking the

@@ -13,7 +13,8 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   ``<|im_end|>``; loss on the answer only; an
   item longer than ``seq_len`` is skipped and counted, never cut; a row holds whole items up to
   ``seq_len``, filled first-fit from the next few (``pack``; no state reset between them, as language-model
-  pretraining packs documents), or one item (``--no-pack``);
+  pretraining packs documents; at most one MRCR conversation a row, ``ONE_PER_ROW``), or one item
+  (``--no-pack``);
 - the routed experts as three batched GEMMs over all experts (``moe_grouped``; ``--moe reference`` keeps
   the reference's per-expert loop);
 - with ``--compile-glue``, the reference's FP32 elementwise glue through ``torch.compile`` (``train_glue``);
@@ -81,6 +82,8 @@ EVAL_EXCLUDE = {"gsm8k": 2000, "aime25": 2000, "mrcr": 200}  # eval items per fi
 
 
 PACK_LOOKAHEAD = 16  # packed rows: how many waiting items a row's free space may be filled from
+ONE_PER_ROW = frozenset({"mrcr"})  # tasks of which a packed row holds at most one item: MRCR asks for the k-th
+# message of a kind, and an earlier conversation in the same row (nothing resets between items) may hold more
 TOO_LONG_SLACK = 20  # items of a task longer than seq_len skipped before "most do not fit" is an error
 KDA_IMPLS = ("auto", "reference", "fla")
 MOE_IMPLS = ("grouped", "reference")
@@ -134,7 +137,8 @@ class Batches:
 
     def __init__(self, plan: TrainPlan, tokenizer) -> None:
         self.plan, self.tok = plan, tokenizer
-        self._waiting: list[tuple[list[int], list[int]]] = []  # items drawn, not yet in a row (oldest first)
+        self._waiting: list[tuple[list[int], list[int], str]] = []  # items drawn (ids, mask, task), not yet in
+        # a row (oldest first)
         self.drawn = {task: 0 for task, _ in plan.mix}  # items drawn per task, and of them those longer than
         self.too_long = {task: 0 for task, _ in plan.mix}  # seq_len (skipped: never cut, see _item)
         self.rng = random.Random(f"k3-sentinel-mix:{plan.seed}")
@@ -148,22 +152,26 @@ class Batches:
         """One training row: an item, or with ``plan.pack`` whole items up to ``seq_len``: the oldest waiting
         item first (none waits for ever), then, while one fits, the oldest of the next ``PACK_LOOKAHEAD``
         items that fits the space left (first fit: ~95% of a row filled where taking items strictly in
-        order filled ~73%). Every item of the stream is used once; only their order changes."""
+        order filled ~73%), never a second item of a task in ``ONE_PER_ROW``. Every item of the stream is used
+        once; only their order changes."""
         if not self.plan.pack:
-            return self._item()
+            return self._item()[:2]
         while len(self._waiting) < PACK_LOOKAHEAD:
             self._waiting.append(self._item())
-        ids, mask = self._waiting.pop(0)
+        ids, mask, task = self._waiting.pop(0)
+        held = {task}
         while True:
             room = self.plan.seq_len - len(ids)
-            fit = next((i for i, (w, _) in enumerate(self._waiting) if len(w) <= room), None)
+            fit = next((i for i, (w, _, t) in enumerate(self._waiting)
+                        if len(w) <= room and not (t in ONE_PER_ROW and t in held)), None)
             if fit is None:
                 return ids, mask
-            w_ids, w_mask = self._waiting.pop(fit)
+            w_ids, w_mask, w_task = self._waiting.pop(fit)
             ids, mask = ids + w_ids, mask + w_mask
+            held.add(w_task)
             self._waiting.append(self._item())
 
-    def _item(self) -> tuple[list[int], list[int]]:
+    def _item(self) -> tuple[list[int], list[int], str]:
         """The next item that fits ``seq_len`` whole. A longer one is skipped and counted: cut to its end it
         would teach an answer without its question (AIME's repeated squaring runs to ~800 tokens) or an
         MRCR answer without the message it repeats. A task whose items mostly do not fit is an error."""
@@ -172,7 +180,7 @@ class Batches:
             ids, mask = item_row(self.tok, next(self.rng.choice(self.streams[task])))
             self.drawn[task] += 1
             if len(ids) <= self.plan.seq_len:
-                return ids, mask
+                return ids, mask, task
             self.too_long[task] += 1
             if self.too_long[task] > max(TOO_LONG_SLACK, self.drawn[task] // 2):
                 raise ValueError(f"seq_len {self.plan.seq_len} is too short for {task}: {self.too_long[task]} of "
