@@ -4,8 +4,8 @@
 Run as a script in its own process (``tests/triton_interpreter.py``): prints one JSON object with, for a
 decode step and a verify step (``standard_verify.kda_verify_standard``: fla's speculative layout, 2-D
 ``ssm_state_indices``), the relative error of the outputs and of every pool (conv windows, states) the step
-leaves, fla against PyTorch. ``standard_ops.fla_for`` is made to hand fla to CPU tensors (on a GPU it does
-so for CUDA tensors). FP32 tensors throughout: the interpreter's BF16 is not the GPU's (``triton_interpreter``).
+leaves, fla against PyTorch. ``standard_ops.fla_for`` is made to hand fla to a CPU step (on a GPU it does so
+for CUDA steps). FP32 tensors throughout: the interpreter's BF16 is not the GPU's (``triton_interpreter``).
 ``--wrong-layout`` hands fla each sequence's states transposed ([K, V] -> [V, K]): the control.
 """
 
@@ -56,7 +56,7 @@ def _step(seed: int, tokens: int, wrong_layout: bool) -> dict[str, float]:
     for name in ("torch", "fla"):
         mine = [p.clone() for p in pools]
         fla = standard_ops.fla_kda() if name == "fla" else None
-        standard_ops.fla_for = lambda t, fla=fla: fla
+        standard_ops.fla_for = lambda device, fla=fla: fla
         if name == "fla" and wrong_layout:
             mine[3] = mine[3].transpose(-1, -2).contiguous()
         y = standard_ops.kda_step_standard(q, k, v, gate, a, beta_logits, *weights, A_log, dt_bias, o_norm_w, slot,

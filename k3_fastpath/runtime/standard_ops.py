@@ -118,9 +118,9 @@ def fla_kda() -> tuple[Any, Any] | None:
     return fused_recurrent_kda_fwd, rms_norm_gated
 
 
-def fla_for(t: torch.Tensor) -> tuple[Any, Any] | None:
-    """fla's pair for a step on ``t``'s device: on CUDA tensors where fla imports, else None (PyTorch)."""
-    return fla_kda() if t.is_cuda else None
+def fla_for(device: torch.device | str) -> tuple[Any, Any] | None:
+    """fla's pair for a KDA step on ``device``: on CUDA where fla imports, else None (the PyTorch step)."""
+    return fla_kda() if torch.device(device).type == "cuda" else None
 
 
 FLA_KDA_STEP = "standard path: PyTorch conv update + fla fused_recurrent_kda_fwd + fla rms_norm_gated"
@@ -134,7 +134,7 @@ def _kda_library(device: torch.device | str | None) -> str:
         return f"{TORCH_KDA_STEP} (fla not importable)"
     if device is None:
         return f"{FLA_KDA_STEP} on CUDA tensors, else {TORCH_KDA_STEP.removeprefix('standard path: ')}"
-    return FLA_KDA_STEP if torch.device(device).type == "cuda" else f"{TORCH_KDA_STEP} (fla runs on CUDA tensors)"
+    return FLA_KDA_STEP if fla_for(device) is not None else f"{TORCH_KDA_STEP} (fla runs on CUDA tensors)"
 
 
 def _conv_standard(x, w, pool, idx):
@@ -169,13 +169,13 @@ def kda_step_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, 
     if slot_out is not None:
         y = kda_verify_standard(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w,
                                 slot, conv_q, conv_k, conv_v, state, eps=eps, lower_bound=lower_bound,
-                                slot_out=slot_out, tokens=tokens, fla=fla_for(q),
+                                slot_out=slot_out, tokens=tokens, fla=fla_for(q.device),
                                 decode_step=kda_step_standard, glue=glue)
         return out.copy_(y) if out is not None else y
     B, C = q.shape
     _, H, D, _ = state.shape
     idx = slot.long()
-    fla = fla_for(q)
+    fla = fla_for(q.device)
     qc, kc, vc = _glue(glue, "kda_conv", q, k, v, conv_q_w, conv_k_w, conv_v_w, conv_q, conv_k, conv_v, idx,
                        q.dtype if fla is not None else torch.float32)
     if fla is not None:
