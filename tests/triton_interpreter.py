@@ -24,16 +24,22 @@ run FP32 tensors (their mappings copy bits, the same at any dtype).
 from __future__ import annotations
 
 import builtins
+import inspect
 import os
 
 _MISSING = object()
 
 
 def interpret() -> None:
+    """``TRITON_INTERPRET=1`` and the adaptations of the module docstring (once per process)."""
     os.environ["TRITON_INTERPRET"] = "1"
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
+
+    if getattr(interpreter, "_k3_adapted", False):
+        return
+    interpreter._k3_adapted = True
 
     def _tensor_range(*args):
         bounds = [a.handle.data.item() if isinstance(a, tl.tensor) else getattr(a, "value", a) for a in args]
@@ -41,12 +47,8 @@ def interpret() -> None:
             yield tl.core.tensor(interpreter.TensorHandle(np.array(i, dtype=np.int32), tl.int32), tl.int32)
 
     patch = interpreter._patch_lang
-    if getattr(patch, "_k3_tensor_loops", False):
-        return
 
     class Scope:
-        _k3_tensor_loops = True
-
         def __init__(self, fn):
             self.inner, self.g = patch(fn), fn.__globals__
             swapped = {id(orig): getattr(obj, name) for obj, name, orig in self.inner._changes}
@@ -70,8 +72,6 @@ def interpret() -> None:
 
     def call_with_host_grid(self, *args, **kwargs):
         if callable(self.grid):
-            import inspect
-
             spec = inspect.getfullargspec(self.fn)
             known = {k: v for k, v in kwargs.items() if k in spec.args or k in spec.kwonlyargs}
             self.grid = self.grid(inspect.getcallargs(self.fn, *args, **known))
