@@ -126,8 +126,8 @@ def test_the_catch_table_says_which_eval_caught_which_defect(tmp_path, capsys):
         ("kda_state_bf16", "k3_gsm8k", False), ("kda_state_bf16", "k3_mrcr", False)]
     assert problems == ["kda_state_bf16: no eval caught it"]
     assert main(["table", clean, scale]) == 0
-    assert ("| mla_scale_nope_only | builtin:reference | k3_mrcr | failed | 80.0% | 30.0% | -50.0% | 0.01 | yes |"
-            in capsys.readouterr().out)
+    assert ("| mla_scale_nope_only | builtin:reference | k3_mrcr | failed | 80.0% | 30.0% | -50.0% | 0.01 | - | - | "
+            "yes |" in capsys.readouterr().out)  # these bundles hold no sample records and no served counts
     # against the clean fast path as the baseline: accepted; against another engine: refused
     cheap = _eval_bundle(tmp_path / "cheap", "builtin:fast+defect=moe_no_renormalize",
                          {"evals.gsm8k": ("failed", 0.9, 0.6)}, baseline="builtin:fast")

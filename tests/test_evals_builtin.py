@@ -72,6 +72,34 @@ class _Mute:
     def chat(self, messages, params, constraint=None):
         return self._mute(self.inner.chat(messages, params, constraint))
 
+    def describe(self):
+        return {"name": self.name}
+
+
+class _Traced:
+    """A fast engine's description over the reference engine's answers: each call counts one step per output
+    token as fast (``fast=True``) or as fallen back for ``reason``, as a builtin fast engine's trace does."""
+
+    def __init__(self, inner, fast: bool, reason: str = "prefill") -> None:
+        self.inner, self.name, self.fast, self.reason = inner, "builtin:traced", fast, reason
+        self.max_model_len, self.vocab_size = inner.max_model_len, inner.vocab_size
+        self.steps = 0
+
+    def _count(self, out):
+        self.steps += sum(len(c.token_ids) for c in (out if isinstance(out, list) else [out]))
+        return out
+
+    def generate(self, prompts, params, constraint=None):
+        return self._count(self.inner.generate(prompts, params, constraint))
+
+    def chat(self, messages, params, constraint=None):
+        return self._count(self.inner.chat(messages, params, constraint))
+
+    def describe(self):
+        n, fast = self.steps, self.steps if self.fast else 0
+        return {"name": self.name, "fast_path_trace": {"steps": n, "fast_steps": fast, "fallback_steps": n - fast,
+                                                       "fallbacks": {} if self.fast else {self.reason: n}}}
+
 
 def _reseal(root: Path) -> None:
     files, _ = walk_bundle(root)
@@ -158,6 +186,34 @@ def test_broken_fast_path_fails_the_paired_gates(engine, data_dir, tmp_path) -> 
     assert any("mean output 0.0 tokens vs baseline 4.0" in p for p in problems), problems
     assert r.metrics["tasks"]["k3_gsm8k"]["under_test"]["extraction_failure_rate"] == 1.0  # nothing to extract
     assert verify_bundle(tmp_path / "b").ok  # a failing run is still a valid, re-derivable bundle
+
+
+def test_an_engine_under_test_that_ran_no_fast_step_fails_and_the_rescorer_rederives_it(engine, data_dir,
+                                                                                      tmp_path) -> None:
+    """The served gate: a fast engine (its description counts fast-path steps) must run some on the fast path
+    during the check. The same answers with every step fallen back fail with the reasons; both verdicts and
+    the ``served`` metrics are re-derived from the ``engine_steps`` records, and a forged count is found."""
+    from test_status_rescore import forge
+
+    loose = tmp_path / "loose.yaml"
+    loose.write_text(PERMISSIVE)
+    params = {"data_dir": str(data_dir), "max_tokens": 3, "limit": 2, "thresholds": str(loose)}
+    ok = _run_bundle(tmp_path / "ok", [("evals.gsm8k", "gsm8k", params)],
+                     _Engines(_Traced(engine, fast=True), engine), tmp_path)["evals.gsm8k"]
+    assert ok.status == "passed", (ok.reason, ok.metrics.get("problems"))
+    assert ok.metrics["served"]["baseline"] is None  # the reference engine counts no fast-path steps
+    assert ok.metrics["served"]["under_test"] == {"steps": 6, "fast_steps": 6, "fallback_steps": 0, "fallbacks": {}}
+    assert verify_bundle(tmp_path / "ok").ok
+    bad = _run_bundle(tmp_path / "bad", [("evals.gsm8k", "gsm8k", params)],
+                      _Engines(_Traced(engine, fast=False, reason="no CUDA graph for batch 3"), engine),
+                      tmp_path)["evals.gsm8k"]
+    assert bad.status == "failed"
+    assert "under_test (builtin:traced): no step ran on the fast path during this check (6 fell back: no CUDA " \
+           "graph for batch 3 x6)" in bad.metrics["problems"]
+    assert verify_bundle(tmp_path / "bad").ok  # the failure is re-derived from the records
+    forge(tmp_path / "ok", "evals.gsm8k", result={"metrics": {**ok.metrics, "served": {
+        "baseline": None, "under_test": {**ok.metrics["served"]["under_test"], "fast_steps": 60}}}})
+    assert any("the engine_steps records give" in p for p in verify_bundle(tmp_path / "ok").problems)
 
 
 def test_missing_data_is_an_error_not_a_skip(engine, tmp_path) -> None:

@@ -154,7 +154,10 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
     (``builtin:fast+defect=NAME`` on the same items against the clean run's baseline, or against the clean
     fast path ``builtin:fast``: 27x cheaper than the eager reference on the H200, and as near the reference as
     the clean run shows): per defect and eval task, the baseline, the status, the accuracies of both sides and
-    their difference, and whether that eval caught the defect (failed where the clean run passed). Problems: a
+    their difference, how many items' responses the defect changed (``changed``: of ``compared``, from the sample
+    records; None without them), the steps the defective engine ran on the fast path during the check
+    (``fast_steps``, the result's ``served``; None where not recorded), and whether that eval caught the defect
+    (failed where the clean run passed). Problems: a
     clean eval that did not pass (it cannot tell a defect apart), a bundle that is not a defect run or has
     another baseline, a defect no eval caught."""
     from verify.bundle.readers import eval_checks, read_bundle
@@ -184,10 +187,14 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
         for check in eval_checks(data):
             r = data.results.get(check)
             m = r.metrics if r is not None else {}
+            changed = _changed_responses(data, check)
+            served = (m.get("served") or {}).get("under_test") if isinstance(m.get("served"), dict) else None
             for task in sorted({k.split(":", 1)[0] for k in m if k.endswith(":accuracy_diff")}):
                 row = {"defect": name, "against": baseline, "check": check, "task": task, "status": data.status(check),
                        "baseline": m.get(f"{task}:baseline_accuracy"), "under_test": m.get(f"{task}:under_test_accuracy"),
                        "diff": m.get(f"{task}:accuracy_diff"), "p_value": m.get(f"{task}:p_value"),
+                       "changed": changed.get(task, (None, None))[0], "compared": changed.get(task, (None, None))[1],
+                       "fast_steps": served.get("fast_steps") if isinstance(served, dict) else None,
                        "caught": check in clean_ok and data.status(check) == "failed",
                        "reason": (r.reason if r is not None else "")[:200]}
                 rows.append(row)
@@ -195,6 +202,22 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
         if not caught:
             problems.append(f"{name}: no eval caught it")
     return rows, problems
+
+
+def _changed_responses(data: Any, check: str) -> dict[str, tuple[int, int]]:
+    """Per task of one eval check: (items whose responses differ between the two sides, items answered by
+    both), from the bundle's sample records."""
+    by: dict[tuple[str, Any], dict[str, Any]] = {}
+    for recs in data.streams(check).values():
+        for r in recs:
+            if r.get("type") == "sample" and r.get("side") in ("baseline", "under_test"):
+                by.setdefault((str(r.get("task")), r.get("doc_id")), {})[r["side"]] = r.get("responses")
+    out: dict[str, tuple[int, int]] = {}
+    for (task, _), sides in by.items():
+        if len(sides) == 2:
+            n, k = out.get(task, (0, 0))
+            out[task] = (n + (sides["baseline"] != sides["under_test"]), k + 1)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -218,12 +241,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"defects table: {e}", file=sys.stderr)
         return 2
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    print("| defect | against | eval task | status | baseline | fast + defect | diff | p | caught |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| defect | against | eval task | status | baseline | fast + defect | diff | p | responses changed | "
+          "fast steps | caught |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = "-" if r["p_value"] is None else f"{r['p_value']:.3g}"
+        changed = "-" if r["changed"] is None else f"{r['changed']} of {r['compared']}"
+        steps = "-" if r["fast_steps"] is None else str(r["fast_steps"])
         print(f"| {r['defect']} | {r['against']} | {r['task']} | {r['status']} | {pct(r['baseline'])} | {pct(r['under_test'])} | "
-              f"{pct(r['diff'])} | {p} | {'yes' if r['caught'] else 'no'} |")
+              f"{pct(r['diff'])} | {p} | {changed} | {steps} | {'yes' if r['caught'] else 'no'} |")
     for p in problems:
         print(f"- {p}")
     return 1 if problems else 0

@@ -9,7 +9,10 @@
    limit, max_tokens, repeats and seeds; every sample of both sides goes to ``records/<check id>.jsonl``;
 4. per task, pair the sides item by item (``verify.evals.gates.compare``: McNemar / paired bootstrap,
    output length, truncation, extraction failures) and record the statistics;
-5. pass iff every gate of every task passed; the metrics carry each task's numbers, and ``bundle verify``
+5. record what each side's engine counted of the steps it served before and after its run
+   (``engine_steps``: ``verify.evals.gates.served``): the engine under test, where it counts fast-path steps,
+   must have run some on the fast path (``served_during``; metrics ``served``);
+6. pass iff every gate of every task passed; the metrics carry each task's numbers, and ``bundle verify``
    re-derives all of it from the records (``verify.evals.rescore``).
 
 ``evals.mrcr``'s ``lengths`` (synthetic data only): one data set per conversation length in characters, its
@@ -180,7 +183,7 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
          lengths: list[int] | None = None) -> CheckResult:
     from evals.data.sources import DataError, NoDataError
     from verify.engines.base import EngineError
-    from verify.evals.gates import ThresholdsError, compare, headline, load_thresholds
+    from verify.evals.gates import ThresholdsError, compare, headline, load_thresholds, served, served_during
     from verify.evals.lm_adapter import EvalRunError
     from verify.evals.runner import run_tasks, task_names
     from verify.model_source import ModelSourceError
@@ -216,9 +219,11 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
     except EngineError as e:
         return _error(ctx, f"engine unavailable: {e}")
     runs: dict[str, dict] = {}
+    steps: list[dict[str, Any]] = []
     for side, engine in engines.items():
         t0 = time.monotonic()
         runs[side] = {}
+        before = served(engine.describe())
         for n in parts:
             try:
                 got = run_tasks(engine, dataset, base_tasks, limit=limit, max_tokens=max_tokens, repeats=repeats,
@@ -234,6 +239,9 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
             for rec in runs[side][task].samples:
                 ctx.record({**rec, "side": side, "engine": engine.name})
                 k += 1
+        steps.append({"type": "engine_steps", "side": side, "engine": engine.name, "before": before,
+                      "after": served(engine.describe())})
+        ctx.record(steps[-1])
         ctx.note(f"{side} {engine.name}: {k} samples of {', '.join(tasks)} in {time.monotonic() - t0:.1f}s")
     problems: list[str] = []
     per_task: dict[str, Any] = {}
@@ -242,11 +250,14 @@ def _run(ctx: CheckContext, dataset: str, *, limit: int | None, repeats: int | N
         ctx.record({"type": "task_stats", "task": task, "metrics": m, "problems": found})
         per_task[task] = m
         problems += found
+    served_metrics, found = served_during(steps)
+    problems += found
     metrics: dict[str, Any] = headline(per_task)  # scalars first: summary.md's key-metrics table shows them
     metrics |= {
         "tasks": per_task,
         "prompt_tokens": {task: _prompt_tokens(runs["under_test"][task].samples) for task in tasks},
         "engines": {side: e.name for side, e in engines.items()},
+        "served": served_metrics,
         "model": about_model,
         "lm_eval_models": {side: runs[side][tasks[0]].model for side in runs},
         "lm_eval": {side: {t: runs[side][t].lm_eval for t in tasks} for side in runs},

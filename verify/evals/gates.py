@@ -24,6 +24,12 @@ Every task's metrics also carry ``mde``: the smallest accuracy drop the paired t
 sample size (``stats.min_detectable_drop``), and whether a 5-point drop is within reach; and each side's
 ``accuracy_ci``: its accuracy's interval at ``bootstrap_confidence`` (``stats.accuracy_interval``: Wilson
 for 0/1 items, the seeded bootstrap otherwise), no gate rests on it.
+
+6. the fast path served the engine under test: an engine whose description counts fast-path steps (a
+   builtin fast engine's trace, ``served``) must have run at least one step on it during the check, from the
+   ``engine_steps`` records the check writes before and after each side (``served_during``); an engine that
+   counts none (the reference path, a server) is not held to it. Each side's steps, fallbacks by reason and
+   a planted defect's changed calls go to the metrics (``served``).
 """
 
 from __future__ import annotations
@@ -294,3 +300,45 @@ def headline(per_task: dict[str, Any]) -> dict[str, Any]:
         out[f"{task}:ci_diff"] = [m["bootstrap"]["lo"], m["bootstrap"]["hi"]]  # paired bootstrap bounds
         out[f"{task}:mde"] = m["mde"]["mde"]  # the drop detected with 80% power at these items
     return out
+
+
+def served(description: Mapping[str, Any]) -> dict[str, Any]:
+    """What an engine's description counts of the steps it has served so far: a builtin engine's fast-path
+    trace totals (``steps``, ``fast_steps``, ``fallback_steps``, ``fallbacks`` by reason) and a planted
+    defect's changed calls (``planted_defect_calls``: eager calls and captures; graph replays are not
+    counted); {} for an engine that counts neither."""
+    out: dict[str, Any] = {}
+    trace = description.get("fast_path_trace")
+    if isinstance(trace, Mapping):
+        out = {k: int(trace.get(k) or 0) for k in ("steps", "fast_steps", "fallback_steps")}
+        out["fallbacks"] = {str(k): int(v) for k, v in (trace.get("fallbacks") or {}).items()}
+    defect = description.get("planted_defect")
+    if isinstance(defect, Mapping):
+        out["planted_defect_calls"] = defect.get("calls")
+    return out
+
+
+def served_during(records: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """Per side, the steps its engine served during one check (``after`` - ``before`` of its ``engine_steps``
+    record; None for an engine that counts no fast-path steps), and the problems: an engine under test that
+    counts them but ran none on the fast path here."""
+    metrics: dict[str, Any] = {}
+    problems: list[str] = []
+    for r in records:
+        side, before, after = r.get("side"), r.get("before") or {}, r.get("after") or {}
+        if "fast_steps" not in after:
+            metrics[str(side)] = None
+            continue
+        m: dict[str, Any] = {k: int(after.get(k) or 0) - int(before.get(k) or 0)
+                             for k in ("steps", "fast_steps", "fallback_steps")}
+        was = before.get("fallbacks") or {}
+        m["fallbacks"] = {k: int(v) - int(was.get(k) or 0) for k, v in (after.get("fallbacks") or {}).items()
+                          if int(v) - int(was.get(k) or 0) > 0}
+        if "planted_defect_calls" in after:
+            m["planted_defect_calls"] = after["planted_defect_calls"]
+        metrics[str(side)] = m
+        if side == "under_test" and m["fast_steps"] <= 0:
+            why = "; ".join(f"{k} x{v}" for k, v in sorted(m["fallbacks"].items()))
+            problems.append(f"under_test ({r.get('engine')}): no step ran on the fast path during this check "
+                            f"({m['fallback_steps']} fell back{': ' + why if why else ''})")
+    return metrics, problems

@@ -6,7 +6,10 @@ A maintainer should trust the records, not the summary. For each eval result thi
 2. recomputes, per task, both sides' accuracy, the paired statistics and every gate with
    ``verify.evals.gates.compare``, using the thresholds and seed the run recorded;
 3. compares that with the result: its status (passed iff no gate failed) and its metrics (accuracies,
-   p-value, bootstrap bounds, rates, length ratio).
+   p-value, bootstrap bounds, rates, length ratio);
+4. re-derives from the ``engine_steps`` records the steps each side served on the fast path and its gate
+   (``gates.served_during``) and compares them with the result's ``served`` (results written before those
+   records: neither).
 
 Registered for the prefix ``evals.`` on import (``k3-verify bundle verify`` imports this module).
 """
@@ -19,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from evals.utils import SCORERS
-from verify.evals.gates import Thresholds, compare, headline
+from verify.evals.gates import Thresholds, compare, headline, served_during
 
 SIDES = ("baseline", "under_test")
 _CI_KEYS = tuple((side, "accuracy_ci", end) for side in SIDES for end in ("lo", "hi"))  # each side's interval
@@ -133,6 +136,13 @@ def rescore_eval(records: Mapping[str, list], result: Any) -> list[str]:
                 problems.append(f"result says {key}={theirs!r}, the records give {mine!r}")
         elif not _same(mine, theirs):
             problems.append(f"result says {key}={theirs!r}, the records give {mine!r}")
+    steps = [r for r in stream if isinstance(r, dict) and r.get("type") == "engine_steps"]
+    if steps or "served" in result.metrics:
+        served, found = served_during(steps)
+        gate_problems += found
+        if result.metrics.get("served") != served:
+            problems.append(f"result says served={result.metrics.get('served')!r}, the engine_steps records give "
+                            f"{served!r}")
     if result.status == "passed" and gate_problems:
         problems.append(f"result passed but the records fail a gate: {gate_problems[0]}")
     elif result.status == "failed" and not gate_problems:
