@@ -266,3 +266,33 @@ def test_mrcr_at_two_lengths_is_two_gated_task_sets_that_rescore(engine, tmp_pat
     bad = _run_bundle(tmp_path / "dup", [("evals.mrcr", "mrcr", {**params, "lengths": [160, 160]})],
                       _Engines(engine, engine), tmp_path)["evals.mrcr"]
     assert bad.status == "error" and "distinct positive integers" in bad.reason
+
+
+def test_chats_go_to_the_engine_in_batches_and_answer_as_one_at_a_time(engine) -> None:
+    """``EngineLM`` sends greedy chats through the engine's ``chat_batch`` up to its batch size (one decode
+    batch, as a server serves concurrent requests) and sampled ones each with its own seed; every answer is
+    the one ``Engine.chat`` gives alone (k3-tiny's reference path on this CPU: token for token)."""
+    from lm_eval.api.instance import Instance
+
+    from verify.evals.lm_adapter import ChatPrompt, EngineLM
+
+    calls = []
+
+    class Counting:
+        name, max_model_len, vocab_size = engine.name, engine.max_model_len, engine.vocab_size
+
+        def chat_batch(self, conversations, params, constraint=None):
+            calls.append((len(conversations), params.temperature))
+            return engine.chat_batch(conversations, params, constraint)
+
+    convs = [[{"role": "user", "content": f"item {i}: " + "seven " * i}] for i in range(5)]
+    greedy = {"until": [], "max_gen_toks": 5, "do_sample": False}
+    sampled = {"until": [], "max_gen_toks": 5, "do_sample": True, "temperature": 1.0}
+    reqs = [Instance("generate_until", None, (ChatPrompt(json.dumps(c)), kw), i, task_name="t", doc_id=i)
+            for i, (c, kw) in enumerate([(c, greedy) for c in convs] + [(convs[0], sampled), (convs[1], sampled)])]
+    lm = EngineLM(Counting(), seed=0, batch_size=3)
+    texts = lm.generate_until(reqs)
+    assert sorted(calls) == [(1, 1.0), (1, 1.0), (2, 0.0), (3, 0.0)]  # 5 greedy as 3 + 2, each sampled alone
+    from verify.engines.base import SamplingParams
+
+    assert texts[:5] == [engine.chat(c, SamplingParams(max_tokens=5)).text for c in convs]

@@ -282,10 +282,17 @@ class BuiltinEngine:
 
     def chat(self, messages: list[dict[str, str]], params: SamplingParams,
              constraint: Constraint | None = None) -> Completion:
+        return self.chat_batch([messages], params, constraint)[0]
+
+    def chat_batch(self, conversations: list[list[dict[str, str]]], params: SamplingParams,
+                   constraint: Constraint | None = None) -> list[Completion]:
+        """Each conversation through the chat template, all completed as one ``generate`` batch."""
         self._check_open()
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.generate([list(ids)], params, constraint)[0]
+        ids = []
+        for messages in conversations:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return self.generate(ids, params, constraint)
 
     def next_token_logprobs(self, prompt: str | list[int]) -> dict[int, float]:
         from k3_fastpath.runtime.generator import ContextLengthError

@@ -2,8 +2,10 @@
 
 lm-eval builds every request (prompt, stop strings, max tokens, repeats), calls ``generate_until`` once
 with all of them, filters and scores. This adapter only turns each request into ``Engine.generate`` (text
-prompts, batched when the sampling parameters agree) or ``Engine.chat`` (MRCR's conversations, sent as
-real turns) and keeps, per response, what lm-eval's sample log does not: generated token count, finish
+prompts) or a chat (the eval tasks' conversations, sent as real turns), batched up to ``batch_size`` where
+the sampling parameters agree (greedy requests always; sampled ones carry their own seeds): chats through
+the engine's ``chat_batch`` where it has one (the builtin engine: its decode steps then run at the batch's
+size, as a server's would), else one ``Engine.chat`` each; and keeps, per response, what lm-eval's sample log does not: generated token count, finish
 reason (``length`` = hit max_tokens), the seed. ``CompletionLog`` holds that, keyed by (prompt, text), so
 the runner can attach it to lm-eval's per-sample records whatever order lm-eval used.
 
@@ -132,21 +134,28 @@ class EngineLM(LM):
             prompt = context_key(context)
             jobs.append((pos, inst, context, prompt, sampling_params(dict(gen_kwargs), self.seed, prompt, repeat), repeat))
         out: list[str | None] = [None] * len(jobs)
-        chats = [j for j in jobs if isinstance(j[2], ChatPrompt)]
-        texts = [j for j in jobs if not isinstance(j[2], ChatPrompt)]
-        for job in chats:
-            self._finish(out, job, self._call(job, lambda j=job: [self.engine.chat(j[2].messages(), j[4])]))
-        groups: dict[SamplingParams, list] = defaultdict(list)
-        for job in texts:
-            groups[job[4]].append(job)
-        for params, group in groups.items():
-            for start in range(0, len(group), self.batch_size):
-                batch = group[start:start + self.batch_size]
-                done = self._call(batch[0], lambda b=batch, p=params: self.engine.generate([j[3] for j in b], p))
-                if len(done) != len(batch):
-                    raise EvalRunError(f"engine {self.engine.name} returned {len(done)} completions for {len(batch)} prompts")
-                for job, completion in zip(batch, done, strict=True):
-                    self._finish(out, job, [completion])
+        chat_batch = getattr(self.engine, "chat_batch", None)
+        for is_chat in (True, False):
+            groups: dict[SamplingParams, list] = defaultdict(list)
+            for job in jobs:
+                if isinstance(job[2], ChatPrompt) == is_chat:
+                    groups[job[4]].append(job)
+            step = 1 if is_chat and chat_batch is None else self.batch_size
+            for params, group in groups.items():
+                for start in range(0, len(group), step):
+                    batch = group[start:start + step]
+                    if not is_chat:
+                        call = lambda b=batch, p=params: self.engine.generate([j[3] for j in b], p)  # noqa: E731
+                    elif chat_batch is not None:
+                        call = lambda b=batch, p=params: chat_batch([j[2].messages() for j in b], p)  # noqa: E731
+                    else:
+                        call = lambda b=batch, p=params: [self.engine.chat(b[0][2].messages(), p)]  # noqa: E731
+                    done = self._call(batch[0], call)
+                    if len(done) != len(batch):
+                        raise EvalRunError(f"engine {self.engine.name} returned {len(done)} completions for "
+                                           f"{len(batch)} prompts")
+                    for job, completion in zip(batch, done, strict=True):
+                        self._finish(out, job, [completion])
         return [o if o is not None else "" for o in out]
 
     def _call(self, job, fn):
