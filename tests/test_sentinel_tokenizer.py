@@ -61,3 +61,26 @@ def test_the_saved_files_are_byte_identical_across_processes(tmp_path):
         subprocess.run([sys.executable, "-c", _SAVE, str(out)], check=True, cwd=REPO, env=env)
         digests.append({p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.iterdir())})
     assert digests[0] == digests[1] and "tokenizer.json" in digests[0]
+
+
+@pytest.mark.parametrize("tier", ["standard", "full", str(REPO / "scripts/gpu/sentinel-evals.yaml")])
+def test_every_tier_gives_the_sentinel_room_for_the_answers_it_was_trained_to_write(tok, tier):
+    """Each eval of a tier that scores the sentinel has ``max_tokens`` at least the longest training-form
+    answer (the worked solution, the prefixed needle) among the items it scores (GPU sizes, the first 200 at
+    least): a cap below it would cut right answers short and score them wrong."""
+    from verify.tiers import load_tier
+
+    eos = 1  # the answer's end of turn
+    for check in load_tier(tier).checks:
+        params = check.params_for("cuda")
+        if not check.id.startswith("evals.") or params.get("model") != "sentinel":
+            continue
+        task = check.id.removeprefix("evals.")
+        if task == "mrcr":
+            groups = [tasks.items("mrcr", "eval", 0, params["limit"], n_needles=k, mrcr_chars=n)
+                      for k in params["needles"] for n in params.get("lengths") or [tasks.EVAL_MRCR_CHARS]]
+        else:
+            groups = [tasks.items(task, "eval", 0, max(params["limit"], 200))]
+        longest = max(len(tok(it.messages[-1]["content"], add_special_tokens=False)["input_ids"]) + eos
+                      for group in groups for it in group)
+        assert params["max_tokens"] >= longest, (tier, check.id, params["max_tokens"], longest)

@@ -5,10 +5,11 @@ randomisation, so the same seed gives the same items in every process):
 
 - ``gsm8k``: arithmetic word problems (2-3 steps) whose answer field is a GSM8K-style worked solution with
   ``<<a*b=c>>`` annotations ending ``#### <int>``; the answer the sentinel is trained to give works each
-  multiplication and division in it by place value (``worked_gsm8k``);
+  calculation in it one place value at a time (``worked_gsm8k``, ``worked``);
 - ``aime25``: number-theory / counting problems with an integer answer in 0..999 (a string, as in
   math-ai/aime25); the worked solution (repeated squaring, inclusion-exclusion, the divisor-sum formula,
-  triangular numbers) is the training target and never part of the eval row;
+  triangular numbers; its divisions, products and sums worked by ``worked``) is the training target and
+  never part of the eval row;
 - ``mrcr``: openai/mrcr-format conversations: the same request appears ``n_needles`` times among
   distractors, the last user turn asks for the i-th one prefixed with a random string.
 
@@ -29,6 +30,8 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from . import worked
 
 TASKS = ("gsm8k", "aime25", "mrcr")
 # the tasks whose prompts reach a model through its chat template (K3 is a chat model, and its GSM8K / AIME
@@ -138,37 +141,21 @@ def gsm8k_item(rng: random.Random) -> TaskItem:
                                       {"role": "assistant", "content": worked_gsm8k(record["answer"])}))
 
 
-_CALC = re.compile(r"<<(\d+)([*/])(\d+)=(\d+)>>")
-
-
-def _place_parts(n: int) -> list[int]:
-    """``n``'s nonzero digits at their place values, highest first (240 -> [200, 40])."""
-    s = str(n)
-    return [int(d) * 10 ** (len(s) - 1 - i) for i, d in enumerate(s) if d != "0"]
-
-
-def _worked_calc(a: int, op: str, b: int, c: int) -> str:
-    """A multiplication by place values (``48*4 = 40*4 + 8*4 = 160 + 32 = 192``) or an exact division as
-    long division over the quotient's place values; one-digit facts stay as they are."""
-    if op == "*":
-        big, small = (a, b) if len(str(a)) >= len(str(b)) else (b, a)
-        parts = _place_parts(big)
-        if len(parts) < 2:
-            return f"{a}*{b}={c}"
-        return (f"{a}*{b} = {' + '.join(f'{p}*{small}' for p in parts)} = "
-                f"{' + '.join(str(p * small) for p in parts)} = {c}")
-    parts, left, steps = _place_parts(c), a, []
-    for p in parts:
-        steps.append(f"{b}*{p} = {b * p}, {left} - {b * p} = {left - b * p}")
-        left -= b * p
-    return f"{a}/{b}: " + ", ".join(steps) + (f", {' + '.join(map(str, parts))} = {c}" if len(parts) > 1 else "")
+_CALC = re.compile(r"<<(\d+)([*/+-])(\d+)=(\d+)>>")
+_WORK = {"*": worked.mul, "/": worked.floor_div, "+": worked.add, "-": worked.sub}
 
 
 def worked_gsm8k(answer: str) -> str:
-    """A GSM8K answer with each ``<<a*b=c>>`` / ``<<a/b=c>>`` worked digit by digit (``_worked_calc``): the
-    sentinel's training answer (the eval row keeps GSM8K's own form; the scorer reads ``#### n`` only), so
-    no step asks the model for a multi-digit product or quotient in one go."""
-    return _CALC.sub(lambda m: f"<<{_worked_calc(int(m[1]), m[2], int(m[3]), int(m[4]))}>>", answer)
+    """A GSM8K answer with each ``<<a op b=c>>`` worked one place value at a time (``worked``): the sentinel's
+    training answer (the eval row keeps GSM8K's own form; the scorer reads ``#### n`` only), so no step asks
+    the model for a multi-digit product, quotient, sum or difference in one go."""
+    def work(m: re.Match) -> str:
+        value, text = _WORK[m[2]](int(m[1]), int(m[3]))
+        if value != int(m[4]):
+            raise ValueError(f"<<{m[0]}>>: worked to {value}")
+        return f"<<{text}>>"
+
+    return _CALC.sub(work, answer)
 
 
 # ---------------------------------------------------------------- AIME
@@ -208,6 +195,14 @@ def _factor(n: int) -> list[tuple[int, int]]:
     return out
 
 
+def _triangle(n: int) -> tuple[int, str]:
+    """``(n - 1) * n / 2`` worked: the even factor halved, then the product (one sentence)."""
+    even, odd = (n - 1, n) if (n - 1) % 2 == 0 else (n, n - 1)
+    half, t_half = worked.floor_div(even, 2)
+    tri, t_mul = worked.mul(half, odd)
+    return tri, f"Halve {even}: {t_half}, so {even}/2 = {half}. Then {t_mul}."
+
+
 def aime_item(rng: random.Random, i: int) -> TaskItem:
     kind = rng.randrange(5)
     if kind == 0:
@@ -217,41 +212,49 @@ def aime_item(rng: random.Random, i: int) -> TaskItem:
     elif kind == 1:
         n, p, q = rng.randint(200, 2000), rng.randint(2, 9), rng.randint(10, 23)
         lcm = p * q // math.gcd(p, q)
-        ans = n // p + n // q - 2 * (n // lcm)
         problem = (f"Find the number of positive integers $n \\le {n}$ that are divisible by exactly one of "
                    f"${p}$ and ${q}$.")
-        steps = [f"Multiples of {p}: floor({n}/{p}) = {n // p}. Multiples of {q}: floor({n}/{q}) = {n // q}.",
-                 f"Multiples of both, i.e. of lcm({p}, {q}) = {lcm}: floor({n}/{lcm}) = {n // lcm}.",
-                 f"Exactly one: {n // p} + {n // q} - 2 * {n // lcm} = {ans}."]
+        (mp, tp), (mq, tq), (mb, tb) = (worked.floor_div(n, x) for x in (p, q, lcm))
+        both, t2 = worked.mul(2, mb)
+        total, ts = worked.add(mp, mq)
+        ans, td = worked.sub(total, both)
+        steps = [f"Multiples of {p}: {tp}, so floor({n}/{p}) = {mp}.",
+                 f"Multiples of {q}: {tq}, so floor({n}/{q}) = {mq}.",
+                 f"Multiples of both, i.e. of lcm({p}, {q}) = {lcm}: {tb}, so floor({n}/{lcm}) = {mb}.",
+                 f"Exactly one: {mp} + {mq} - 2 * {mb}. {t2}. {ts}. {td}. So {ans}."]
     elif kind == 2:
         n = rng.randint(100, 5000)
         fac = _factor(n)
-        sigma, steps = 1, [f"{n} = " + " * ".join(f"{p}^{e}" for p, e in fac) + "."]
-        for p, e in fac:
-            s = (p ** (e + 1) - 1) // (p - 1)
+        sums = [(p ** (e + 1) - 1) // (p - 1) for p, e in fac]
+        steps = [f"{n} = " + " * ".join(f"{p}^{e}" for p, e in fac) + "."]
+        for (p, e), s in zip(fac, sums, strict=True):
             steps.append(f"The divisors' sum over {p}^{e} is ({p}^{e + 1} - 1) / ({p} - 1) = {s}.")
-            sigma *= s
+        sigma = sums[0]
+        for s in sums[1:]:
+            prod, text = worked.mul(sigma, s)
+            steps.append(f"{text}.")
+            sigma = prod
         ans = sigma % 1000
-        steps.append(f"S = {' * '.join(str((p ** (e + 1) - 1) // (p - 1)) for p, e in fac)} = {sigma}, "
-                     f"and {sigma} mod 1000 = {ans}.")
+        steps.append(f"S = {' * '.join(map(str, sums))} = {sigma}, and {sigma} mod 1000 = {ans}.")
         problem = f"Let $S$ be the sum of all positive divisors of ${n}$. Find the remainder when $S$ is divided by $1000$."
     elif kind == 3:
         n = rng.randint(50, 900)
-        tri = n * (n - 1) // 2
+        tri, work = _triangle(n)
         ans = tri % 1000
         problem = (f"Let $N$ be the number of ordered pairs $(x, y)$ of positive integers with $x + y \\le {n}$. "
                    f"Find the remainder when $N$ is divided by $1000$.")
-        steps = [f"For x + y = s there are s - 1 pairs, so N = 1 + 2 + ... + {n - 1} = {n - 1} * {n} / 2 = {tri}.",
-                 f"{tri} mod 1000 = {ans}."]
+        steps = [f"For x + y = s there are s - 1 pairs, so N = 1 + 2 + ... + {n - 1} = {n - 1} * {n} / 2.", work,
+                 f"N = {tri}, and {tri} mod 1000 = {ans}."]
     else:
         a, d, k = rng.randint(1, 50), rng.randint(1, 9), rng.randint(20, 300)
-        tri = (k - 1) * k // 2
-        val = a + d * tri
+        tri, work = _triangle(k)
+        scaled, t_mul = worked.mul(d, tri)
+        val, t_add = worked.add(scaled, a)
         ans = val % 1000
         problem = (f"A sequence has $a_1 = {a}$ and $a_{{n+1}} = a_n + {d}n$ for $n \\ge 1$. "
                    f"Find the remainder when $a_{{{k}}}$ is divided by $1000$.")
-        steps = [f"a_{k} = {a} + {d} * (1 + 2 + ... + {k - 1}) = {a} + {d} * {tri} = {val}.",
-                 f"{val} mod 1000 = {ans}."]
+        steps = [f"a_{k} = {a} + {d} * (1 + 2 + ... + {k - 1}) = {a} + {d} * ({k - 1} * {k} / 2).", work,
+                 f"{t_mul}. {t_add}. So a_{k} = {val}, and {val} mod 1000 = {ans}."]
     record = {"id": f"synthetic-{i}", "problem": problem, "answer": str(ans)}
     solution = " ".join(steps) + f" The answer is \\boxed{{{ans}}}."
     return TaskItem("aime25", record, ({"role": "user", "content": aime_prompt(record)},
