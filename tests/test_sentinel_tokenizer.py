@@ -84,3 +84,32 @@ def test_every_tier_gives_the_sentinel_room_for_the_answers_it_was_trained_to_wr
         longest = max(len(tok(it.messages[-1]["content"], add_special_tokens=False)["input_ids"]) + eos
                       for group in groups for it in group)
         assert params["max_tokens"] >= longest, (tier, check.id, params["max_tokens"], longest)
+
+
+def _ambiguous_share(tok, item, context: int) -> float:
+    """Of the needle's tokens, the share whose ``context`` preceding tokens also precede another token in
+    some other message of the conversation (a copy keyed on that context could go wrong there)."""
+    import json
+
+    msgs = json.loads(item.record["prompt"])
+    k = item.record["desired_msg_index"]
+    ids = [tok(m["content"], add_special_tokens=False)["input_ids"] for m in msgs]
+    follows: dict[tuple[int, ...], set[int]] = {}
+    for i, seq in enumerate(ids):
+        if i != k:
+            for j in range(context, len(seq)):
+                follows.setdefault(tuple(seq[j - context: j]), set()).add(seq[j])
+    needle = ids[k]
+    hits = [bool(follows.get(tuple(needle[j - context: j]), set()) - {needle[j]}) for j in range(context, len(needle))]
+    return sum(hits) / len(hits)
+
+
+@pytest.mark.parametrize("chars", [1500, 41000])
+def test_an_mrcr_needle_is_copyable_from_its_last_four_tokens(tok, chars):
+    """MRCR asks for a message repeated verbatim; its words come from a few dozen, so one token of context
+    is almost never enough to know the next, but four are (<= 1% of the needle's tokens ambiguous, trained
+    and scored lengths): the task can be solved by a short-context copy, so a sentinel that does not learn
+    it (bundles/runs/2026-12-07-h100-session28: ~0%) is short of training, not of information."""
+    items = tasks.items("mrcr", "eval", 0, 6, n_needles=2, mrcr_chars=chars)
+    share = {c: sum(_ambiguous_share(tok, it, c) for it in items) / len(items) for c in (1, 4)}
+    assert share[1] > 0.5 and share[4] <= 0.01, share
