@@ -40,7 +40,10 @@
 #             all) with --engine builtin:fast+defect=NAME against K3_DEFECT_BASELINE (default builtin:fast, the
 #             clean fast path; builtin:reference is ~27x slower), each within K3_EVAL_S, then `python -m
 #             verify.defects table` of the last sentinel-evals bundle (the clean run: run that step first) and
-#             these (sentinel-defects.md: which eval caught which defect); K3_EVAL_ONLY as for sentinel-evals
+#             these (sentinel-defects.md: which eval caught which defect); K3_EVAL_ONLY as for sentinel-evals;
+#             each run's budgets K3_DEFECT_BUDGETS (default "evals.gsm8k=60 evals.aime25=90 evals.mrcr=60": the
+#             fast path on both sides, where the tier's budgets are sized for the eager reference; session 28
+#             measured 28 s / - / 15 s with every chat sent alone), each within K3_EVAL_S (default 240)
 #   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
 #             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz.part-aa, -ab, ...
 #             (15 MB each: a file over 16 MiB does not come back; after sentinel-train the cache was 32 MB); a later machine
@@ -132,7 +135,8 @@ for what in "$@"; do
             --only evals.gsm8k,evals.aime25,evals.mrcr --output "/tmp/bundles/$stamp-$gpu-sentinel-standard" \
             --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-standard.log" || rc=1
         else echo "sentinel-standard: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
-      sentinel-defects) E=${K3_EVAL_S:-300}
+      sentinel-defects) E=${K3_EVAL_S:-240}
+        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=60 evals.aime25=90 evals.mrcr=60}; do budgets+=(--budget "$b"); done
         clean=$(ls -d /tmp/bundles/*-sentinel-evals 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
           planted=()
@@ -140,7 +144,7 @@ for what in "$@"; do
             planted+=("/tmp/bundles/$stamp-$gpu-sentinel-defect-$d")
             K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
               --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
-              --output "${planted[-1]}" --time-limit $((E - 20)) ${K3_EVAL_ONLY:+--only "$K3_EVAL_ONLY"} 2>&1 | tail -12 | tee -a "$OUT/sentinel-defects.log"
+              --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" ${K3_EVAL_ONLY:+--only "$K3_EVAL_ONLY"} 2>&1 | tail -12 | tee -a "$OUT/sentinel-defects.log"
           done
           python3 -m verify.defects table "$clean" "${planted[@]}" 2>&1 | tee "$OUT/sentinel-defects.md" || rc=1
         else echo "sentinel-defects: needs /tmp/sentinel and a sentinel-evals bundle on this machine (run sentinel-train sentinel-evals first)"; rc=2; fi ;;
