@@ -29,8 +29,8 @@
 #             tier:rank-emulation-s5, tier:equivalence-b64); K3_STEP_TIMEOUT applies as for the others
 #   sentinel-train  python -m k3_fastpath.sentinel.train --out /tmp/sentinel, its schedule fitted to 60 s
 #             under K3_STEP_TIMEOUT, K3_TRAIN_PROFILE=1 adds --profile, K3_TRAIN_ARGS more options (e.g.
-#             "--batch 64"; training.json, the log and the checkpoint (sentinel-checkpoint.tar.gz.part-*) come
-#             back; the checkpoint also stays in /tmp for a later call on the same warm machine)
+#             "--batch 64"; training.json and the log come back; the checkpoint (195 MiB: more than a call
+#             brings back) stays in /tmp for a later call on the same warm machine)
 #   sentinel-repro  a 20-step sentinel training, then its rebuild with --expect-digest (the first's digest)
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s); K3_EVAL_ONLY=evals.gsm8k,... runs only those checks (--only)
@@ -113,9 +113,7 @@ for what in "$@"; do
       tp2) timeout -s TERM "$T" python3 scripts/gpu/tp2_check.py 2>&1 | tail -60 | tee "$OUT/tp2.log" || rc=1 ;;
       sentinel-train) rm -rf /tmp/sentinel
         timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel --time-limit-s $((T - 60)) ${K3_TRAIN_PROFILE:+--profile} ${K3_TRAIN_ARGS:-} 2>&1 | tee "$OUT/sentinel-train.log" | tail -8
-        [ -f /tmp/sentinel/training.json ] && cp /tmp/sentinel/training.json "$OUT/sentinel-training.json" || rc=1
-        # the checkpoint itself, for offline analysis on a CPU (15 MB parts: cat them | tar -xz)
-        [ -f /tmp/sentinel/training.json ] && tar -C /tmp -cz sentinel | split -b 15M - "$OUT/sentinel-checkpoint.tar.gz.part-" ;;
+        [ -f /tmp/sentinel/training.json ] && cp /tmp/sentinel/training.json "$OUT/sentinel-training.json" || rc=1 ;;
       sentinel-repro) rm -rf /tmp/sentinel-r1 /tmp/sentinel-r2
         timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel-r1 --steps 20 --warmup 5 2>&1 | tail -1 | tee -a "$OUT/sentinel-repro.log"
         d1=$(python3 -c "import json;print(json.load(open('/tmp/sentinel-r1/training.json'))['checkpoint_digest'])" 2>/dev/null)
