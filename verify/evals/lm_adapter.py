@@ -3,7 +3,8 @@
 lm-eval builds every request (prompt, stop strings, max tokens, repeats), calls ``generate_until`` once
 with all of them, filters and scores. This adapter only turns each request into ``Engine.generate`` (text
 prompts) or a chat (the eval tasks' conversations, sent as real turns), batched up to ``batch_size`` where
-the sampling parameters agree (greedy requests always; sampled ones carry their own seeds): chats through
+the sampling parameters agree (greedy requests always; sampled ones carry their own seeds) and their prompts
+stay within ``BATCH_CHARS`` (a batch is prefilled as one padded block): chats through
 the engine's ``chat_batch`` where it has one (the builtin engine: its decode steps then run at the batch's
 size, as a server's would), else one ``Engine.chat`` each; and keeps, per response, what lm-eval's sample log does not: generated token count, finish
 reason (``length`` = hit max_tokens), the seed. ``CompletionLog`` holds that, keyed by (prompt, text), so
@@ -19,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from lm_eval.api.model import LM
@@ -28,6 +29,7 @@ from evals.utils import expand_conversation
 from verify.engines.base import ContextLimitError, Engine, EngineError, SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # lm-eval's own default when a task names no max_gen_toks
+BATCH_CHARS = 200_000  # prompt characters per engine call: ~40K tokens of MRCR chat (~5 characters a token)
 BATCH = 64  # requests per engine call: the fast path's largest decode bucket (the eager reference's step on
 # the sentinel is launch-bound on a GPU, so rows come nearly free there; not yet timed)
 
@@ -99,6 +101,23 @@ def sampling_params(gen_kwargs: dict[str, Any], seed: int, prompt: str, repeat: 
                           seed=derive_seed(seed, prompt, repeat) if temperature > 0 else None, stop=stop)
 
 
+def _batches(group: list, size: int) -> Iterator[list]:
+    """``group``'s jobs in order, ``size`` at most a batch and at most ``BATCH_CHARS`` prompt characters (one
+    longer prompt goes alone): a batch is prefilled as one right-padded block, so long conversations (MRCR at
+    ~32K tokens) go a few at a time."""
+    batch: list = []
+    chars = 0
+    for job in group:
+        n = len(job[2])
+        if batch and (len(batch) == size or chars + n > BATCH_CHARS):
+            yield batch
+            batch, chars = [], 0
+        batch.append(job)
+        chars += n
+    if batch:
+        yield batch
+
+
 class EngineLM(LM):
     """lm-eval model backed by an ``Engine`` (the builtin engine, or any other implementation)."""
 
@@ -144,8 +163,7 @@ class EngineLM(LM):
                     groups[job[4]].append(job)
             step = 1 if is_chat and chat_batch is None else self.batch_size
             for params, group in groups.items():
-                for start in range(0, len(group), step):
-                    batch = group[start:start + step]
+                for batch in _batches(group, step):
                     if not is_chat:
                         call = lambda b=batch, p=params: self.engine.generate([j[3] for j in b], p)  # noqa: E731
                     elif chat_batch is not None:
