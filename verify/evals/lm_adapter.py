@@ -1,14 +1,14 @@
 """An lm-eval ``LM`` over any ``verify.engines.base.Engine``: lm-eval runs the eval loop, the engine answers.
 
 lm-eval builds every request (prompt, stop strings, max tokens, repeats), calls ``generate_until`` once
-with all of them, filters and scores. This adapter only turns each request into ``Engine.generate`` (text
+with all of them, filters and scores. This adapter turns each request into ``Engine.generate`` (text
 prompts) or a chat (the eval tasks' conversations, sent as real turns), batched up to ``batch_size`` where
-the sampling parameters agree (greedy requests always; sampled ones carry their own seeds) and their prompts
-stay within ``BATCH_CHARS`` (a batch is prefilled as one padded block): chats through
-the engine's ``chat_batch`` where it has one (the builtin engine: its decode steps then run at the batch's
-size, as a server's would), else one ``Engine.chat`` each; and keeps, per response, what lm-eval's sample log does not: generated token count, finish
-reason (``length`` = hit max_tokens), the seed. ``CompletionLog`` holds that, keyed by (prompt, text), so
-the runner can attach it to lm-eval's per-sample records whatever order lm-eval used.
+the sampling parameters agree (greedy requests always; sampled ones carry their own seeds) and the prompts
+stay within ``BATCH_CHARS`` (a batch is prefilled as one padded block): chats through the engine's
+``chat_batch`` where it has one (the builtin engine: its decode steps then run at the batch's size, as a
+server's would), else one ``Engine.chat`` each. It keeps, per response, what lm-eval's sample log does not:
+generated token count, finish reason (``length`` = hit max_tokens), the seed. ``CompletionLog`` holds that,
+keyed by (prompt, text), so the runner can attach it to lm-eval's per-sample records whatever order lm-eval used.
 
 Seeds: a sampled request gets ``derive_seed(run seed, prompt, repeat)``; repeats of one prompt get
 different seeds, and the baseline and the engine under test get the same seed for the same (prompt,
