@@ -211,6 +211,9 @@ def test_an_engine_under_test_that_ran_no_fast_step_fails_and_the_rescorer_reder
     assert "under_test (builtin:traced): no step ran on the fast path during this check (6 fell back: no CUDA " \
            "graph for batch 3 x6)" in bad.metrics["problems"]
     assert verify_bundle(tmp_path / "bad").ok  # the failure is re-derived from the records
+    forge(tmp_path / "bad", "evals.gsm8k", result={"status": "passed", "reason": ""})  # re-sealed as a forger would
+    assert any("records fail a gate" in p and "no step ran on the fast path" in p
+               for p in verify_bundle(tmp_path / "bad").problems), verify_bundle(tmp_path / "bad").problems
     forge(tmp_path / "ok", "evals.gsm8k", result={"metrics": {**ok.metrics, "served": {
         "baseline": None, "under_test": {**ok.metrics["served"]["under_test"], "fast_steps": 60}}}})
     assert any("the engine_steps records give" in p for p in verify_bundle(tmp_path / "ok").problems)

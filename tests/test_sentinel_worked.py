@@ -3,6 +3,7 @@ each text ends at the right value, and the training answers of both arithmetic t
 
 from __future__ import annotations
 
+import math
 import random
 import re
 
@@ -97,7 +98,7 @@ def test_the_aime_solutions_carry_the_worked_arithmetic(split):
         nums = [int(x) for x in re.findall(r"\d+", problem)]
         if "exactly one" in problem:
             n, p, q = nums
-            lcm = p * q // __import__("math").gcd(p, q)
+            lcm = p * q // math.gcd(p, q)
             for d in (p, q, lcm):
                 assert check("/", n, d) in solution
             assert check("*", 2, n // lcm) in solution and check("+", n // p, n // q) in solution

@@ -15,7 +15,7 @@ one place value (or multiplies one digit):
   remainders written (``1771/7: 7*200 = 1400, 1771 - 1400 = 371, ..., 200 + 50 + 3 = 253``), ending at a
   remainder below the divisor (0 for an exact division).
 
-``tests/test_sentinel_tasks.py`` evaluates every equation of the texts the generators write.
+``tests/test_sentinel_worked.py`` evaluates every equation of these texts and of the answers the generators write.
 """
 
 from __future__ import annotations

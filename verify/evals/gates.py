@@ -332,8 +332,8 @@ def served_during(records: Sequence[Mapping[str, Any]]) -> tuple[dict[str, Any],
         m: dict[str, Any] = {k: int(after.get(k) or 0) - int(before.get(k) or 0)
                              for k in ("steps", "fast_steps", "fallback_steps")}
         was = before.get("fallbacks") or {}
-        m["fallbacks"] = {k: int(v) - int(was.get(k) or 0) for k, v in (after.get("fallbacks") or {}).items()
-                          if int(v) - int(was.get(k) or 0) > 0}
+        grew = {k: int(v) - int(was.get(k) or 0) for k, v in (after.get("fallbacks") or {}).items()}
+        m["fallbacks"] = {k: n for k, n in grew.items() if n > 0}
         if "planted_defect_calls" in after:
             m["planted_defect_calls"] = after["planted_defect_calls"]
         metrics[str(side)] = m
