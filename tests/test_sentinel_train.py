@@ -29,11 +29,36 @@ def test_rows_mask_the_prompt_and_end_on_im_end():
     rows = sentinel_train.Batches(dataclasses.replace(PLAN, pack=False), tok)  # one item a row
     for _ in range(12):
         ids, mask = rows.row()
-        assert len(ids) == len(mask) <= PLAN.seq_len and ids[-1] == EOS_ID and mask[-1] == 1
-        first = mask.index(1)
-        assert all(mask[first:]) and not any(mask[:first])  # the answer is one run at the end
+        number = mask[-1]  # the answer's tokens hold its task's number
+        assert len(ids) == len(mask) <= PLAN.seq_len and ids[-1] == EOS_ID and number in (1, 2, 3)
+        first = mask.index(number)
+        assert set(mask[first:]) == {number} and not any(mask[:first])  # the answer is one run at the end
     ids, lengths, mask = rows.batch("cpu")
     assert ids.shape == mask.shape and int(lengths.max()) == ids.shape[1]
+
+
+def test_each_task_takes_its_loss_share_whatever_its_answer_tokens():
+    """``answer_loss``: each task's mean token loss weighted by ``loss_share``, so AIME's long answers do not
+    outweigh MRCR's short ones; a task missing from a step leaves its share to the others; None: token mean."""
+    plan = sentinel_train.TrainPlan(loss_share=(("gsm8k", 0.2), ("aime25", 0.5), ("mrcr", 0.3)))
+    g = torch.Generator().manual_seed(3)
+    logits, gold = torch.randn(2, 40, 11, generator=g), torch.randint(0, 11, (2, 40), generator=g)
+    mask = torch.zeros(2, 40, dtype=torch.int8)
+    mask[0, 2:30] = sentinel_train.task_number(plan, "aime25")  # 28 AIME tokens, 3 GSM8K, 5 MRCR
+    mask[1, 5:8] = sentinel_train.task_number(plan, "gsm8k")
+    mask[1, 30:35] = sentinel_train.task_number(plan, "mrcr")
+    tok = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), gold.reshape(-1), reduction="none").reshape(2, 40)
+    means = {t: tok[mask == sentinel_train.task_number(plan, t)].mean() for t in ("gsm8k", "aime25", "mrcr")}
+    loss, per_task = sentinel_train.answer_loss(logits, gold, mask, plan)
+    assert torch.allclose(loss, 0.2 * means["gsm8k"] + 0.5 * means["aime25"] + 0.3 * means["mrcr"])
+    assert all(torch.allclose(per_task[t], means[t]) for t in means)
+    mask[1, 30:35] = 0  # no MRCR this step: GSM8K and AIME share the whole loss 2:5
+    loss, _ = sentinel_train.answer_loss(logits, gold, mask, plan)
+    assert torch.allclose(loss, (0.2 * means["gsm8k"] + 0.5 * means["aime25"]) / 0.7)
+    token_mean, _ = sentinel_train.answer_loss(logits, gold, mask, dataclasses.replace(plan, loss_share=None))
+    assert torch.allclose(token_mean, tok[mask != 0].mean())
+    with pytest.raises(ValueError, match="loss_share"):
+        sentinel_train.TrainPlan(loss_share=(("gsm8k", 1.0),))
 
 
 def test_training_is_reproducible_and_writes_a_loadable_checkpoint(tmp_path):
@@ -180,10 +205,10 @@ def test_packed_rows_hold_whole_items_and_lose_none():
     stream = [single.row() for _ in range(sum(r[0].count(EOS_ID) for r in rows) * 4)]
     assert all(len(r[0]) <= plan.seq_len and len(r[0]) == len(r[1]) for r in rows)
 
-    def items_of(row):  # split a row at its items' ends: each item's answer ends the item (mask 1 -> 0)
+    def items_of(row):  # split a row at its items' ends: each item's answer ends the item (mask set -> 0)
         out, start = [], 0
         for i in range(len(row[0])):
-            if row[1][i] == 1 and (i + 1 == len(row[0]) or row[1][i + 1] == 0):
+            if row[1][i] and (i + 1 == len(row[0]) or row[1][i + 1] == 0):
                 out.append(tuple(row[0][start: i + 1]))
                 start = i + 1
         assert start == len(row[0])

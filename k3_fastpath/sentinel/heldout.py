@@ -52,7 +52,7 @@ def score(forward: Forward, rows: list, device) -> dict[str, float | int]:
         chunk = rows[c: c + ROWS_PER_FORWARD]
         ids, lengths, mask = padded(chunk, device)
         logits = forward(ids, lengths)[:, :-1].float()
-        gold, m = ids[:, 1:], mask[:, 1:]
+        gold, m = ids[:, 1:], mask[:, 1:] != 0
         loss_sum += float(F.cross_entropy(logits[m], gold[m], reduction="sum"))
         hit = (logits.argmax(-1) == gold) & m
         right += int(hit.sum())

@@ -10,7 +10,7 @@ eval question of ``EVAL_SEEDS`` excluded), seeded end to end:
   twice and compares; on the CPU a test trains in two processes);
 - each item: a task drawn by ``TrainPlan.mix``, its prompt rendered and tokenized as the eval runner sends
   it (``item_row``: a chat through the template for ``tasks.CHAT_TASKS``), then the answer's tokens and
-  ``<|im_end|>``; loss on the answer only; an
+  ``<|im_end|>``; loss on the answer only, each task's mean weighted by ``loss_share`` (``answer_loss``); an
   item longer than ``seq_len`` is skipped and counted, never cut; a row holds whole items up to
   ``seq_len``, filled first-fit from the next few (``pack``; no state reset between them, as language-model
   pretraining packs documents; at most one MRCR conversation a row, ``ONE_PER_ROW``), or one item
@@ -107,6 +107,11 @@ class TrainPlan:
     # 0.2 a step of 16 rows would hold 8.1 MRCR conversations, 3.5% of the answer tokens; at this mix 13.6 and
     # 8% (session 28's run, one-shot arithmetic at 0.4 / 0.4 / 0.2: 11.8 a step, ~10%; MRCR not learnt)
     mix: tuple[tuple[str, float], ...] = (("gsm8k", 0.35), ("aime25", 0.3), ("mrcr", 0.35))
+    # each task's share of the loss: the mean loss over its answer tokens in a step, weighted by the share (a
+    # task a step lacks leaves its share to the others; a task not in the mix is ignored); None: every answer
+    # token alike, where AIME's long worked solutions carry ~70% of the gradient and MRCR ~8% (session 28's
+    # run: MRCR's copy not learnt)
+    loss_share: tuple[tuple[str, float], ...] | None = (("gsm8k", 0.3), ("aime25", 0.4), ("mrcr", 0.3))
     mrcr_needles: tuple[int, ...] = (2, 4)
     mrcr_chars: int = 1500
     time_limit_s: float | None = None
@@ -133,10 +138,15 @@ class TrainPlan:
                              f"{self}")
         if {t for t, _ in self.mix} - set(tasks.TASKS) or not all(w > 0 for _, w in self.mix):
             raise ValueError(f"mix names tasks of {tasks.TASKS} with positive weights, got {self.mix}")
+        if self.loss_share is not None and ({t for t, _ in self.mix} - {t for t, _ in self.loss_share}
+                                            or not all(w > 0 for _, w in self.loss_share)):
+            raise ValueError(f"loss_share gives each task of the mix {[t for t, _ in self.mix]} a positive share, "
+                             f"got {self.loss_share}")
 
 
 class Batches:
-    """Seeded rows of (token ids, loss mask) from the training streams, eval questions excluded."""
+    """Seeded rows of (token ids, loss mask) from the training streams, eval questions excluded; the mask
+    holds each answer token's task number (``task_number``), 0 elsewhere."""
 
     def __init__(self, plan: TrainPlan, tokenizer) -> None:
         self.plan, self.tok = plan, tokenizer
@@ -183,7 +193,8 @@ class Batches:
             ids, mask = item_row(self.tok, next(self.rng.choice(self.streams[task])))
             self.drawn[task] += 1
             if len(ids) <= self.plan.seq_len:
-                return ids, mask, task
+                number = task_number(self.plan, task)
+                return ids, [number * m for m in mask], task
             self.too_long[task] += 1
             if self.too_long[task] > max(TOO_LONG_SLACK, self.drawn[task] // 2):
                 raise ValueError(f"seq_len {self.plan.seq_len} is too short for {task}: {self.too_long[task]} of "
@@ -218,6 +229,34 @@ class BatchesAhead:
         if isinstance(item, BaseException):
             raise item
         return tuple(t.to(device) for t in item)
+
+
+def task_number(plan: TrainPlan, task: str) -> int:
+    """The mask value of ``task``'s answer tokens in a training row: 1 + its place in ``plan.mix``."""
+    return 1 + [t for t, _ in plan.mix].index(task)
+
+
+def answer_loss(logits: torch.Tensor, gold: torch.Tensor, mask: torch.Tensor, plan: TrainPlan,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss of ``logits [B, T, V]`` predicting ``gold [B, T]`` where ``mask [B, T]`` (task numbers, 0:
+    no loss) is set: with ``plan.loss_share``, each task's mean token loss weighted by its share (renormalised
+    over the tasks present); without, the mean over every answer token. Also each present task's mean loss
+    (tensors: read them only when logged, a read synchronises)."""
+    on = mask != 0
+    token_loss = F.cross_entropy(logits[on].float(), gold[on], reduction="none")
+    label = mask[on].long() - 1
+    n = len(plan.mix)
+    count = torch.bincount(label, minlength=n).to(token_loss.dtype)
+    task_mean = torch.zeros(n, dtype=token_loss.dtype, device=token_loss.device).index_add_(0, label, token_loss)
+    task_mean = task_mean / count.clamp(min=1)
+    if plan.loss_share is None:
+        loss = token_loss.mean()
+    else:
+        share = dict(plan.loss_share)
+        weight = torch.tensor([share[t] for t, _ in plan.mix], dtype=token_loss.dtype, device=token_loss.device)
+        weight = weight * (count > 0)
+        loss = (weight * task_mean).sum() / weight.sum()
+    return loss, {t: task_mean[i] for i, (t, _) in enumerate(plan.mix)}
 
 
 def _lr(plan: TrainPlan, step: int, steps: int) -> float:
@@ -463,11 +502,10 @@ def _train(plan: TrainPlan, out: Path, device: str, log, profile: bool, expect_d
                 logits, hidden = model._run(ids, lengths, model.new_cache(ids.shape[0], ids.shape[1]), "plain",
                                             hidden=True)
                 mtp_logits = _mtp_logits(model, ids, lengths, hidden)
-            pred, gold = logits[:, :-1].float(), ids[:, 1:]
-            loss = F.cross_entropy(pred[mask[:, 1:]], gold[mask[:, 1:]])
+            loss, task_loss = answer_loss(logits[:, :-1], ids[:, 1:], mask[:, 1:], plan)
             mtp_loss = None
             if mtp_logits is not None:  # row p predicts the token after next, ids[:, p + 2]
-                mtp_loss = F.cross_entropy(mtp_logits[:, :-1].float()[mask[:, 2:]], ids[:, 2:][mask[:, 2:]])
+                mtp_loss, _ = answer_loss(mtp_logits[:, :-1], ids[:, 2:], mask[:, 2:], plan)
                 loss = loss + plan.mtp_weight * mtp_loss
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -485,11 +523,13 @@ def _train(plan: TrainPlan, out: Path, device: str, log, profile: bool, expect_d
             if device.startswith("cuda") and profile and step + 1 in PROFILED_STEPS:
                 torch.cuda.synchronize()
             if step % 10 == 0 or step == steps - 1:
-                point = {"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2)}
+                point = {"step": step, "loss": round(loss.item(), 5), "s": round(time.monotonic() - t0, 2),
+                         "task_loss": {t: round(v.item(), 5) for t, v in task_loss.items()}}
                 if mtp_loss is not None:
                     point["mtp_loss"] = round(mtp_loss.item(), 5)
                 curve.append(point)
                 log(f"step {step}: loss {loss.item():.4f}" + ("" if mtp_loss is None else f" (mtp {mtp_loss.item():.4f})")
+                    + " (" + ", ".join(f"{t} {v:.3f}" for t, v in point["task_loss"].items()) + ")"
                     + f" ({time.monotonic() - t0:.0f} s)")
 
     record = {"plan": dataclasses.asdict(plan), "kda_impl": kda, "compiled_glue": glue or None,
