@@ -39,11 +39,13 @@
 #   sentinel-defects  the sentinel-evals tier once per planted defect (verify/defects.py; K3_DEFECTS, default
 #             all) with --engine builtin:fast+defect=NAME against K3_DEFECT_BASELINE (default builtin:fast, the
 #             clean fast path; builtin:reference is ~27x slower), each within K3_EVAL_S, then `python -m
-#             verify.defects table` of the last sentinel-evals bundle (the clean run: run that step first) and
+#             verify.defects table` of the last sentinel-evals or sentinel-standard bundle (the clean run: run one first) and
 #             these (sentinel-defects.md: which eval caught which defect); K3_EVAL_ONLY as for sentinel-evals;
 #             each run's budgets K3_DEFECT_BUDGETS (default "evals.gsm8k=60 evals.aime25=90 evals.mrcr=60": the
 #             fast path on both sides, where the tier's budgets are sized for the eager reference; session 28
-#             measured 28 s / - / 15 s with every chat sent alone), each within K3_EVAL_S (default 240)
+#             measured 28 s / - / 15 s with every chat sent alone), each within K3_EVAL_S (default 240);
+#             K3_DEFECT_PARALLEL runs (default 1) at once on the GPU (the sentinel's steps leave it mostly idle;
+#             the clean run, the last sentinel-evals or sentinel-standard bundle, has compiled every kernel)
 #   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
 #             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz.part-aa, -ab, ...
 #             (15 MB each: a file over 16 MiB does not come back; after sentinel-train the cache was 32 MB); a later machine
@@ -135,17 +137,21 @@ for what in "$@"; do
         else echo "sentinel-standard: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
       sentinel-defects) E=${K3_EVAL_S:-240}
         budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=60 evals.aime25=90 evals.mrcr=60}; do budgets+=(--budget "$b"); done
-        clean=$(ls -d /tmp/bundles/*-sentinel-evals 2>/dev/null | tail -1)
+        clean=$(ls -d /tmp/bundles/*-sentinel-evals /tmp/bundles/*-sentinel-standard 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
           planted=()
           for d in ${K3_DEFECTS:-$(python3 -m verify.defects list)}; do
             planted+=("/tmp/bundles/$stamp-$gpu-sentinel-defect-$d")
             K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
               --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
-              --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" ${K3_EVAL_ONLY:+--only "$K3_EVAL_ONLY"} 2>&1 | tail -12 | tee -a "$OUT/sentinel-defects.log"
+              --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" ${K3_EVAL_ONLY:+--only "$K3_EVAL_ONLY"} \
+              >"/tmp/defect-$d.log" 2>&1 &
+            while [ "$(jobs -rp | wc -l)" -ge "${K3_DEFECT_PARALLEL:-1}" ]; do wait -n; done
           done
+          wait
+          for d in ${K3_DEFECTS:-$(python3 -m verify.defects list)}; do tail -12 "/tmp/defect-$d.log"; done | tee -a "$OUT/sentinel-defects.log"
           python3 -m verify.defects table "$clean" "${planted[@]}" 2>&1 | tee "$OUT/sentinel-defects.md" || rc=1
-        else echo "sentinel-defects: needs /tmp/sentinel and a sentinel-evals bundle on this machine (run sentinel-train sentinel-evals first)"; rc=2; fi ;;
+        else echo "sentinel-defects: needs /tmp/sentinel and a sentinel-evals or sentinel-standard bundle on this machine (run sentinel-train and one of them first)"; rc=2; fi ;;
       part:*) name=${s#part:}; base=$(basename "$name" .yaml); dir=/tmp/bundles/h200-$base
         [ -f "$dir/manifest.json" ] || [ ! -f ".gpubundles/h200-$base/manifest.json" ] || cp -r ".gpubundles/h200-$base" "$dir"
         r=; [ -f "$dir/manifest.json" ] && r=--resume
