@@ -273,8 +273,8 @@ def test_mrcr_at_two_lengths_is_two_gated_task_sets_that_rescore(engine, tmp_pat
 
 def test_chats_go_to_the_engine_in_batches_and_answer_as_one_at_a_time(engine) -> None:
     """``EngineLM`` sends greedy chats through the engine's ``chat_batch`` up to its batch size (one decode
-    batch, as a server serves concurrent requests) and sampled ones each with its own seed; every answer is
-    the one ``Engine.chat`` gives alone (k3-tiny's reference path on this CPU: token for token)."""
+    batch, as a server serves concurrent requests), sampled ones too, each with its own seed; every answer is
+    the one it gets alone (k3-tiny's reference path on this CPU: token for token)."""
     from lm_eval.api.instance import Instance
 
     from verify.evals.lm_adapter import ChatPrompt, EngineLM
@@ -284,9 +284,9 @@ def test_chats_go_to_the_engine_in_batches_and_answer_as_one_at_a_time(engine) -
     class Counting:
         name, max_model_len, vocab_size = engine.name, engine.max_model_len, engine.vocab_size
 
-        def chat_batch(self, conversations, params, constraint=None):
+        def chat_batch(self, conversations, params, constraint=None, seeds=None):
             calls.append((len(conversations), params.temperature))
-            return engine.chat_batch(conversations, params, constraint)
+            return engine.chat_batch(conversations, params, constraint, seeds)
 
     convs = [[{"role": "user", "content": f"item {i}: " + "seven " * i}] for i in range(5)]
     greedy = {"until": [], "max_gen_toks": 5, "do_sample": False}
@@ -295,10 +295,14 @@ def test_chats_go_to_the_engine_in_batches_and_answer_as_one_at_a_time(engine) -
             for i, (c, kw) in enumerate([(c, greedy) for c in convs] + [(convs[0], sampled), (convs[1], sampled)])]
     lm = EngineLM(Counting(), seed=0, batch_size=3)
     texts = lm.generate_until(reqs)
-    assert sorted(calls) == [(1, 1.0), (1, 1.0), (2, 0.0), (3, 0.0)]  # 5 greedy as 3 + 2, each sampled alone
+    assert sorted(calls) == [(2, 0.0), (2, 1.0), (3, 0.0)]  # 5 greedy as 3 + 2, the 2 sampled as one batch
     from verify.engines.base import SamplingParams
 
     assert texts[:5] == [engine.chat(c, SamplingParams(max_tokens=5)).text for c in convs]
+    calls.clear()
+    alone = EngineLM(Counting(), seed=0, batch_size=1).generate_until(reqs)
+    assert len(calls) == 7 and alone == texts  # the sampled answers too: each its own seed, batch or not
+    assert EngineLM(Counting(), seed=1, batch_size=3).generate_until(reqs)[5:] != texts[5:]  # the seed counts
 
 
 def test_a_batch_holds_at_most_its_size_and_its_characters():

@@ -228,7 +228,10 @@ class BuiltinEngine:
             raise EngineError(f"{self.name}: the engine was closed")
 
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
-                 constraint: Constraint | None = None) -> list[Completion]:
+                 constraint: Constraint | None = None, seeds: list[int] | None = None) -> list[Completion]:
+        """The prompts completed as one batch. ``seeds``: one per prompt, each request's own sampling seed in
+        place of ``params.seed`` (a request's tokens do not depend on its batch: each row samples from its
+        own generator), so sampled requests with different seeds share the batch's decode steps."""
         from k3_fastpath.runtime.generator import ContextLengthError, GenerationRequest
         from k3_fastpath.runtime.sampler import SamplingConfig
 
@@ -241,10 +244,13 @@ class BuiltinEngine:
             raise EngineError(f"{self.name}: {e}") from None
         if params.stop or constraint is not None:
             self.tokenizer  # noqa: B018 - text features need the tokenizer: fail before any compute
+        if seeds is not None and len(seeds) != len(prompts):
+            raise EngineError(f"{self.name}: {len(seeds)} seeds for {len(prompts)} prompts")
         ids = [self._prompt_ids(p) for p in prompts]
         reqs = []
-        for p in ids:
-            seed = params.seed if params.seed is not None else self._seed_stream.getrandbits(63)
+        for i, p in enumerate(ids):
+            seed = (seeds[i] if seeds is not None else params.seed if params.seed is not None
+                    else self._seed_stream.getrandbits(63))
             reqs.append(GenerationRequest(
                 prompt_ids=p, max_tokens=params.max_tokens, sampling=sampling, seed=seed, logprobs=params.logprobs,
                 stop_token_ids=self.eos_token_ids, ignore_stop_tokens=params.ignore_eos,
@@ -285,14 +291,15 @@ class BuiltinEngine:
         return self.chat_batch([messages], params, constraint)[0]
 
     def chat_batch(self, conversations: list[list[dict[str, str]]], params: SamplingParams,
-                   constraint: Constraint | None = None) -> list[Completion]:
-        """Each conversation through the chat template, all completed as one ``generate`` batch."""
+                   constraint: Constraint | None = None, seeds: list[int] | None = None) -> list[Completion]:
+        """Each conversation through the chat template, all completed as one ``generate`` batch (``seeds``:
+        one per conversation, as ``generate`` takes them)."""
         self._check_open()
         ids = []
         for messages in conversations:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
             ids.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
-        return self.generate(ids, params, constraint)
+        return self.generate(ids, params, constraint, seeds)
 
     def next_token_logprobs(self, prompt: str | list[int]) -> dict[int, float]:
         from k3_fastpath.runtime.generator import ContextLengthError

@@ -3,7 +3,8 @@
 lm-eval builds every request (prompt, stop strings, max tokens, repeats), calls ``generate_until`` once
 with all of them, filters and scores. This adapter turns each request into ``Engine.generate`` (text
 prompts) or a chat (the eval tasks' conversations, sent as real turns), batched up to ``batch_size`` where
-the sampling parameters agree (greedy requests always; sampled ones carry their own seeds) and the prompts
+the sampling parameters agree (chats whatever their seeds: each sampled chat carries its own to
+``chat_batch``; text prompts where the seed agrees too) and the prompts
 stay within ``BATCH_CHARS`` (a batch is prefilled as one padded block): chats through the engine's
 ``chat_batch`` where it has one (the builtin engine: its decode steps then run at the batch's size, as a
 server's would), else one ``Engine.chat`` each. It keeps, per response, what lm-eval's sample log does not:
@@ -21,6 +22,7 @@ import hashlib
 import json
 from collections import Counter, defaultdict
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from lm_eval.api.model import LM
@@ -157,17 +159,22 @@ class EngineLM(LM):
         out: list[str | None] = [None] * len(jobs)
         chat_batch = getattr(self.engine, "chat_batch", None)
         for is_chat in (True, False):
+            # chats through chat_batch share a batch whatever their seeds (each request keeps its own); other
+            # calls take one SamplingParams, so only requests with the same seed share one
+            own_seeds = is_chat and chat_batch is not None
             groups: dict[SamplingParams, list] = defaultdict(list)
             for job in jobs:
                 if isinstance(job[2], ChatPrompt) == is_chat:
-                    groups[job[4]].append(job)
+                    groups[replace(job[4], seed=None) if own_seeds else job[4]].append(job)
             step = 1 if is_chat and chat_batch is None else self.batch_size
             for params, group in groups.items():
                 for batch in _batches(group, step):
                     if not is_chat:
                         call = lambda b=batch, p=params: self.engine.generate([j[3] for j in b], p)  # noqa: E731
                     elif chat_batch is not None:
-                        call = lambda b=batch, p=params: chat_batch([j[2].messages() for j in b], p)  # noqa: E731
+                        call = lambda b=batch, p=params: chat_batch(  # noqa: E731
+                            [j[2].messages() for j in b], p,
+                            seeds=None if p.greedy else [j[4].seed for j in b])
                     else:
                         call = lambda b=batch, p=params: [self.engine.chat(b[0][2].messages(), p)]  # noqa: E731
                     done = self._call(batch[0], call)
