@@ -45,7 +45,8 @@
 #             fast path on both sides, where the tier's budgets are sized for the eager reference; session 28
 #             measured 28 s / - / 15 s with every chat sent alone), each within K3_EVAL_S (default 240);
 #             K3_DEFECT_PARALLEL runs (default 1) at once on the GPU (the sentinel's steps leave it mostly idle;
-#             the clean run, the last sentinel-evals or sentinel-standard bundle, has compiled every kernel)
+#             the clean run, the last sentinel-evals or sentinel-standard bundle, has compiled every kernel),
+#             at most one per 32 GB of free GPU memory (two fast engines of ~15 GB each a run)
 #   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
 #             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz.part-aa, -ab, ...
 #             (15 MB each: a file over 16 MiB does not come back; after sentinel-train the cache was 32 MB); a later machine
@@ -139,6 +140,10 @@ for what in "$@"; do
         budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=60 evals.aime25=90 evals.mrcr=60}; do budgets+=(--budget "$b"); done
         clean=$(ls -d /tmp/bundles/*-sentinel-evals /tmp/bundles/*-sentinel-standard 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
+          # each run builds two fast engines of ~15 GB (a slot pool of 64 sequences at the sentinel's 65,536
+          # tokens): at most one run per 32 GB free (session 29: six at once on an 80 GB H100 ran out of memory)
+          par=${K3_DEFECT_PARALLEL:-1}; room=$(( $(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1) / 32768 ))
+          [ "$par" -gt "$room" ] && { echo "sentinel-defects: $par runs at once do not fit the GPU's free memory: $((room > 0 ? room : 1))"; par=$((room > 0 ? room : 1)); }
           planted=()
           for d in ${K3_DEFECTS:-$(python3 -m verify.defects list)}; do
             planted+=("/tmp/bundles/$stamp-$gpu-sentinel-defect-$d")
@@ -146,7 +151,7 @@ for what in "$@"; do
               --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
               --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" ${K3_EVAL_ONLY:+--only "$K3_EVAL_ONLY"} \
               >"/tmp/defect-$d.log" 2>&1 &
-            while [ "$(jobs -rp | wc -l)" -ge "${K3_DEFECT_PARALLEL:-1}" ]; do wait -n; done
+            while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n; done
           done
           wait
           for d in ${K3_DEFECTS:-$(python3 -m verify.defects list)}; do tail -12 "/tmp/defect-$d.log"; done | tee -a "$OUT/sentinel-defects.log"
