@@ -230,8 +230,8 @@ class BuiltinEngine:
     def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams,
                  constraint: Constraint | None = None, seeds: list[int] | None = None) -> list[Completion]:
         """The prompts completed as one batch. ``seeds``: one per prompt, each request's own sampling seed in
-        place of ``params.seed`` (a request's tokens do not depend on its batch: each row samples from its
-        own generator), so sampled requests with different seeds share the batch's decode steps."""
+        place of ``params.seed`` (each row samples from its own generator: a request draws the same random
+        numbers in any batch), so sampled requests with different seeds share the batch's decode steps."""
         from k3_fastpath.runtime.generator import ContextLengthError, GenerationRequest
         from k3_fastpath.runtime.sampler import SamplingConfig
 
