@@ -149,6 +149,28 @@ def test_bad_plans_and_an_existing_output_are_refused(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_the_tuple_fields_come_from_the_command_line(tmp_path, capsys):
+    """``--mix``, ``--loss-share`` (``none``: the token mean) and ``--mrcr-needles`` set a training probe's
+    plan from the command line; a malformed value is one line on stderr, exit 2, nothing written."""
+    fields = {f.name: f for f in dataclasses.fields(sentinel_train.TrainPlan)}
+    assert sentinel_train._plan_value(fields["mix"], "mrcr=1,gsm8k=0.5") == (("mrcr", 1.0), ("gsm8k", 0.5))
+    assert sentinel_train._plan_value(fields["loss_share"], "None") is None
+    assert sentinel_train._plan_value(fields["mrcr_needles"], "1,2") == (1, 2)
+    with pytest.raises(ValueError, match="--mix takes task=weight"):
+        sentinel_train._plan_value(fields["mix"], "none")  # mix is never None
+    out = tmp_path / "bad"
+    assert sentinel_train.main(["--out", str(out), "--mrcr-needles", "2;4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sentinel train: --mrcr-needles takes integers") and len(err.splitlines()) == 1
+    assert not out.exists()
+    args = ["--out", str(tmp_path / "ok"), "--preset", "k3-tiny", "--steps", "1", "--batch", "1", "--seq-len", "640",
+            "--warmup", "1", "--mrcr-chars", "300", "--heldout-items", "0", "--mix", "mrcr=1", "--mrcr-needles", "2",
+            "--loss-share", "none"]
+    assert sentinel_train.main(args) == 0
+    plan = json.loads((tmp_path / "ok" / "training.json").read_text())["plan"]
+    assert plan["mix"] == [["mrcr", 1.0]] and plan["loss_share"] is None and plan["mrcr_needles"] == [2]
+
+
 def test_a_time_limit_fits_the_schedule_and_names_the_steps_that_replay_it():
     plan = sentinel_train.TrainPlan(steps=1000, warmup=10, time_limit_s=100.0)
     assert sentinel_train._fitted_steps(plan, 10, 2.0) == 475  # 0.2 s a step, 95% of 100 s

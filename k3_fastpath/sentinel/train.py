@@ -61,6 +61,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -564,6 +565,24 @@ def _train(plan: TrainPlan, out: Path, device: str, log, profile: bool, expect_d
     return record
 
 
+def _plan_value(field: dataclasses.Field, text: Any) -> Any:
+    """A command-line value of a tuple field of ``TrainPlan``: ``task=weight,...`` pairs (``none`` where the
+    field may be None) or ``n,...`` integers; ``ValueError`` naming the option otherwise."""
+    if not isinstance(text, str) or not field.type.startswith("tuple"):
+        return text
+    flag = "--" + field.name.replace("_", "-")
+    if text.strip().lower() == "none" and field.type.endswith("| None"):
+        return None
+    try:
+        if "str" in field.type:
+            pairs = [item.split("=") for item in text.split(",")]
+            return tuple((name.strip(), float(w)) for name, w in pairs)
+        return tuple(int(n) for n in text.split(","))
+    except ValueError:
+        form = "task=weight,... (e.g. gsm8k=0.3,mrcr=0.7)" if "str" in field.type else "integers n,... (e.g. 2,4)"
+        raise ValueError(f"{flag} takes {form}, got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m k3_fastpath.sentinel.train", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, type=Path, help="checkpoint directory to write (must not exist)")
@@ -572,15 +591,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--expect-digest", help="rebuild a recorded checkpoint: fail (exit 1, nothing written) unless "
                                            "its digest is this one (training.json's checkpoint_digest)")
     for f in dataclasses.fields(TrainPlan):
+        flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":
-            p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=None)
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         elif f.type in ("int", "float", "str", "float | None"):
-            p.add_argument("--" + f.name.replace("_", "-"), type=float if "float" in f.type else (int if f.type == "int" else str),
+            p.add_argument(flag, type=float if "float" in f.type else (int if f.type == "int" else str),
                            default=None)
+        elif f.type.startswith("tuple"):  # mix / loss_share "gsm8k=0.3,mrcr=0.7" ("none": None), needles "2,4"
+            p.add_argument(flag, default=None, metavar="TASK=W,..." if "str" in f.type else "N,...")
     args = p.parse_args(argv)
-    over = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainPlan)
-            if getattr(args, f.name, None) is not None}
     try:
+        over = {f.name: _plan_value(f, getattr(args, f.name)) for f in dataclasses.fields(TrainPlan)
+                if getattr(args, f.name, None) is not None}
         record = train(TrainPlan(**over), args.out, args.device, profile=args.profile,
                        expect_digest=args.expect_digest)
     except DigestMismatch as e:

@@ -31,6 +31,9 @@
 #             under K3_STEP_TIMEOUT, K3_TRAIN_PROFILE=1 adds --profile, K3_TRAIN_ARGS more options (e.g.
 #             "--batch 64"; training.json and the log come back; the checkpoint (195 MiB: more than a call
 #             brings back) stays in /tmp for a later call on the same warm machine)
+#   sentinel-probes  short trainings, one per ';'-separated option set in K3_PROBES (e.g. "--mix mrcr=1;--mix
+#             mrcr=1 --mrcr-chars 600 --mrcr-needles 1,2"), each within K3_PROBE_S (default 150 s; the schedule
+#             fitted to it): their training.json (per-task loss curve, held-out scores) as sentinel-probe-N.json
 #   sentinel-repro  a 20-step sentinel training, then its rebuild with --expect-digest (the first's digest)
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s); K3_EVAL_ONLY=evals.gsm8k,... runs only those checks (--only)
@@ -117,6 +120,16 @@ for what in "$@"; do
       sentinel-train) rm -rf /tmp/sentinel
         timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel --time-limit-s $((T - 60)) ${K3_TRAIN_PROFILE:+--profile} ${K3_TRAIN_ARGS:-} 2>&1 | tee "$OUT/sentinel-train.log" | tail -8
         [ -f /tmp/sentinel/training.json ] && cp /tmp/sentinel/training.json "$OUT/sentinel-training.json" || rc=1 ;;
+      sentinel-probes) i=0; IFS=';' read -ra probes <<< "${K3_PROBES:?K3_PROBES: training options per probe, separated by ;}"
+        for a in "${probes[@]}"; do
+          i=$((i + 1)); rm -rf "/tmp/sentinel-probe-$i"; echo "probe $i: $a" | tee -a "$OUT/sentinel-probes.log"
+          # shellcheck disable=SC2086
+          timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out "/tmp/sentinel-probe-$i" \
+            --time-limit-s "${K3_PROBE_S:-150}" $a 2>&1 | grep -E "^step [0-9]+0:|held-out|_forward|checkpoint |trained|sentinel train|Error" \
+            | tee -a "$OUT/sentinel-probes.log" | tail -4
+          [ -f "/tmp/sentinel-probe-$i/training.json" ] && cp "/tmp/sentinel-probe-$i/training.json" "$OUT/sentinel-probe-$i.json" || rc=1
+          rm -rf "/tmp/sentinel-probe-$i"
+        done ;;
       sentinel-repro) rm -rf /tmp/sentinel-r1 /tmp/sentinel-r2
         timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out /tmp/sentinel-r1 --steps 20 --warmup 5 2>&1 | tail -1 | tee -a "$OUT/sentinel-repro.log"
         d1=$(python3 -c "import json;print(json.load(open('/tmp/sentinel-r1/training.json'))['checkpoint_digest'])" 2>/dev/null)
