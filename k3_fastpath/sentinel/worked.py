@@ -37,28 +37,26 @@ def _by_digit(a: int, d: int) -> str:
             f"{' + '.join(str(p * small) for p in parts)} = {a * d}")
 
 
-def add(a: int, b: int) -> tuple[int, str]:
-    """``a + b`` adding ``b``'s place values one at a time."""
-    parts = place_parts(b)
+def _by_places(a: int, b: int, sign: int) -> tuple[int, str]:
+    """``a + sign * b`` adding (``sign`` 1) or subtracting (-1) ``b``'s place values one at a time."""
+    op, parts = "+" if sign > 0 else "-", place_parts(b)
     if len(parts) < 2:
-        return a + b, f"{a} + {b} = {a + b}"
+        return a + sign * b, f"{a} {op} {b} = {a + sign * b}"
     steps, acc = [], a
     for p in parts:
-        steps.append(f"{acc} + {p} = {acc + p}")
-        acc += p
-    return acc, f"{a} + {b}: " + ", ".join(steps)
+        steps.append(f"{acc} {op} {p} = {acc + sign * p}")
+        acc += sign * p
+    return acc, f"{a} {op} {b}: " + ", ".join(steps)
+
+
+def add(a: int, b: int) -> tuple[int, str]:
+    """``a + b`` adding ``b``'s place values one at a time."""
+    return _by_places(a, b, 1)
 
 
 def sub(a: int, b: int) -> tuple[int, str]:
     """``a - b`` subtracting ``b``'s place values one at a time."""
-    parts = place_parts(b)
-    if len(parts) < 2:
-        return a - b, f"{a} - {b} = {a - b}"
-    steps, acc = [], a
-    for p in parts:
-        steps.append(f"{acc} - {p} = {acc - p}")
-        acc -= p
-    return acc, f"{a} - {b}: " + ", ".join(steps)
+    return _by_places(a, b, -1)
 
 
 def mul(a: int, b: int) -> tuple[int, str]:
