@@ -245,11 +245,12 @@ def answer_loss(logits: torch.Tensor, gold: torch.Tensor, mask: torch.Tensor, pl
     (tensors: read them only when logged, a read synchronises)."""
     on = mask != 0
     token_loss = F.cross_entropy(logits[on].float(), gold[on], reduction="none")
-    label = mask[on].long() - 1
-    n = len(plan.mix)
-    count = torch.bincount(label, minlength=n).to(token_loss.dtype)
-    task_mean = torch.zeros(n, dtype=token_loss.dtype, device=token_loss.device).index_add_(0, label, token_loss)
-    task_mean = task_mean / count.clamp(min=1)
+    # each answer token's task as a one-hot row: the counts and sums per task without bincount's host sync
+    # or index_add_'s atomics (not deterministic on CUDA)
+    tasks_of = torch.arange(1, len(plan.mix) + 1, device=mask.device)
+    onehot = (mask[on].unsqueeze(-1) == tasks_of).to(token_loss.dtype)  # [answer tokens, tasks]
+    count = onehot.sum(0)
+    task_mean = (onehot * token_loss.unsqueeze(-1)).sum(0) / count.clamp(min=1)
     if plan.loss_share is None:
         loss = token_loss.mean()
     else:
