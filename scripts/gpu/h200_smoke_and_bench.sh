@@ -157,8 +157,8 @@ for what in "$@"; do
           # tokens): at most one run per 32 GB free (session 29: six at once on an 80 GB H100 ran out of memory)
           par=${K3_DEFECT_PARALLEL:-1}; room=$(( $(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1) / 32768 ))
           [ "$par" -gt "$room" ] && { echo "sentinel-defects: $par runs at once do not fit the GPU's free memory: $((room > 0 ? room : 1))"; par=$((room > 0 ? room : 1)); }
-          planted=()
-          for d in ${K3_DEFECTS:-$(python3 -m verify.defects list)}; do
+          planted=(); defects=(${K3_DEFECTS:-$(python3 -m verify.defects list)})
+          for d in "${defects[@]}"; do
             planted+=("/tmp/bundles/$stamp-$gpu-sentinel-defect-$d")
             K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
               --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
@@ -167,7 +167,7 @@ for what in "$@"; do
             while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n; done
           done
           wait
-          for d in ${K3_DEFECTS:-$(python3 -m verify.defects list)}; do tail -12 "/tmp/defect-$d.log"; done | tee -a "$OUT/sentinel-defects.log"
+          for d in "${defects[@]}"; do tail -12 "/tmp/defect-$d.log"; done | tee -a "$OUT/sentinel-defects.log"
           python3 -m verify.defects table "$clean" "${planted[@]}" 2>&1 | tee "$OUT/sentinel-defects.md" || rc=1
         else echo "sentinel-defects: needs /tmp/sentinel and a sentinel-evals or sentinel-standard bundle on this machine (run sentinel-train and one of them first)"; rc=2; fi ;;
       part:*) name=${s#part:}; base=$(basename "$name" .yaml); dir=/tmp/bundles/h200-$base

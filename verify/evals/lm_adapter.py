@@ -33,7 +33,7 @@ from verify.engines.base import ContextLimitError, Engine, EngineError, Sampling
 DEFAULT_MAX_TOKENS = 256  # lm-eval's own default when a task names no max_gen_toks
 BATCH_CHARS = 200_000  # prompt characters per engine call: ~40K tokens of MRCR chat (~5 characters a token)
 BATCH = 64  # requests per engine call: the fast path's largest decode bucket (the eager reference's step on
-# the sentinel is launch-bound on a GPU, so rows come nearly free there; not yet timed)
+# the sentinel, launch-bound on a GPU: ~86 ms at 64 rows, ~38 ms at one on an H100, bundles of sessions 29 / 28)
 
 
 class EvalRunError(RuntimeError):
