@@ -98,6 +98,25 @@ def test_mrcr_answers_are_the_prefixed_needle_and_the_last_turn():
         assert item.record["n_chars"] >= 3000
 
 
+def test_an_mrcr_lexicon_is_the_first_n_words():
+    """``mrcr_words`` picks the replies' lexicon; the default is the eval files' (same items, same bytes)."""
+    kw = {"n_needles": 2, "mrcr_chars": 1500}
+    assert ([t.record for t in tasks.items("mrcr", "eval", 0, 3, **kw)]
+            == [t.record for t in tasks.items("mrcr", "eval", 0, 3, **kw, mrcr_words=tasks.MRCR_WORDS)])
+
+    def reply_words(n: int) -> set[str]:
+        recs = [t.record for t in tasks.items("mrcr", "train", 0, 20, **kw, mrcr_words=n)]
+        return {w.strip(".").lower() for r in recs for w in r["answer"][10:].split()} - set(tasks.TOPICS)
+
+    assert reply_words(12) <= set(tasks.WORDS[:12]) and len(reply_words(12)) == 12
+    wide = reply_words(len(tasks.WORDS))
+    assert wide <= set(tasks.WORDS) and len(wide - set(tasks.WORDS[:tasks.MRCR_WORDS])) > 100
+    assert len(set(tasks.WORDS)) == len(tasks.WORDS)  # a word twice would weigh double
+    for bad in (0, len(tasks.WORDS) + 1):
+        with pytest.raises(ValueError, match="MRCR lexicon"):
+            tasks.items("mrcr", "train", 0, 1, **kw, mrcr_words=bad)
+
+
 def test_training_items_never_repeat_an_eval_question():
     for task, kw in (("gsm8k", {}), ("aime25", {}), ("mrcr", {"n_needles": 2, "mrcr_chars": 800})):
         n_eval = 20 if task == "mrcr" else 400

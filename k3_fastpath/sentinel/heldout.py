@@ -34,7 +34,8 @@ def heldout_rows(plan, tok, exclude: dict[str, set[str]], n: int) -> dict[str, l
     over the plan's needle counts) that fit ``plan.seq_len``, as (ids, mask) rows (``rows.item_row``)."""
     seed, out = plan.seed + HELDOUT_SEED_OFFSET, {}
     for task, _ in plan.mix:
-        streams = tasks.train_streams(task, seed, exclude[task], plan.mrcr_needles, plan.mrcr_chars)
+        streams = tasks.train_streams(task, seed, exclude[task], plan.mrcr_needles, plan.mrcr_chars,
+                                      plan.mrcr_words)
         rows = []
         for j, stream in enumerate(streams):
             want = n // len(streams) + (j < n % len(streams))

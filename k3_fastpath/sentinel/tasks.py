@@ -50,7 +50,31 @@ TOPICS = ["tapirs", "rocks", "lighthouses", "glaciers", "bicycles", "owls", "vol
           "harbors", "comets", "orchards"]
 WORDS = ("amber quiet river stone morning lantern drift hollow meadow silver echo thread salt winter bloom "
          "cedar signal orbit ember tide velvet compass harbor dune prism willow static copper fern ribbon "
-         "thunder garden mirror ladder canyon marble breeze quartz feather anchor").split()
+         "thunder garden mirror ladder canyon marble breeze quartz feather anchor "
+         "acorn adobe agate alder almond alpine amulet apricot arbor archer arrow ash aspen atlas attic "
+         "autumn aurora badger bamboo banner barley barn basalt basin beacon beech beetle bell berry birch "
+         "bison blossom bluff bonfire boulder bramble brass bridge brook bucket buckle burrow butter cabin "
+         "cactus camel candle canoe canvas cargo carpet castle cavern cellar chalk chapel cherry chimney "
+         "cinder citadel clay cliff clover cobalt cocoa compost coral cottage cotton cradle crater creek "
+         "crescent cricket crystal cypress daisy dawn delta desert dew dolphin dove dragon drum dusk eagle "
+         "easel ebony elm emerald engine falcon fawn fiddle fig fjord flame flannel flint flute fog forest "
+         "fossil fountain fox frost galaxy garnet gazelle geyser ginger glade glass glen goblet gorge granite "
+         "grape gravel grove gull hammer harp hawk hazel heather hedge helmet heron hickory hill honey "
+         "horizon iris island ivory ivy jade jasmine jasper jetty juniper kelp kettle kiln lagoon lake lark "
+         "lava lemon lilac lily linen lotus lynx magnet mango maple marsh mast meteor mill mint mist moss "
+         "moth mountain mulberry nectar nest nickel nutmeg oak oasis ocean olive onyx opal orchid otter "
+         "paddle palm panther paper parrot pasture peach pearl pebble pepper petal pine plum pollen pond "
+         "poplar poppy porch prairie pumpkin quill quilt rain raven reed reef ridge robin rope rose ruby rust "
+         "saddle saffron sage sail sapphire satin scarf shadow shore shrub sky slate sled smoke snow sonnet "
+         "sparrow spice spruce stable star storm straw stream summit sun swan sycamore tangerine teak temple "
+         "thistle thorn tiger timber topaz torch tower trail tulip tundra turtle valley vapor vine violet "
+         "walnut wave wheat whistle wick wind wolf wren yarrow zephyr zinc bright calm dim distant gentle "
+         "golden hidden lonely narrow pale rapid rough scarlet shallow sleepy slow smooth soft steep swift "
+         "tall tender vast warm wild wooden crimson dusty faint frozen gleaming humble misty silent sunny "
+         "tiny ancient brave clever curious eager fierce fragile graceful hasty jolly keen lively mellow "
+         "nimble proud restless rustic sturdy subtle weary woven").split()
+# the MRCR replies' lexicon: the first MRCR_WORDS of WORDS (the eval files' and the default training data's)
+MRCR_WORDS = 40
 ORDINALS = {1: "1st", 2: "2nd", 3: "3rd"}
 _PREFIX_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
@@ -262,15 +286,18 @@ def aime_item(rng: random.Random, i: int) -> TaskItem:
 
 
 # ---------------------------------------------------------------- MRCR
-def _text(rng: random.Random, form: str, topic: str, chars: int) -> str:
-    """A made-up piece of writing of about ``chars`` characters, mentioning its topic once."""
-    words = [rng.choice(WORDS) for _ in range(max(6, chars // 7))]
+def _text(rng: random.Random, form: str, topic: str, chars: int, lexicon: int) -> str:
+    """A made-up piece of writing of about ``chars`` characters from the first ``lexicon`` of ``WORDS``,
+    mentioning its topic once."""
+    words = [rng.choice(WORDS[:lexicon]) for _ in range(max(6, chars // 7))]
     words.insert(rng.randrange(len(words)), topic)
     lines = [" ".join(words[i:i + 8]).capitalize() + "." for i in range(0, len(words), 8)]
     return ("\n" if form in ("poem", "haiku", "limerick") else " ").join(lines)
 
 
-def mrcr_item(rng: random.Random, n_needles: int, n_chars: int) -> TaskItem:
+def mrcr_item(rng: random.Random, n_needles: int, n_chars: int, lexicon: int = MRCR_WORDS) -> TaskItem:
+    if not 1 <= lexicon <= len(WORDS):
+        raise ValueError(f"an MRCR lexicon is 1..{len(WORDS)} words, got {lexicon}")
     form, topic = rng.choice(FORMS), rng.choice(TOPICS)
     reply_chars = max(40, min(400, n_chars // (3 * n_needles)))
     asks: list[tuple[str, str]] = [(form, topic)] * n_needles
@@ -286,7 +313,7 @@ def mrcr_item(rng: random.Random, n_needles: int, n_chars: int) -> TaskItem:
     needle_replies: list[tuple[int, str]] = []
     for f, t in asks:
         messages.append({"role": "user", "content": f"write a {f} about {t}"})
-        reply = _text(rng, f, t, reply_chars)
+        reply = _text(rng, f, t, reply_chars, lexicon)
         if (f, t) == (form, topic):
             needle_replies.append((len(messages), reply))
         messages.append({"role": "assistant", "content": reply})
@@ -302,19 +329,20 @@ def mrcr_item(rng: random.Random, n_needles: int, n_chars: int) -> TaskItem:
 
 
 # ---------------------------------------------------------------- item streams
-def _next(task: str, rng: random.Random, i: int, n_needles: int | None, mrcr_chars: int) -> TaskItem:
+def _next(task: str, rng: random.Random, i: int, n_needles: int | None, mrcr_chars: int, mrcr_words: int
+          ) -> TaskItem:
     if task == "gsm8k":
         return gsm8k_item(rng)
     if task == "aime25":
         return aime_item(rng, i)
-    return mrcr_item(rng, n_needles, mrcr_chars)
+    return mrcr_item(rng, n_needles, mrcr_chars, mrcr_words)
 
 
 def items(task: str, split: str, seed: int, n: int, *, n_needles: int | None = None,
-          mrcr_chars: int = EVAL_MRCR_CHARS) -> list[TaskItem]:
+          mrcr_chars: int = EVAL_MRCR_CHARS, mrcr_words: int = MRCR_WORDS) -> list[TaskItem]:
     """The first ``n`` items of ``task``'s stream in ``split``."""
     rng = stream(task, split, seed, n_needles)
-    return [_next(task, rng, i, n_needles, mrcr_chars) for i in range(n)]
+    return [_next(task, rng, i, n_needles, mrcr_chars, mrcr_words) for i in range(n)]
 
 
 def eval_prompt_keys(task: str, seeds: tuple[int, ...], n: int) -> set[str]:
@@ -324,23 +352,24 @@ def eval_prompt_keys(task: str, seeds: tuple[int, ...], n: int) -> set[str]:
     return {t.prompt_key for s in seeds for k in needles for t in items(task, "eval", s, n, n_needles=k)}
 
 
-def train_streams(task: str, seed: int, exclude: set[str], needles: tuple[int, ...], mrcr_chars: int
-                  ) -> list[Iterator[TaskItem]]:
+def train_streams(task: str, seed: int, exclude: set[str], needles: tuple[int, ...], mrcr_chars: int,
+                  mrcr_words: int = MRCR_WORDS) -> list[Iterator[TaskItem]]:
     """``task``'s training streams under ``seed`` (``train_items``): one for GSM8K / AIME, one per needle
-    count of ``needles`` for MRCR (conversations of ``mrcr_chars``)."""
+    count of ``needles`` for MRCR (conversations of ``mrcr_chars``, replies from ``mrcr_words`` words)."""
     if task != "mrcr":
         return [train_items(task, seed, exclude)]
-    return [train_items(task, seed, exclude, n_needles=n, mrcr_chars=mrcr_chars) for n in needles]
+    return [train_items(task, seed, exclude, n_needles=n, mrcr_chars=mrcr_chars, mrcr_words=mrcr_words)
+            for n in needles]
 
 
 def train_items(task: str, seed: int, exclude: set[str], *, n_needles: int | None = None,
-                mrcr_chars: int = EVAL_MRCR_CHARS) -> Iterator[TaskItem]:
+                mrcr_chars: int = EVAL_MRCR_CHARS, mrcr_words: int = MRCR_WORDS) -> Iterator[TaskItem]:
     """An endless stream of training items of ``task``, skipping every item whose ``prompt_key`` is in
     ``exclude`` (the eval sets' keys): no eval question is ever trained on."""
     rng = stream(task, "train", seed, n_needles)
     i = 0
     while True:
-        item = _next(task, rng, i, n_needles, mrcr_chars)
+        item = _next(task, rng, i, n_needles, mrcr_chars, mrcr_words)
         i += 1
         if item.prompt_key not in exclude:
             yield item

@@ -18,18 +18,19 @@ SENTINEL_VOCAB = 1024  # the k3-sentinel preset's vocab_size
 CORPUS_ITEMS = {"gsm8k": 1500, "aime25": 1500, "mrcr": 150}  # training items per task in the corpus
 
 
-def sentinel_corpus(seed: int = 0) -> list[str]:
-    """The tokenizer's training text: ``CORPUS_ITEMS`` chats per task from the training streams."""
+def sentinel_corpus(seed: int = 0, mrcr_words: int = tasks.MRCR_WORDS) -> list[str]:
+    """The tokenizer's training text: ``CORPUS_ITEMS`` chats per task from the training streams (MRCR's
+    replies from the first ``mrcr_words`` of ``tasks.WORDS``)."""
     out = []
     for task, n in CORPUS_ITEMS.items():
-        kw = {"n_needles": 2, "mrcr_chars": 1500} if task == "mrcr" else {}
+        kw = {"n_needles": 2, "mrcr_chars": 1500, "mrcr_words": mrcr_words} if task == "mrcr" else {}
         out.extend(render_chat(item.messages) for item in tasks.items(task, "train", seed, n, **kw))
     return out
 
 
-def build_sentinel_tokenizer(vocab_size: int = SENTINEL_VOCAB, seed: int = 0):
+def build_sentinel_tokenizer(vocab_size: int = SENTINEL_VOCAB, seed: int = 0, mrcr_words: int = tasks.MRCR_WORDS):
     """The sentinel's ``PreTrainedTokenizerFast`` (pad 0, bos 1, eos 2, ChatML template, digits split)."""
-    return build_tokenizer(vocab_size, sentinel_corpus(seed), split_digits=True)
+    return build_tokenizer(vocab_size, sentinel_corpus(seed, mrcr_words), split_digits=True)
 
 
 def save_sentinel_tokenizer(path: str | Path, vocab_size: int = SENTINEL_VOCAB, seed: int = 0):

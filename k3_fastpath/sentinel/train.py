@@ -115,6 +115,8 @@ class TrainPlan:
     loss_share: tuple[tuple[str, float], ...] | None = (("gsm8k", 0.3), ("aime25", 0.4), ("mrcr", 0.3))
     mrcr_needles: tuple[int, ...] = (2, 4)
     mrcr_chars: int = 1500
+    mrcr_words: int = tasks.MRCR_WORDS  # the MRCR replies' lexicon (the first N of tasks.WORDS; the tokenizer's
+    # corpus drawn alike): the eval files use tasks.MRCR_WORDS
     time_limit_s: float | None = None
     pack: bool = True  # rows hold whole items up to seq_len, first-fit from the next few (no reset between)
     kda: str = "auto"  # the KDA recurrence: reference (kda_chunked), fla (fla_kda), auto: fla on CUDA if importable
@@ -160,7 +162,7 @@ class Batches:
         self.exclude = {task: tasks.eval_prompt_keys(task, EVAL_SEEDS, EVAL_EXCLUDE[task]) for task, _ in plan.mix}
         for task, _ in plan.mix:
             self.streams[task] = tasks.train_streams(task, plan.seed, self.exclude[task], plan.mrcr_needles,
-                                                     plan.mrcr_chars)
+                                                     plan.mrcr_chars, plan.mrcr_words)
 
     def row(self) -> tuple[list[int], list[int]]:
         """One training row: an item, or with ``plan.pack`` whole items up to ``seq_len``: the oldest waiting
@@ -461,7 +463,7 @@ def _train(plan: TrainPlan, out: Path, device: str, log, profile: bool, expect_d
     kda = _use_kda(model, plan.kda, device, plan.fla_autotune)
     if plan.moe == "grouped":
         use_grouped_routed(model)
-    tok = build_sentinel_tokenizer(cfg.vocab_size, plan.seed)
+    tok = build_sentinel_tokenizer(cfg.vocab_size, plan.seed, plan.mrcr_words)
     batches = Batches(plan, tok)
     data = BatchesAhead(batches)
     params = [p for p in model.parameters() if p.requires_grad]
