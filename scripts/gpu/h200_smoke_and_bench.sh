@@ -37,18 +37,19 @@
 #   sentinel-repro  a 20-step sentinel training, then its rebuild with --expect-digest (the first's digest)
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s); K3_EVAL_ONLY=evals.gsm8k,... runs only those checks (--only)
-#   sentinel-standard  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier standard --only evals.gsm8k,evals.aime25,
-#             evals.mrcr: the standard tier's own sentinel evals (its sizes), within K3_EVAL_S (default 520 s)
-#   sentinel-defects  the sentinel-evals tier once per planted defect (verify/defects.py; K3_DEFECTS, default
-#             all) with --engine builtin:fast+defect=NAME against K3_DEFECT_BASELINE (default builtin:fast, the
-#             clean fast path; builtin:reference is ~27x slower), each within K3_EVAL_S, then `python -m
-#             verify.defects table` of the last sentinel-evals or sentinel-standard bundle (the clean run: run one first) and
-#             these (sentinel-defects.md: which eval caught which defect); K3_EVAL_ONLY as for sentinel-evals;
-#             each run's budgets K3_DEFECT_BUDGETS (default "evals.gsm8k=60 evals.aime25=90 evals.mrcr=60": the
-#             fast path on both sides, where the tier's budgets are sized for the eager reference; session 28
-#             measured 28 s / - / 15 s with every chat sent alone), each within K3_EVAL_S (default 240);
-#             K3_DEFECT_PARALLEL runs (default 1) at once on the GPU (the sentinel's steps leave it mostly idle;
-#             the clean run, the last sentinel-evals or sentinel-standard bundle, has compiled every kernel),
+#   sentinel-standard  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier standard --only $K3_EVAL_ONLY (default
+#             evals.gsm8k,evals.aime25,evals.mrcr): the standard tier's own sentinel evals (its sizes), within
+#             K3_EVAL_S (default 520 s)
+#   sentinel-defects  one run per planted defect (verify/defects.py; K3_DEFECTS, default all) of the tier of the
+#             clean run (the last sentinel-evals or sentinel-standard bundle on this machine: run one first),
+#             with its checks and sizes (--only as it ran), --engine builtin:fast+defect=NAME against
+#             K3_DEFECT_BASELINE (default builtin:fast, the clean fast path; builtin:reference is ~27x slower),
+#             each within K3_EVAL_S (default 240), then `python -m verify.defects table CLEAN DEFECTS...`
+#             (sentinel-defects.md: which eval caught which defect); each run's budgets K3_DEFECT_BUDGETS
+#             (default "evals.gsm8k=90 evals.aime25=120 evals.mrcr=60": the fast path on both sides, where the
+#             tiers' budgets are sized for the eager reference; on an H100 the standard tier's 300 GSM8K items
+#             took 7 s on the fast path, the engines' build ~40 s); K3_DEFECT_PARALLEL runs (default 1) at once
+#             on the GPU (the sentinel's steps leave it mostly idle; the clean run has compiled every kernel),
 #             at most one per 32 GB of free GPU memory (two fast engines of ~15 GB each a run)
 #   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
 #             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz.part-aa, -ab, ...
@@ -146,13 +147,16 @@ for what in "$@"; do
       sentinel-standard) E=${K3_EVAL_S:-520}
         if [ -f /tmp/sentinel/training.json ]; then
           K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier standard \
-            --only evals.gsm8k,evals.aime25,evals.mrcr --output "/tmp/bundles/$stamp-$gpu-sentinel-standard" \
+            --only "${K3_EVAL_ONLY:-evals.gsm8k,evals.aime25,evals.mrcr}" --output "/tmp/bundles/$stamp-$gpu-sentinel-standard" \
             --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-standard.log" || rc=1
         else echo "sentinel-standard: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
       sentinel-defects) E=${K3_EVAL_S:-240}
-        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=60 evals.aime25=90 evals.mrcr=60}; do budgets+=(--budget "$b"); done
+        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=90 evals.aime25=120 evals.mrcr=60}; do budgets+=(--budget "$b"); done
         clean=$(ls -d /tmp/bundles/*-sentinel-evals /tmp/bundles/*-sentinel-standard 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
+          # the clean run's tier and checks: a defect is judged at the sizes the clean run passed at
+          case "$clean" in *-sentinel-standard) tier=standard ;; *) tier=scripts/gpu/sentinel-evals.yaml ;; esac
+          only=$(python3 -c "import json,sys; print(','.join(json.load(open(sys.argv[1]))['planned_checks']))" "$clean/manifest.json")
           # each run builds two fast engines of ~15 GB (a slot pool of 64 sequences at the sentinel's 65,536
           # tokens): at most one run per 32 GB free (session 29: six at once on an 80 GB H100 ran out of memory)
           par=${K3_DEFECT_PARALLEL:-1}; room=$(( $(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1) / 32768 ))
@@ -160,9 +164,9 @@ for what in "$@"; do
           planted=(); defects=(${K3_DEFECTS:-$(python3 -m verify.defects list)})
           for d in "${defects[@]}"; do
             planted+=("/tmp/bundles/$stamp-$gpu-sentinel-defect-$d")
-            K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier scripts/gpu/sentinel-evals.yaml \
+            K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier "$tier" \
               --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
-              --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" ${K3_EVAL_ONLY:+--only "$K3_EVAL_ONLY"} \
+              --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" --only "$only" \
               >"/tmp/defect-$d.log" 2>&1 &
             while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n; done
           done
