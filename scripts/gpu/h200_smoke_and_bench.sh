@@ -44,11 +44,12 @@
 #             clean run (the last sentinel-evals or sentinel-standard bundle on this machine: run one first),
 #             with its checks and sizes (--only as it ran), --engine builtin:fast+defect=NAME against
 #             K3_DEFECT_BASELINE (default builtin:fast, the clean fast path; builtin:reference is ~27x slower),
-#             each within K3_EVAL_S (default 240), then `python -m verify.defects table CLEAN DEFECTS...`
+#             each within K3_EVAL_S (default 450), then `python -m verify.defects table CLEAN DEFECTS...`
 #             (sentinel-defects.md: which eval caught which defect); each run's budgets K3_DEFECT_BUDGETS
-#             (default "evals.gsm8k=90 evals.aime25=120 evals.mrcr=60": the fast path on both sides, where the
+#             (default "evals.gsm8k=150 evals.aime25=180 evals.mrcr=90": the fast path on both sides, where the
 #             tiers' budgets are sized for the eager reference; on an H100 the standard tier's 300 GSM8K items
-#             took 7 s on the fast path, the engines' build ~40 s); K3_DEFECT_PARALLEL runs (default 1) at once
+#             took 7.4 s on the fast path alone and 25.8 s with two runs at once, and 80 s did not cover a run's
+#             two engine builds and both sides, bundles/runs/2026-12-07-h100-session30); K3_DEFECT_PARALLEL runs (default 1) at once
 #             on the GPU (the sentinel's steps leave it mostly idle; the clean run has compiled every kernel),
 #             at most one per 32 GB of free GPU memory (two fast engines of ~15 GB each a run)
 #   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
@@ -150,8 +151,8 @@ for what in "$@"; do
             --only "${K3_EVAL_ONLY:-evals.gsm8k,evals.aime25,evals.mrcr}" --output "/tmp/bundles/$stamp-$gpu-sentinel-standard" \
             --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-standard.log" || rc=1
         else echo "sentinel-standard: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
-      sentinel-defects) E=${K3_EVAL_S:-240}
-        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=90 evals.aime25=120 evals.mrcr=60}; do budgets+=(--budget "$b"); done
+      sentinel-defects) E=${K3_EVAL_S:-450}
+        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=150 evals.aime25=180 evals.mrcr=90}; do budgets+=(--budget "$b"); done
         clean=$(ls -d /tmp/bundles/*-sentinel-evals /tmp/bundles/*-sentinel-standard 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
           # the clean run's tier and checks: a defect is judged at the sizes the clean run passed at
