@@ -115,6 +115,7 @@ def test_tampered_run_bundle_fails_verification(smoke_bundle, tmp_path):
         (("run", "--tier", "nonsense"), "unknown tier"),
         (("run", "--tier", "smoke", "--preset", "k4-huge"), "config"),
         (("run", "--tier", "smoke", "--device", "tpu"), "--device"),
+        (("run", "--tier", "smoke", "--max-model-len", "1"), "--max-model-len"),
         (("bundle", "verify", "/nonexistent/bundle"), "nonexistent"),
     ],
 )

@@ -199,6 +199,28 @@ def test_resume_refuses_other_gpu_source_or_tier(tmp_path):
     assert "plans other checks" in _resume_problem(m, load_tier("standard"), "k3-tiny", "cuda", dict(part))
     assert "preset" in _resume_problem(m, tier, "k3-mini", "cuda", dict(part))
     assert "checkpoint digest" in _resume_problem(m, tier, "k3-tiny", "cuda", dict(part), "c" * 64)
+    assert "max_model_len None" in _resume_problem(m, tier, "k3-tiny", "cuda", dict(part), None, 4096)
+
+
+def test_max_model_len_reaches_the_builtin_engines_and_the_manifest(tmp_path):
+    """``--max-model-len``: every builtin engine serves that many positions (the fast path's cache pool is
+    sized by it), the manifest records it for --resume and ``bundle audit``; over the model's limit, an
+    engine refuses to build with the limit in the message."""
+    from verify.engines.base import EngineError
+    from verify.runner import make_engine_pool
+
+    pool = make_engine_pool(None, None, "k3-tiny", "cpu", 0, max_model_len=512)
+    try:
+        assert pool.get("engine_under_test").max_model_len == 512
+    finally:
+        pool.close()
+    with pytest.raises(EngineError, match=r"max_model_len 9000 must lie in 2\.\.4096"):
+        make_engine_pool(None, None, "k3-tiny", "cpu", 0, max_model_len=9000).get("baseline")
+    t = _tier(tmp_path, "  - id: reference.determinism\n    budget_s: 60\n    params: {batch: 2}\n")
+    _run(t, tmp_path / "b", max_model_len=512)
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    assert manifest["config"]["max_model_len"] == 512
+    assert all(e["options"]["max_model_len"] == 512 for e in manifest["engines"])
 
 
 def test_bundle_verify_checks_the_parts():

@@ -75,6 +75,11 @@ def run(
                                     "only those (in tier order; recorded in the bundle)"),
     budget: list[str] = typer.Option([], "--budget", help="CHECK=SECONDS: that check's budget instead of the "
                                      "tier's (repeatable; recorded in the bundle)"),
+    max_model_len: int | None = typer.Option(None, "--max-model-len", help="positions (prompt + output) the "
+                                             "builtin engines and a launched vllm serve, as vLLM's --max-model-len: "
+                                             "the fast path's cache pool is sized by it (default: the served "
+                                             "model's max_position_embeddings; vllm, its own default); recorded in "
+                                             "the bundle"),
     fmt: str = FormatOpt,
 ) -> None:
     """Run a tier of checks and write a result bundle (directory + .tar.gz)."""
@@ -83,6 +88,8 @@ def run(
     from verify.runner import run_tier
 
     preset = model_argument(preset, checkpoint)  # --checkpoint DIR: the model is DIR (--preset DIR is its alias)
+    if max_model_len is not None and max_model_len < 2:
+        raise UserError(f"--max-model-len {max_model_len}: an engine serves at least 2 positions")
     signer = None
     if sign is not None:  # a bad key fails before anything runs
         from verify.bundle.signing import load_signer
@@ -91,7 +98,8 @@ def run(
     verdict, root = run_tier(tier, output, preset, device, seed, out, argv=["k3-verify", *sys.argv[1:]],
                              engine=engine, baseline_engine=baseline_engine,
                              model_dir=str(model_dir) if model_dir else None, resume=resume,
-                             time_limit_s=time_limit, only=_check_ids(only), budgets=_budgets(budget))
+                             time_limit_s=time_limit, only=_check_ids(only), budgets=_budgets(budget),
+                             max_model_len=max_model_len)
     if signer is not None:
         _sign(root, signer, out)
     out.finish()

@@ -131,16 +131,20 @@ def _free_device_memory() -> None:
 
 
 def make_engine_pool(engine: str | None, baseline_engine: str | None, preset: str, device: str, seed: int,
-                     log: Any = None, model_dir: str | None = None, log_dir: str | None = None) -> Any:
+                     log: Any = None, model_dir: str | None = None, log_dir: str | None = None,
+                     max_model_len: int | None = None) -> Any:
     """The run's engines (built lazily by the checks that use them): ``engine`` defaults to builtin:fast on
     an sm_90 GPU and builtin:reference elsewhere; the baseline to builtin:reference. A bad spec -> UserError.
     ``model_dir``: the HF model a launched ``vllm`` engine serves; ``log_dir``: where it keeps the server's
-    log and launch config (the bundle's ``logs/``)."""
+    log and launch config (the bundle's ``logs/``); ``max_model_len``: the positions every engine serves
+    (None: each engine's default, the served model's ``max_position_embeddings`` for builtin ones)."""
     from verify.engines import BASELINE_DEFAULT, EngineError, EnginePool, default_engine_spec
 
     specs = {"engine_under_test": engine or default_engine_spec(device),
              "baseline": baseline_engine or BASELINE_DEFAULT}
     opts: dict[str, Any] = {"preset": preset, "device": device, "seed": seed}
+    if max_model_len is not None:
+        opts["max_model_len"] = int(max_model_len)
     if any(s.startswith("vllm") for s in specs.values()):
         opts.update(model_dir=model_dir, log_dir=log_dir)
     try:
@@ -159,15 +163,15 @@ def _part(env: dict[str, Any], device: str, checks: list[str]) -> dict[str, Any]
 
 
 def _resume_problem(manifest: dict[str, Any], tier: Any, preset: str, device: str, part: dict[str, Any],
-                    model_digest: str | None = None) -> str | None:
+                    model_digest: str | None = None, max_model_len: int | None = None) -> str | None:
     """Why ``part`` may not continue the bundle whose manifest is ``manifest``, or None. The rule: the same
-    tier (checks in the same order), preset, device and checkpoint digest, and every part on the first part's GPU model
+    tier (checks in the same order), preset, device, checkpoint digest and max_model_len, and every part on the first part's GPU model
     and source tree (``parts[0]``): numbers from two GPU models or two versions of the code are never mixed
     in one verdict."""
     if manifest.get("planned_checks") != tier.check_ids:
         return f"the bundle's tier {manifest.get('tier')!r} plans other checks than {tier.name!r}"
     cfg = manifest.get("config") or {}
-    for key, want in (("preset", preset), ("device", device)):
+    for key, want in (("preset", preset), ("device", device), ("max_model_len", max_model_len)):
         if cfg.get(key) != want:
             return f"the bundle ran with {key} {cfg.get(key)!r}, this run has {want!r}"
     recorded = (cfg.get("model") or {}).get("digest") if isinstance(cfg.get("model"), dict) else None
@@ -186,9 +190,10 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
              argv: list[str], overrides: dict[str, dict[str, Any]] | None = None, engine: str | None = None,
              baseline_engine: str | None = None, model_dir: str | None = None,
              resume: bool = False, time_limit_s: float | None = None, only: list[str] | None = None,
-             budgets: dict[str, float] | None = None) -> tuple[str, Path]:
+             budgets: dict[str, float] | None = None, max_model_len: int | None = None) -> tuple[str, Path]:
     """Run ``tier_name`` into the bundle at ``output`` (or a new ``bundles/local/<stamp>``); ``resume``
-    continues the unfinished bundle at ``output``, running only the checks without a result. ``only`` /
+    continues the unfinished bundle at ``output``, running only the checks without a result (with the
+    ``max_model_len`` it recorded: ``config.max_model_len``, None for the engines' defaults). ``only`` /
     ``budgets``: the tier's checks narrowed to those ids / given other budgets (``tiers.select_checks``;
     the bundle plans only those and records the selection as ``config.tier_selection``).
     ``time_limit_s``: start no check whose budget would end past this many seconds from now (the first
@@ -241,13 +246,13 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
         done = {r.id for r in sealed_results(root)}
         todo_ids = [c for c in tier.check_ids if c not in done]
         part = _part(env, device, todo_ids)
-        problem = _resume_problem(manifest, tier, preset, device, part, source.digest)
+        problem = _resume_problem(manifest, tier, preset, device, part, source.digest, max_model_len)
         if problem:
             raise UserError(f"--resume: refusing to continue {root}: {problem}")
     elif root.exists() and any(root.iterdir()):
         raise UserError(f"output directory {root} exists and is not empty (continue it with --resume)")
     pool = make_engine_pool(engine, baseline_engine, preset, device, seed, model_dir=model_dir,
-                            log_dir=str(root / "logs"))
+                            log_dir=str(root / "logs"), max_model_len=max_model_len)
     pool.opts["model_source"] = source  # builtin engines serve the tensors the run read (not in the manifest)
     try:
         if resume:
@@ -261,7 +266,7 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
                 config={"preset": preset, "weights": source.weights(), "model": source.manifest(), "device": device,
                         "tier_source": tier.source, "cpu_threads": cpu_threads,
                         "tier_budget_s": tier.budget_s, "tier_target_s": tier.target_s,
-                        "check_plan": check_plan,
+                        "check_plan": check_plan, "max_model_len": max_model_len,
                         **({"tier_selection": {"only": list(only or []), "budgets": dict(budgets or {})}}
                            if only or budgets else {})},
                 seeds={"global": seed}, env=env, part=part,

@@ -51,7 +51,8 @@
 #             took 7.4 s on the fast path alone and 25.8 s with two runs at once, and 80 s did not cover a run's
 #             two engine builds and both sides, bundles/runs/2026-12-07-h100-session30); K3_DEFECT_PARALLEL runs (default 1) at once
 #             on the GPU (the sentinel's steps leave it mostly idle; the clean run has compiled every kernel),
-#             at most one per 32 GB of free GPU memory (two fast engines of ~15 GB each a run)
+#             each serving K3_DEFECT_MAX_LEN positions (--max-model-len; default 16,384), at most as many as the
+#             free GPU memory holds (two fast engines a run, their slot pools sized by that length)
 #   triton-cache  pack the Triton cache (/tmp/triton-cache: fla's compiled kernels and autotuning results,
 #             TRITON_PRINT_AUTOTUNING=1 logs each autotuning) into $OUT/triton-cache.tar.gz.part-aa, -ab, ...
 #             (15 MB each: a file over 16 MiB does not come back; after sentinel-train the cache was 32 MB); a later machine
@@ -158,16 +159,19 @@ for what in "$@"; do
           # the clean run's tier and checks: a defect is judged at the sizes the clean run passed at
           case "$clean" in *-sentinel-standard) tier=standard ;; *) tier=scripts/gpu/sentinel-evals.yaml ;; esac
           only=$(python3 -c "import json,sys; print(','.join(json.load(open(sys.argv[1]))['planned_checks']))" "$clean/manifest.json")
-          # each run builds two fast engines of ~15 GB (a slot pool of 64 sequences at the sentinel's 65,536
-          # tokens): at most one run per 32 GB free (session 29: six at once on an 80 GB H100 ran out of memory)
-          par=${K3_DEFECT_PARALLEL:-1}; room=$(( $(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1) / 32768 ))
+          # each run builds two fast engines whose MLA slot pools (64 sequences x max_len x 576 BF16 x 3 layers)
+          # are ~15 GB each at the sentinel's 65,536 positions (session 29: six such runs at once on an 80 GB H100
+          # ran out of memory): the runs serve K3_DEFECT_MAX_LEN positions (default 16,384: the standard tier's
+          # longest MRCR chat is ~8.2K tokens), and one run per 4 GB + 2 x 15 GB x max_len / 65,536 free is let in
+          mlen=${K3_DEFECT_MAX_LEN:-16384}; per_run=$((4096 + 30720 * mlen / 65536))
+          par=${K3_DEFECT_PARALLEL:-1}; room=$(( $(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1) / per_run ))
           [ "$par" -gt "$room" ] && { echo "sentinel-defects: $par runs at once do not fit the GPU's free memory: $((room > 0 ? room : 1))"; par=$((room > 0 ? room : 1)); }
           planted=(); defects=(${K3_DEFECTS:-$(python3 -m verify.defects list)})
           for d in "${defects[@]}"; do
             planted+=("/tmp/bundles/$stamp-$gpu-sentinel-defect-$d")
             K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier "$tier" \
               --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
-              --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" --only "$only" \
+              --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" --only "$only" --max-model-len "$mlen" \
               >"/tmp/defect-$d.log" 2>&1 &
             while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n; done
           done

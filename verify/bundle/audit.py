@@ -267,7 +267,7 @@ def audit_bundle(path: str | Path, out_dir: str | Path, *, sample: int = 20, che
             run_tier(str(tmp / "audit.yaml"), rerun_root, config.get("preset") or "auto", device,
                      int((manifest.get("seeds") or {}).get("global", 0)), out,
                      argv=["k3-verify", "bundle", "audit", str(path)], engine=engines.get("engine_under_test"),
-                     baseline_engine=engines.get("baseline"))
+                     baseline_engine=engines.get("baseline"), max_model_len=config.get("max_model_len"))
             rerun = read_bundle(rerun_root)
             rerun_recs = rerun.records
             rerun_status = {cid: r.status for cid, r in rerun.results.items()}
