@@ -192,8 +192,9 @@ def run_tier(tier_name: str, output: Path | None, preset: str, device: str, seed
              resume: bool = False, time_limit_s: float | None = None, only: list[str] | None = None,
              budgets: dict[str, float] | None = None, max_model_len: int | None = None) -> tuple[str, Path]:
     """Run ``tier_name`` into the bundle at ``output`` (or a new ``bundles/local/<stamp>``); ``resume``
-    continues the unfinished bundle at ``output``, running only the checks without a result (with the
-    ``max_model_len`` it recorded: ``config.max_model_len``, None for the engines' defaults). ``only`` /
+    continues the unfinished bundle at ``output``, running only the checks without a result.
+    ``max_model_len``: the positions every engine serves (``config.max_model_len``; None: the engines'
+    defaults; a resumed bundle requires the one it recorded). ``only`` /
     ``budgets``: the tier's checks narrowed to those ids / given other budgets (``tiers.select_checks``;
     the bundle plans only those and records the selection as ``config.tier_selection``).
     ``time_limit_s``: start no check whose budget would end past this many seconds from now (the first
