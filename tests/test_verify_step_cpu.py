@@ -52,6 +52,49 @@ def _close(a, b, what, rel=0.02):
     assert d <= rel * max(b.float().abs().max().item(), 1e-6), f"{what}: max diff {d:.3g}"
 
 
+NEAR_TIE = 1e-2  # a router score margin (k-th minus (k+1)-th selection score) below which BF16 rounding at
+# another M may pick the other expert
+
+
+def _record_routing(ex) -> list:
+    """Every ``moe_router`` call of ``ex`` from now on, appended as (each row's top-k ids sorted, each row's
+    margin between the k-th and the (k+1)-th selection score)."""
+    from verify.defects import wrap_op
+
+    calls = []
+
+    def make(fn):
+        def routed(x, w, bias, k, *rest, **kw):
+            ids, weights = fn(x, w, bias, k, *rest, **kw)
+            score = (torch.sigmoid(x.float() @ w.float().t()) + bias.float()).sort(dim=-1, descending=True).values
+            calls.append((ids.sort(dim=-1).values, score[:, k - 1] - score[:, k]))
+            return ids, weights
+        return routed
+
+    wrap_op(ex, "moe_router", make)
+    return calls
+
+
+def _routing_flips(fused_calls: list, step_calls: list, active: torch.Tensor) -> dict[int, int]:
+    """Per request, its first verify row whose expert selection differs in some layer between the fused step
+    (one call a layer, rows ``b * T + t``) and the decode steps (``T`` steps of one call a layer, row ``b``).
+    The first such layer must sit at a near tie on both sides (a selection that differs otherwise is a bug);
+    the layers and rows after it see different inputs and may differ anyway."""
+    layers, rows = len(fused_calls), active.shape[1]
+    assert len(step_calls) == rows * layers
+    first: dict[int, int] = {}
+    for b, t in active.nonzero().tolist():  # each request's rows in order
+        for layer in range(layers):
+            if b in first:
+                break
+            f_ids, f_margin = (c[b * rows + t] for c in fused_calls[layer])
+            s_ids, s_margin = (c[b] for c in step_calls[t * layers + layer])
+            if not torch.equal(f_ids, s_ids):
+                assert max(f_margin, s_margin) < NEAR_TIE, (b, t, layer, f_ids, s_ids, f_margin, s_margin)
+                first[b] = t
+    return first
+
+
 @pytest.mark.parametrize("backend", ["latency_specialized", "standard_graph"])
 def test_fused_verify_is_decode_steps_and_commits_the_kept_rows(model, seed, backend):
     from k3_fastpath.runtime.spec_decode import commit, verify_step
@@ -64,7 +107,10 @@ def test_fused_verify_is_decode_steps_and_commits_the_kept_rows(model, seed, bac
     active = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]], dtype=torch.bool)  # ragged; one request idle
     keep = torch.tensor([3, 1, 0])
     own_before = _kda_state(fused)
+    routing = _record_routing(ex)
     logits = ex.verify(feed, fused, active)
+    fused_routing = list(routing)
+    routing.clear()
     assert logits.shape == (3, 4, CFG.vocab_size)
     for a, b in zip(_kda_state(fused), own_before, strict=True):  # nothing written to the requests' own slots yet
         assert torch.equal(a, b)
@@ -73,14 +119,22 @@ def test_fused_verify_is_decode_steps_and_commits_the_kept_rows(model, seed, bac
     start = cols.lengths.clone()  # the same rows as decode steps on the copy, committed by restoring copies
     ref, states = verify_step(ex, cols, feed, active, fused=False)
     commit(cols, start, states, keep)
-    for b, t in active.nonzero().tolist():
+    # a router near tie that BF16 rounding at another M breaks the other way changes that row and the
+    # request's later rows: those are not compared (most seeds have none)
+    flipped = _routing_flips(fused_routing, routing, active)
+    compared = [(b, t) for b, t in active.nonzero().tolist() if t < flipped.get(b, active.shape[1])]
+    assert compared
+    for b, t in compared:
         _close(logits[b, t], ref[b, t], f"{backend} request {b} row {t} logits")
     assert fused.lengths.tolist() == cols.lengths.tolist() == [9, 5, 5]
     for a, b in zip(_kda_state(fused), _kda_state(cols), strict=True):
-        _close(a, b, f"{backend} committed KDA state")
+        for r in range(3):
+            if r not in flipped:
+                _close(a[r], b[r], f"{backend} request {r} committed KDA state")
     for la, lb in zip(fused.layers, cols.layers, strict=True):
         if not hasattr(la, "tensors"):
             for r, n in enumerate(cols.lengths.tolist()):
+                n = min(n, int(start[r]) + flipped.get(r, n))  # a flipped request: its positions before the flip
                 _close(la.latent[r, :n], lb.latent[r, :n], f"{backend} MLA latents of request {r}")
     kinds = ex.trace.summary()["kinds"]
     assert kinds.get("verify") == 1, kinds
