@@ -140,6 +140,8 @@ def test_bad_plans_and_an_existing_output_are_refused(tmp_path):
     assert not (tmp_path / "nofla").exists()
     with pytest.raises(ValueError, match="mix names tasks"):
         sentinel_train.TrainPlan(mix=(("poetry", 1.0),))
+    with pytest.raises(ValueError, match="mrcr_words is 1.."):
+        sentinel_train.TrainPlan(mrcr_words=0)
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError):
         sentinel_train.train(PLAN, tmp_path / "taken", "cpu")

@@ -139,6 +139,8 @@ class TrainPlan:
             raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16, lr > 0, mtp_weight >= 0 "
                              f"and heldout_items >= 0: "
                              f"{self}")
+        if not 1 <= self.mrcr_words <= len(tasks.WORDS):
+            raise ValueError(f"mrcr_words is 1..{len(tasks.WORDS)} (the first N of tasks.WORDS), got {self.mrcr_words}")
         if {t for t, _ in self.mix} - set(tasks.TASKS) or not all(w > 0 for _, w in self.mix):
             raise ValueError(f"mix names tasks of {tasks.TASKS} with positive weights, got {self.mix}")
         if self.loss_share is not None and ({t for t, _ in self.mix} - {t for t, _ in self.loss_share}
