@@ -84,14 +84,15 @@ def _routing_flips(fused_calls: list, step_calls: list, active: torch.Tensor) ->
     assert len(step_calls) == rows * layers
     first: dict[int, int] = {}
     for b, t in active.nonzero().tolist():  # each request's rows in order
+        if b in first:  # rows after a flip see other inputs
+            continue
         for layer in range(layers):
-            if b in first:
-                break
             f_ids, f_margin = (c[b * rows + t] for c in fused_calls[layer])
             s_ids, s_margin = (c[b] for c in step_calls[t * layers + layer])
             if not torch.equal(f_ids, s_ids):
                 assert max(f_margin, s_margin) < NEAR_TIE, (b, t, layer, f_ids, s_ids, f_margin, s_margin)
                 first[b] = t
+                break  # its later layers see other inputs
     return first
 
 
