@@ -217,6 +217,18 @@ def expand_conversation(chat_history: list[dict[str, Any]]) -> list[dict[str, st
     return chat_history
 
 
+PROMPTS = {"gsm8k": gsm8k_doc_to_text, "aime25": aime_doc_to_text}  # the single-turn tasks' prompts
+
+
+def gold_answer(dataset: str, doc: dict[str, Any]) -> str | None:
+    """The reference answer ``likelihood.gold_answers`` scores: the row's ``solution`` (the synthetic rows':
+    what the sentinel is trained to write), else GSM8K's worked ``answer`` or MRCR's prefixed ``answer``;
+    None for an AIME row without a solution (math-ai/aime25 holds the integer only)."""
+    if isinstance(doc.get("solution"), str) and doc["solution"]:
+        return doc["solution"]
+    return doc["answer"] if dataset in ("gsm8k", "mrcr") else None
+
+
 # ---------------------------------------------------------------- dataset loading (custom_dataset)
 def load_k3_dataset(dataset: str, n_needles: int | None = None, data_dir: str | None = None, **_: Any):
     """lm-eval ``custom_dataset``: the ``test`` split of ``dataset`` from ``data_dir`` (lm-eval passes the

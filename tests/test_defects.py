@@ -103,10 +103,14 @@ def _eval_bundle(root, under_test: str, statuses: dict[str, tuple[str, float, fl
                                       describe_spec(baseline, "baseline")])
     for check, (status, ref, fast) in statuses.items():
         task = "k3_" + check.split(".", 1)[1]
+        if check.startswith("likelihood."):  # (status, reference nll, fast nll)
+            metrics = {f"{task}:baseline_nll": ref, f"{task}:under_test_nll": fast, f"{task}:nll_diff": fast - ref,
+                       "tasks": {task: {"items": 30, "items_worse": 21}}}
+        else:
+            metrics = {f"{task}:baseline_accuracy": ref, f"{task}:under_test_accuracy": fast,
+                       f"{task}:accuracy_diff": fast - ref, f"{task}:p_value": 0.01}
         w.add_result(CheckResult(id=check, status=status, reason="" if status == "passed" else "accuracy drop",
-                                 metrics={f"{task}:baseline_accuracy": ref, f"{task}:under_test_accuracy": fast,
-                                          f"{task}:accuracy_diff": fast - ref, f"{task}:p_value": 0.01},
-                                 duration_s=1.0))
+                                 metrics=metrics, duration_s=1.0))
     w.finalize()
     return str(root)
 
@@ -126,8 +130,8 @@ def test_the_catch_table_says_which_eval_caught_which_defect(tmp_path, capsys):
         ("kda_state_bf16", "k3_gsm8k", False), ("kda_state_bf16", "k3_mrcr", False)]
     assert problems == ["kda_state_bf16: no eval caught it"]
     assert main(["table", clean, scale]) == 0
-    assert ("| mla_scale_nope_only | builtin:reference | k3_mrcr | failed | 80.0% | 30.0% | -50.0% | 0.01 | - | - | "
-            "yes |" in capsys.readouterr().out)  # these bundles hold no sample records and no served counts
+    assert ("| mla_scale_nope_only | builtin:reference | k3_mrcr | accuracy | failed | 80.0% | 30.0% | -50.0% | 0.01 "
+            "| - | - | yes |" in capsys.readouterr().out)  # these bundles hold no sample records and no served counts
     # against the clean fast path as the baseline: accepted; against another engine: refused
     cheap = _eval_bundle(tmp_path / "cheap", "builtin:fast+defect=moe_no_renormalize",
                          {"evals.gsm8k": ("failed", 0.9, 0.6)}, baseline="builtin:fast")
@@ -146,3 +150,20 @@ def test_the_catch_table_says_which_eval_caught_which_defect(tmp_path, capsys):
                         f"{clean}: its engine under test has no planted defect"]
     assert main(["list"]) == 0 and capsys.readouterr().out.split() == list(DEFECTS)
     assert main(["table", clean]) == 2
+
+
+def test_the_catch_table_counts_the_gold_answers_likelihood_as_an_eval(tmp_path, capsys):
+    from verify.defects import catch_table, main
+
+    clean = _eval_bundle(tmp_path / "clean", "builtin:fast", {"evals.gsm8k": ("passed", 0.9, 0.9),
+                                                               "likelihood.gold_answers": ("passed", 0.05, 0.0501)})
+    bf16 = _eval_bundle(tmp_path / "bf16", "builtin:fast+defect=kda_state_bf16",
+                        {"evals.gsm8k": ("passed", 0.9, 0.9), "likelihood.gold_answers": ("failed", 0.05, 0.09)},
+                        baseline="builtin:fast")
+    rows, problems = catch_table(clean, [bf16])
+    assert [(r["check"], r["measure"], r["caught"]) for r in rows] == [
+        ("evals.gsm8k", "accuracy", False), ("likelihood.gold_answers", "nll", True)]
+    assert problems == []
+    assert main(["table", clean, bf16]) == 0
+    assert ("| kda_state_bf16 | builtin:fast | k3_gold_answers | nll | failed | 0.05 | 0.09 | 0.04 | - | 21 of 30 | - "
+            "| yes |" in capsys.readouterr().out)

@@ -162,7 +162,8 @@ def test_synthetic_formats_and_answers_are_right(tmp_path, seed) -> None:
     rows = sources.read_rows(sources.resolve("gsm8k", tmp_path))
     assert len(rows) == 40
     for r in rows:
-        assert set(r) == {"question", "answer"} and re.search(r"\n#### -?\d+$", r["answer"])
+        assert set(r) == {"question", "answer", "solution"} and re.search(r"\n#### -?\d+$", r["answer"])
+        assert utils.score_gsm8k(r["solution"], r)["score"] == 1  # the sentinel's worked answer scores right
         # every <<a op b=c>> calculator annotation is right, and the last one is the gold answer
         calcs = re.findall(r"<<(\d+)([-+*/])(\d+)=(\d+)>>", r["answer"])
         for a, op, b, c in calcs:
@@ -171,7 +172,8 @@ def test_synthetic_formats_and_answers_are_right(tmp_path, seed) -> None:
         assert int(calcs[-1][3]) == utils.gsm8k_gold(r["answer"])
         assert utils.score_gsm8k(r["answer"], r)["score"] == 1  # the worked answer scores itself right
     for r in sources.read_rows(sources.resolve("aime25", tmp_path)):
-        assert set(r) == {"id", "problem", "answer"} and 0 <= int(r["answer"]) <= 999
+        assert set(r) == {"id", "problem", "answer", "solution"} and 0 <= int(r["answer"]) <= 999
+        assert utils.score_aime(r["solution"], r)["score"] == 1
         if m := re.match(r"Find the remainder when \$(\d+)\^\{(\d+)\}\$", r["problem"]):
             assert int(r["answer"]) == pow(int(m[1]), int(m[2]), 1000)
         if m := re.search(r"x \+ y \\le (\d+)", r["problem"]):

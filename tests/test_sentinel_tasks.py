@@ -13,15 +13,18 @@ from evals.data.make_synthetic import make_all
 from evals.utils import aime_gold, extract_aime, extract_gsm8k, gsm8k_gold
 from k3_fastpath.sentinel import tasks
 
-# the eval files (seed 3, 4 MRCR items) as evals.data.make_synthetic wrote them before the generators moved:
-# bundles name their data by these digests, so a change to a generator must show up here
+# the eval files (seed 3, 4 MRCR items): bundles name their data by these digests, so a change to a generator
+# must show up here. The GSM8K and AIME rows hold the sentinel's training answer as `solution` (for
+# likelihood.gold_answers); without it their files are byte for byte the earlier ones (EARLIER_SEED3)
 PINNED_SEED3 = {
-    "aime25/test.jsonl": "d9780705e00cc8f0b0892673649edc1964f86bb08777f187c6e4e005073a86a2",
-    "gsm8k/test.jsonl": "4d12d8136bae031e3aad387df41af3dd9988fe10e839d1d284c48444a79d6c08",
+    "aime25/test.jsonl": "a8fc5280ea1e20e1d8ebd53930d443ade0fc23f420f2b866900f3c88c5997bb7",
+    "gsm8k/test.jsonl": "c1805b58c56f6e7e4129a5aaa21b91f41502b3933caacf5fcb2aafd907ad7620",
     "mrcr/2needle.jsonl": "e4accd429b77fa2517fdc0ad3077acae20465800169b868688d5725356e75b19",
     "mrcr/4needle.jsonl": "977e60a7b7bd25342f9cf84ddc84ef2b490e096ab94640de4b43e1f6d7542886",
     "mrcr/8needle.jsonl": "4ddbc5dc7485ad12086cd5289ef795ec4284d0e571e37ac52d20e85b2831bb34",
 }
+EARLIER_SEED3 = {"aime25/test.jsonl": "d9780705e00cc8f0b0892673649edc1964f86bb08777f187c6e4e005073a86a2",
+                 "gsm8k/test.jsonl": "4d12d8136bae031e3aad387df41af3dd9988fe10e839d1d284c48444a79d6c08"}
 
 
 def test_the_eval_files_are_byte_identical_to_the_pinned_digests(tmp_path):
@@ -29,6 +32,11 @@ def test_the_eval_files_are_byte_identical_to_the_pinned_digests(tmp_path):
     assert {rel: f["sha256"] for rel, f in manifest["files"].items()} == PINNED_SEED3
     for rel, digest in PINNED_SEED3.items():
         assert hashlib.sha256((tmp_path / rel).read_bytes()).hexdigest() == digest
+    for rel, digest in EARLIER_SEED3.items():  # the same items as before the rows held their solution
+        rows = [json.loads(line) for line in (tmp_path / rel).read_text(encoding="utf-8").splitlines()]
+        text = "".join(json.dumps({k: v for k, v in r.items() if k != "solution"}, ensure_ascii=False,
+                                  sort_keys=True) + "\n" for r in rows)
+        assert hashlib.sha256(text.encode()).hexdigest() == digest
 
 
 @pytest.mark.parametrize("split", tasks.SPLITS)
@@ -72,7 +80,9 @@ def test_aime_answers_are_exact_and_the_worked_solutions_box_them(split):
         assert 0 <= gold <= 999 and gold == _aime_brute_force(item.record["problem"])
         solution = item.messages[-1]["content"]
         assert extract_aime(solution) == (gold, "boxed")
-        assert item.record.keys() == {"id", "problem", "answer"}  # the solution never enters the eval row
+        # the row holds the solution for likelihood.gold_answers; the eval's prompt is the problem alone
+        assert item.record.keys() == {"id", "problem", "answer", "solution"} and item.record["solution"] == solution
+        assert solution not in tasks.aime_prompt(item.record)
         kinds.add(item.record["problem"][:20])
     assert len(kinds) == 5
 

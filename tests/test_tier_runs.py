@@ -66,7 +66,7 @@ def test_every_tier_file_loads_and_its_budget_is_the_sum_of_its_checks():
         t = load_tier(str(f))
         assert t.budget_s == sum(c.budget_s for c in t.checks) <= t.target_s, f
     targets = {n: load_tier(n).target_s for n in ("smoke", "standard", "full")}
-    assert targets == {"smoke": 300, "standard": 1790, "full": 14400}
+    assert targets == {"smoke": 300, "standard": 1940, "full": 14400}
 
 
 def test_tier_overrides_are_validated_against_the_check_parameters(tmp_path):

@@ -157,7 +157,9 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
     their difference, how many items' responses the defect changed (``changed``: of ``compared``, from the sample
     records; None without them), the steps the defective engine ran on the fast path during the check
     (``fast_steps``, the result's ``served``; None where not recorded), and whether that eval caught the defect
-    (failed where the clean run passed). Problems: a
+    (failed where the clean run passed). The likelihood checks (``likelihood.*``) give rows too: ``measure``
+    ``nll`` (each side's negative log-likelihood of the gold answers per token, their difference; ``changed``:
+    the items the defective side found less likely) where the evals' rows measure ``accuracy``. Problems: a
     clean eval that did not pass (it cannot tell a defect apart), a bundle that is not a defect run or has
     another baseline, a defect no eval caught."""
     from verify.bundle.readers import eval_checks, read_bundle
@@ -170,9 +172,12 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
     if engine(base, "engine_under_test").get("spec") != "builtin:fast":
         problems.append(f"{clean}: the clean run's engine under test is "
                         f"{engine(base, 'engine_under_test').get('spec')!r}, not builtin:fast")
-    clean_ok = {c for c in eval_checks(base) if base.status(c) == "passed"}
+    def judged(data: Any) -> list[str]:  # the eval and likelihood checks of a bundle
+        return eval_checks(data) + sorted(c for c in data.order if c.startswith(LIKELIHOOD_PREFIX))
+
+    clean_ok = {c for c in judged(base) if base.status(c) == "passed"}
     problems += [f"clean run: {c} {base.status(c)} (it cannot tell a defect apart)"
-                 for c in eval_checks(base) if c not in clean_ok]
+                 for c in judged(base) if c not in clean_ok]
     for path in planted:
         data = read_bundle(path)
         name = engine(data, "engine_under_test").get("planted_defect")
@@ -184,15 +189,18 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
             problems.append(f"{name}: baseline {baseline!r}, neither the clean run's "
                             f"{engine(base, 'baseline').get('spec')!r} nor the clean fast path")
         caught = []
-        for check in eval_checks(data):
+        for check in judged(data):
             r = data.results.get(check)
             m = r.metrics if r is not None else {}
-            changed = _changed_responses(data, check)
+            nll = check.startswith(LIKELIHOOD_PREFIX)
+            changed = _less_likely(m) if nll else _changed_responses(data, check)
+            measure = "nll" if nll else "accuracy"
             served = (m.get("served") or {}).get("under_test") if isinstance(m.get("served"), dict) else None
-            for task in sorted({k.split(":", 1)[0] for k in m if k.endswith(":accuracy_diff")}):
-                row = {"defect": name, "against": baseline, "check": check, "task": task, "status": data.status(check),
-                       "baseline": m.get(f"{task}:baseline_accuracy"), "under_test": m.get(f"{task}:under_test_accuracy"),
-                       "diff": m.get(f"{task}:accuracy_diff"), "p_value": m.get(f"{task}:p_value"),
+            for task in sorted({k.split(":", 1)[0] for k in m if k.endswith(f":{measure}_diff")}):
+                row = {"defect": name, "against": baseline, "check": check, "task": task, "measure": measure,
+                       "status": data.status(check), "baseline": m.get(f"{task}:baseline_{measure}"),
+                       "under_test": m.get(f"{task}:under_test_{measure}"),
+                       "diff": m.get(f"{task}:{measure}_diff"), "p_value": m.get(f"{task}:p_value"),
                        "changed": changed.get(task, (None, None))[0], "compared": changed.get(task, (None, None))[1],
                        "fast_steps": served.get("fast_steps") if isinstance(served, dict) else None,
                        "caught": check in clean_ok and data.status(check) == "failed",
@@ -202,6 +210,15 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
         if not caught:
             problems.append(f"{name}: no eval caught it")
     return rows, problems
+
+
+LIKELIHOOD_PREFIX = "likelihood."
+
+
+def _less_likely(metrics: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """Per task of a likelihood check: (items whose gold answer the engine under test found less likely, items)."""
+    tasks = metrics.get("tasks") if isinstance(metrics.get("tasks"), dict) else {}
+    return {t: (m["items_worse"], m["items"]) for t, m in tasks.items() if isinstance(m, dict) and "items_worse" in m}
 
 
 def _changed_responses(data: Any, check: str) -> dict[str, tuple[int, int]]:
@@ -240,15 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     except (BundleError, OSError) as e:
         print(f"defects table: {e}", file=sys.stderr)
         return 2
-    pct = lambda v: "-" if v is None else f"{100 * v:.1f}%"  # noqa: E731
-    print("| defect | against | eval task | status | baseline | fast + defect | diff | p | responses changed | "
-          "fast steps | caught |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    def fmt(v: Any, measure: str) -> str:
+        return "-" if v is None else f"{100 * v:.1f}%" if measure == "accuracy" else f"{v:.4g}"
+
+    print("| defect | against | eval task | measure | status | baseline | fast + defect | diff | p | "
+          "responses changed (nll: items less likely) | fast steps | caught |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = "-" if r["p_value"] is None else f"{r['p_value']:.3g}"
         changed = "-" if r["changed"] is None else f"{r['changed']} of {r['compared']}"
+        pct = lambda v, m=r["measure"]: fmt(v, m)  # noqa: E731
         steps = "-" if r["fast_steps"] is None else str(r["fast_steps"])
-        print(f"| {r['defect']} | {r['against']} | {r['task']} | {r['status']} | {pct(r['baseline'])} | {pct(r['under_test'])} | "
+        print(f"| {r['defect']} | {r['against']} | {r['task']} | {r['measure']} | {r['status']} | {pct(r['baseline'])} | {pct(r['under_test'])} | "
               f"{pct(r['diff'])} | {p} | {changed} | {steps} | {'yes' if r['caught'] else 'no'} |")
     for p in problems:
         print(f"- {p}")

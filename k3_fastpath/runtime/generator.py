@@ -11,8 +11,8 @@ cache) -> logits [B, T, V]`` and ``decode(tokens [B], cache, active [B]) -> logi
   still running (finished ones are passed ``active=False`` and left untouched); one-token requests
   with identical prompts share one prefill;
 - sampling per request (``sampler.py``: own seeded generator, FP32 logits), stop tokens, an optional
-  per-request token constraint (a grammar: bitmask before sampling, advanced after), an optional stop
-  callback (stop strings live on the text side);
+  per-request token constraint (a grammar: bitmask before sampling, advanced after; ``ForcedTokens``:
+  teacher forcing through decode steps), an optional stop callback (stop strings live on the text side);
 - log-probabilities: the log-softmax of the raw FP32 logits at every generated position;
 - speculative decoding (``spec``: a ``spec_decode.Speculation``): after the first token, verify steps of
   the last emitted token and up to ``k`` drafts per request (at most ``max_tokens - emitted - 1``, so no
@@ -53,6 +53,38 @@ class TokenConstraint(Protocol):
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (speculative decoding's drafts)."""
+
+
+class ForcedTokens:
+    """A ``TokenConstraint`` that allows exactly ``token_ids``, one after the other (teacher forcing through
+    decode steps): with greedy sampling and ``logprobs`` the request's log-probabilities are those the model
+    gives each forced token (from the raw logits, as always), and the decode steps that produce them are the
+    stepper's own (the fast path's, for a fast stepper). Terminated after the last token."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        if not token_ids:
+            raise ValueError("ForcedTokens needs at least one token")
+        self.token_ids = [int(t) for t in token_ids]
+        self.pos = 0
+
+    def fill_bitmask(self, bitmask: torch.Tensor) -> None:
+        bitmask.zero_()
+        if self.pos < len(self.token_ids):
+            t = self.token_ids[self.pos]
+            word = (1 << (t % 32)) - (1 << 32 if t % 32 == 31 else 0)  # int32 bit 31 is the sign bit
+            bitmask[t // 32] = word
+
+    def accept_token(self, token: int) -> bool:
+        if self.pos >= len(self.token_ids) or int(token) != self.token_ids[self.pos]:
+            return False
+        self.pos += 1
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.pos >= len(self.token_ids)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.pos = max(0, self.pos - int(num_tokens))
 
 
 @dataclass

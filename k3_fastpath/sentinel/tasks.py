@@ -5,19 +5,21 @@ randomisation, so the same seed gives the same items in every process):
 
 - ``gsm8k``: arithmetic word problems (2-3 steps) whose answer field is a GSM8K-style worked solution with
   ``<<a*b=c>>`` annotations ending ``#### <int>``; the answer the sentinel is trained to give works each
-  calculation in it one place value at a time (``worked_gsm8k``, ``worked``);
+  calculation in it one place value at a time (``worked_gsm8k``, ``worked``) and is the row's ``solution``;
 - ``aime25``: number-theory / counting problems with an integer answer in 0..999 (a string, as in
   math-ai/aime25); the worked solution (repeated squaring, inclusion-exclusion, the divisor-sum formula,
   triangular numbers; its divisions, products and sums worked by ``worked``) is the training target and
-  never part of the eval row;
+  the row's ``solution``;
 - ``mrcr``: openai/mrcr-format conversations: the same request appears ``n_needles`` times among
   distractors, the last user turn asks for the i-th one prefixed with a random string.
 
 Each generator yields ``TaskItem``: ``record`` is the eval file's row (the fields the loader and scorers
-read), ``messages`` the chat the model sees with the answer it should give as the last (assistant) turn.
-The eval split's streams are the ones ``evals.data.make_synthetic`` has always written (files are
-byte-identical); the training split's streams are named apart, and ``train_items`` also drops any item
-whose prompt is in a given eval set, so training and eval items are disjoint by construction and by check.
+read; GSM8K and AIME rows also hold the ``solution`` the sentinel is trained to write, whose likelihood
+``likelihood.gold_answers`` scores; the generative evals never read it), ``messages`` the chat the model
+sees with the answer it should give as the last (assistant) turn.
+The eval split's streams are the ones ``evals.data.make_synthetic`` writes (the same items at any count);
+the training split's streams are named apart, and ``train_items`` also drops any item whose prompt is in a
+given eval set, so training and eval items are disjoint by construction and by check.
 The prompts are the eval tasks' own (``evals/utils.py`` renders them with the functions here).
 """
 
@@ -160,9 +162,10 @@ def gsm8k_item(rng: random.Random) -> TaskItem:
         q = f"{name} is {older} years older than {other}. {other} is {young} years old. How old will {name} be in {later} years?"
         steps = [f"{name} is {young} + {older} = <<{young}+{older}={now}>>{now} years old now.",
                  f"In {later} years {name} will be {now} + {later} = <<{now}+{later}={total}>>{total}."]
-    record = {"question": q, "answer": "\n".join(steps) + f"\n#### {total}"}
+    answer = "\n".join(steps) + f"\n#### {total}"
+    record = {"question": q, "answer": answer, "solution": worked_gsm8k(answer)}
     return TaskItem("gsm8k", record, ({"role": "user", "content": gsm8k_prompt(record)},
-                                      {"role": "assistant", "content": worked_gsm8k(record["answer"])}))
+                                      {"role": "assistant", "content": record["solution"]}))
 
 
 _CALC = re.compile(r"<<(\d+)([*/+-])(\d+)=(\d+)>>")
@@ -279,10 +282,10 @@ def aime_item(rng: random.Random, i: int) -> TaskItem:
                    f"Find the remainder when $a_{{{k}}}$ is divided by $1000$.")
         steps = [f"a_{k} = {a} + {d} * (1 + 2 + ... + {k - 1}) = {a} + {d} * ({k - 1} * {k} / 2).", work,
                  f"{t_mul}. {t_add}. So a_{k} = {val}, and {val} mod 1000 = {ans}."]
-    record = {"id": f"synthetic-{i}", "problem": problem, "answer": str(ans)}
-    solution = " ".join(steps) + f" The answer is \\boxed{{{ans}}}."
+    record = {"id": f"synthetic-{i}", "problem": problem, "answer": str(ans),
+              "solution": " ".join(steps) + f" The answer is \\boxed{{{ans}}}."}
     return TaskItem("aime25", record, ({"role": "user", "content": aime_prompt(record)},
-                                       {"role": "assistant", "content": solution}))
+                                       {"role": "assistant", "content": record["solution"]}))
 
 
 # ---------------------------------------------------------------- MRCR

@@ -38,7 +38,8 @@
 #   sentinel-evals  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier scripts/gpu/sentinel-evals.yaml, within
 #             K3_EVAL_S (default 300 s); K3_EVAL_ONLY=evals.gsm8k,... runs only those checks (--only)
 #   sentinel-standard  K3_SENTINEL_DIR=/tmp/sentinel k3-verify run --tier standard --only $K3_EVAL_ONLY (default
-#             evals.gsm8k,evals.aime25,evals.mrcr): the standard tier's own sentinel evals (its sizes), within
+#             evals.gsm8k,evals.aime25,evals.mrcr,likelihood.gold_answers): the standard tier's own sentinel
+#             evals and the gold answers' likelihood (its sizes), within
 #             K3_EVAL_S (default 520 s)
 #   sentinel-defects  one run per planted defect (verify/defects.py; K3_DEFECTS, default all) of the tier of the
 #             clean run (the last sentinel-evals or sentinel-standard bundle on this machine: run one first),
@@ -46,7 +47,8 @@
 #             K3_DEFECT_BASELINE (default builtin:fast, the clean fast path; builtin:reference is ~27x slower),
 #             each within K3_EVAL_S (default 450), then `python -m verify.defects table CLEAN DEFECTS...`
 #             (sentinel-defects.md: which eval caught which defect); each run's budgets K3_DEFECT_BUDGETS
-#             (default "evals.gsm8k=150 evals.aime25=180 evals.mrcr=90": the fast path on both sides, where the
+#             (default "evals.gsm8k=150 evals.aime25=180 evals.mrcr=90 likelihood.gold_answers=150": the fast path
+#             on both sides, where the
 #             tiers' budgets are sized for the eager reference; on an H100 the standard tier's 300 GSM8K items
 #             took 7.4 s on the fast path alone and 25.8 s with two runs at once, and 80 s did not cover a run's
 #             two engine builds and both sides, bundles/runs/2026-12-07-h100-session30); K3_DEFECT_PARALLEL runs (default 1) at once
@@ -149,11 +151,11 @@ for what in "$@"; do
       sentinel-standard) E=${K3_EVAL_S:-520}
         if [ -f /tmp/sentinel/training.json ]; then
           K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier standard \
-            --only "${K3_EVAL_ONLY:-evals.gsm8k,evals.aime25,evals.mrcr}" --output "/tmp/bundles/$stamp-$gpu-sentinel-standard" \
+            --only "${K3_EVAL_ONLY:-evals.gsm8k,evals.aime25,evals.mrcr,likelihood.gold_answers}" --output "/tmp/bundles/$stamp-$gpu-sentinel-standard" \
             --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-standard.log" || rc=1
         else echo "sentinel-standard: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
       sentinel-defects) E=${K3_EVAL_S:-450}
-        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=150 evals.aime25=180 evals.mrcr=90}; do budgets+=(--budget "$b"); done
+        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=150 evals.aime25=180 evals.mrcr=90 likelihood.gold_answers=150}; do budgets+=(--budget "$b"); done
         clean=$(ls -d /tmp/bundles/*-sentinel-evals /tmp/bundles/*-sentinel-standard 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
           # the clean run's tier and checks: a defect is judged at the sizes the clean run passed at

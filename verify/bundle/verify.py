@@ -166,7 +166,8 @@ def _extract(archive: Path, dest: Path) -> Path:
 # is verified (nothing registers itself on import; each module is cheap to import: no torch). Every other
 # check's rescorer is ``status_rules.rescore`` over its rule in ``status_rules.RULES``.
 BUILTIN_RESCORERS = (("perf.decode_sweep", "verify.checks.perf:rescore_decode_sweep"),
-                     ("evals.", "verify.evals.rescore:rescore_eval"))
+                     ("evals.", "verify.evals.rescore:rescore_eval"),
+                     ("likelihood.", "verify.evals.likelihood:rescore"))
 
 
 def load_builtin_rescorers() -> None:

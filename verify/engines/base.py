@@ -63,6 +63,19 @@ class Completion:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class ScoredContinuation:
+    """A given continuation teacher-forced after a prompt: its token ids (the text's, then EOS), the
+    log-probability the model gave each (raw log-softmax), whether each was the model's greedy choice, and
+    the prompt's token count. Engines that can (``BuiltinEngine.score_chats``) produce them through the
+    decode steps they serve."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    greedy: list[bool]
+    prompt_tokens: int
+
+
 @runtime_checkable
 class Engine(Protocol):
     name: str  # "builtin:reference", "builtin:fast", "openai:vllm", "openai:vllm+latency_specialized", ...

@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from verify.engines.base import Completion, Constraint, ContextLimitError, EngineError, SamplingParams
+from verify.engines.base import (
+    Completion,
+    Constraint,
+    ContextLimitError,
+    EngineError,
+    SamplingParams,
+    ScoredContinuation,
+)
 
 
 def fast_path_unavailable_reason(device: str) -> str | None:
@@ -295,11 +302,44 @@ class BuiltinEngine:
         """Each conversation through the chat template, all completed as one ``generate`` batch (``seeds``:
         one per conversation, as ``generate`` takes them)."""
         self._check_open()
-        ids = []
-        for messages in conversations:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids.append(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]))
-        return self.generate(ids, params, constraint, seeds)
+        return self.generate([self._chat_ids(m) for m in conversations], params, constraint, seeds)
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def score_chats(self, conversations: list[list[dict[str, str]]], continuations: list[str]
+                    ) -> list[ScoredContinuation]:
+        """Per conversation, its continuation (the text's tokens, then the tokenizer's EOS) teacher-forced after
+        the chat template's generation prompt, as one batch: the first token's log-probability from the
+        prefill, every later one from a decode step of this engine's stepper (the fast path's for
+        ``builtin:fast``) fed the continuation's previous token (``generator.ForcedTokens``, greedy)."""
+        from k3_fastpath.runtime.generator import ContextLengthError, ForcedTokens, GenerationRequest
+
+        self._check_open()
+        if len(conversations) != len(continuations):
+            raise EngineError(f"{self.name}: {len(continuations)} continuations for {len(conversations)} chats")
+        eos = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else self.cfg.eos_token_id
+        prompts = [self._chat_ids(m) for m in conversations]
+        forced = [list(self.tokenizer(c, add_special_tokens=False)["input_ids"]) + [int(eos)] for c in continuations]
+        reqs = [GenerationRequest(prompt_ids=p, max_tokens=len(f), logprobs=1, stop_token_ids=self.eos_token_ids,
+                                  ignore_stop_tokens=True, constraint=ForcedTokens(f))
+                for p, f in zip(prompts, forced, strict=True)]
+        try:
+            outs = self.generator.generate(reqs)
+        except ContextLengthError as e:
+            raise ContextLimitError(f"{self.name}: {e}") from None
+        except ValueError as e:
+            raise EngineError(f"{self.name}: {e}") from None
+        scored = []
+        for f, out in zip(forced, outs, strict=True):
+            if out.token_ids != f or out.logprobs is None:
+                raise EngineError(f"{self.name}: teacher forcing produced {len(out.token_ids)} of {len(f)} tokens")
+            scored.append(ScoredContinuation(
+                token_ids=f, logprobs=[float(d[t]) for t, d in zip(f, out.logprobs, strict=True)],
+                greedy=[t == max(d, key=d.__getitem__) for t, d in zip(f, out.logprobs, strict=True)],
+                prompt_tokens=out.prompt_len))
+        return scored
 
     def next_token_logprobs(self, prompt: str | list[int]) -> dict[int, float]:
         from k3_fastpath.runtime.generator import ContextLengthError
