@@ -78,8 +78,8 @@ def _records(rng: random.Random, n: int, shift: float = 0.0, base_nll: float = 0
     for i in range(n):
         k = rng.randint(5, 40)
         lps = [-rng.expovariate(1 / base_nll) for _ in range(k)]
-        common = {"task": "t", "doc_id": i, "doc_hash": f"d{i}", "prompt_hash": f"p{i}", "token_ids": list(range(k)),
-                  "greedy": [x > -0.5 for x in lps]}
+        common = {"task": "t", "doc_id": i, "doc_hash": f"d{i}", "prompt_hash": f"p{i}", "answer_hash": f"a{i}",
+                  "greedy": [int(x > -0.5) for x in lps]}
         base.append({**common, "side": "baseline", "logprobs": lps})
         noise = [x - shift + rng.gauss(0, 1e-4) for x in lps]
         test.append({**common, "side": "under_test", "logprobs": [min(0.0, x) for x in noise]})
@@ -101,11 +101,11 @@ def test_the_gate_fails_a_shift_above_its_margin_and_passes_one_below(seed):
     assert high["detectable_increase"] > high["margin"]
     # not paired, or not a log-probability: problems, whatever the numbers
     base, test = _records(rng, 5)
-    test[2] = {**test[2], "token_ids": [9] * len(test[2]["token_ids"])}
+    test[2] = {**test[2], "answer_hash": "other"}
     assert "not a paired comparison" in compare("t", base, test, TH, seed)[1][0]
     base, test = _records(rng, 5)
     test[1] = {**test[1], "logprobs": [float("nan")] * len(test[1]["logprobs"])}
-    assert "without one finite log-probability <= 0 per answer token (first 1 (under_test))" in \
+    assert "without one finite log-probability <= 0 and one greedy flag per answer token (first 1 (under_test))" in \
         compare("t", base, test, TH, seed)[1][0]
 
 

@@ -43,7 +43,8 @@
 #             K3_EVAL_S (default 520 s)
 #   sentinel-defects  one run per planted defect (verify/defects.py; K3_DEFECTS, default all) of the tier of the
 #             clean run (the last sentinel-evals or sentinel-standard bundle on this machine: run one first),
-#             with its checks and sizes (--only as it ran), --engine builtin:fast+defect=NAME against
+#             with its checks and sizes (--only as it ran, or K3_DEFECT_ONLY: a subset of them), each run's torch
+#             CPU threads the cores / runs at once, --engine builtin:fast+defect=NAME against
 #             K3_DEFECT_BASELINE (default builtin:fast, the clean fast path; builtin:reference is ~27x slower),
 #             each within K3_EVAL_S (default 450), then `python -m verify.defects table CLEAN DEFECTS...`
 #             (sentinel-defects.md: which eval caught which defect); each run's budgets K3_DEFECT_BUDGETS
@@ -160,7 +161,7 @@ for what in "$@"; do
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
           # the clean run's tier and checks: a defect is judged at the sizes the clean run passed at
           case "$clean" in *-sentinel-standard) tier=standard ;; *) tier=scripts/gpu/sentinel-evals.yaml ;; esac
-          only=$(python3 -c "import json,sys; print(','.join(json.load(open(sys.argv[1]))['planned_checks']))" "$clean/manifest.json")
+          only=${K3_DEFECT_ONLY:-$(python3 -c "import json,sys; print(','.join(json.load(open(sys.argv[1]))['planned_checks']))" "$clean/manifest.json")}
           # each run builds two fast engines whose MLA slot pools (64 sequences x max_len x 576 BF16 x 3 layers)
           # are ~15 GB each at the sentinel's 65,536 positions (session 29: six such runs at once on an 80 GB H100
           # ran out of memory): the runs serve K3_DEFECT_MAX_LEN positions (default 16,384: the standard tier's
@@ -171,8 +172,8 @@ for what in "$@"; do
           planted=(); defects=(${K3_DEFECTS:-$(python3 -m verify.defects list)})
           for d in "${defects[@]}"; do
             planted+=("/tmp/bundles/$stamp-$gpu-sentinel-defect-$d")
-            K3_SENTINEL_DIR=/tmp/sentinel timeout -s TERM "$E" python3 -m verify.cli run --tier "$tier" \
-              --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
+            OMP_NUM_THREADS=$(( $(nproc) / par > 0 ? $(nproc) / par : 1 )) K3_SENTINEL_DIR=/tmp/sentinel \
+              timeout -s TERM "$E" python3 -m verify.cli run --tier "$tier" --engine "builtin:fast+defect=$d" --baseline-engine "${K3_DEFECT_BASELINE:-builtin:fast}" \
               --output "${planted[-1]}" --time-limit $((E - 20)) "${budgets[@]}" --only "$only" --max-model-len "$mlen" \
               >"/tmp/defect-$d.log" 2>&1 &
             while [ "$(jobs -rp | wc -l)" -ge "$par" ]; do wait -n; done

@@ -13,8 +13,8 @@ token, so the fast path's decode kernels produce all but one log-probability of 
 ``likelihood_mrcr_<n>needle@<chars>c``.
 
 Records: the config (datasets, limits, thresholds, seed, model), each data file's SHA-256, one ``sample`` per
-item and side (doc and prompt hashes, the answer's token ids, per-token log-probabilities and greedy flags),
-``engine_steps`` before and after each side (``gates.served``). Passes iff every task's gates pass and the
+item and side (doc, prompt and answer-token hashes, per-token log-probabilities to 6 significant digits and
+greedy flags), ``engine_steps`` before and after each side (``gates.served``). Passes iff every task's gates pass and the
 engine under test ran decode steps on its fast path where it counts them; ``bundle verify`` re-derives all
 of it (``verify.evals.likelihood.rescore``). ``model``: as the ``evals.*`` checks (``sentinel``: the
 trained sentinel; its synthetic items must be ones its training kept out). An engine without
@@ -160,7 +160,8 @@ def gold_answers(ctx: CheckContext, datasets: list[str] = list(DATASETS), limits
                 for it, s in zip(batch, got, strict=True):
                     rec = {"type": "sample", "task": task, "side": side, "engine": engine.name, "doc_id": it["doc_id"],
                            "doc_hash": it["doc_hash"], "prompt_hash": it["prompt_hash"], "prompt_tokens": s.prompt_tokens,
-                           "token_ids": s.token_ids, "logprobs": s.logprobs, "greedy": s.greedy}
+                           "answer_tokens": len(s.token_ids), "answer_hash": _hash(s.token_ids),
+                           "logprobs": [float(f"{x:.6g}") for x in s.logprobs], "greedy": [int(g) for g in s.greedy]}
                     ctx.record(rec)
                     out.append(rec)
         steps.append({"type": "engine_steps", "side": side, "engine": engine.name, "before": before,

@@ -2,8 +2,9 @@
 problems out, and the ``bundle verify`` rescorer that re-derives them from the records.
 
 ``likelihood.gold_answers`` (``verify.checks.likelihood``) teacher-forces each item's reference answer (a
-sample record per item and side: the answer's ``token_ids``, the ``logprobs`` the engine gave each token,
-``greedy``: whether each was the engine's argmax) through the baseline and the engine under test. Greedy
+sample record per item and side: the answer's ``answer_hash`` (SHA-256 of its token ids), the ``logprobs``
+the engine gave each token (6 significant digits), ``greedy``: 1 where the token was the engine's argmax)
+through the baseline and the engine under test. Greedy
 accuracy moves only when a defect flips a token a confident model was sure of; the answers' log-likelihood
 moves with any change to the distribution, so a numerics bug that leaves most greedy answers in place
 still shows (the trained sentinel's greedy GSM8K answers stayed put under planted defects, 2026-12-07).
@@ -132,18 +133,18 @@ def compare(task: str, base: Sequence[Mapping[str, Any]], test: Sequence[Mapping
     ids = sorted(by_b.keys() & by_t.keys())
     if not ids:
         return {"items": 0}, problems + [f"{task}: no items scored by both sides"]
-    differ = [i for i in ids if (by_b[i]["doc_hash"], by_b[i]["prompt_hash"], by_b[i]["token_ids"])
-              != (by_t[i]["doc_hash"], by_t[i]["prompt_hash"], by_t[i]["token_ids"])]
+    differ = [i for i in ids if (by_b[i]["doc_hash"], by_b[i]["prompt_hash"], by_b[i]["answer_hash"])
+              != (by_t[i]["doc_hash"], by_t[i]["prompt_hash"], by_t[i]["answer_hash"])]
     if differ:
         problems.append(f"{task}: {len(differ)} items differ in doc, prompt or answer tokens between the sides "
                         f"(first doc_id {differ[0]}): not a paired comparison")
     bad = [f"{i} ({side})" for i in ids for side, s in (("baseline", by_b[i]), ("under_test", by_t[i]))
-           if not s["logprobs"] or len(s["logprobs"]) != len(s["token_ids"]) or len(s["greedy"]) != len(s["token_ids"])
+           if not s["logprobs"] or len(s["greedy"]) != len(s["logprobs"]) or len(s["logprobs"]) != len(by_b[i]["logprobs"])
            or any(not (isinstance(x, (int, float)) and math.isfinite(x) and x <= 0) for x in s["logprobs"])]
     if bad:
         return {"items": len(ids)}, problems + [f"{task}: {len(bad)} items without one finite log-probability <= 0 "
-                                                f"per answer token (first {bad[0]})"]
-    tokens = [len(by_b[i]["token_ids"]) for i in ids]
+                                                f"and one greedy flag per answer token (first {bad[0]})"]
+    tokens = [len(by_b[i]["logprobs"]) for i in ids]
     lp_b, lp_t = [sum(by_b[i]["logprobs"]) for i in ids], [sum(by_t[i]["logprobs"]) for i in ids]
     n = sum(tokens)
     nll_b, nll_t = -sum(lp_b) / n, -sum(lp_t) / n
