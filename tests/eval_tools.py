@@ -8,6 +8,7 @@ PERMISSIVE = """
 defaults:
   alpha: 0.05
   min_relative_accuracy: 0.99
+  min_accuracy_drop: 0.01
   max_relative_length_change: 0.10
   truncation: {max_rate: 1.0, max_increase: 0.02}
   extraction_failure: {max_rate: 1.0, max_increase: 0.02}

@@ -272,3 +272,22 @@ def test_accuracy_interval_wilson_known_answers_and_bootstrap_for_fractions(seed
     assert abs((a["hi"] - a["lo"]) / 2 - half) < 0.15 * half
     with pytest.raises(ValueError, match="at least one item"):
         accuracy_interval([])
+
+
+def test_a_significant_wobble_on_a_near_zero_score_is_not_a_regression(seed) -> None:
+    """MRCR's similarity ratios on the sentinel sit near 4%: 16 items each 0.3 points lower are significant and
+    below 0.99x the baseline, yet under the 1-point absolute floor (``min_accuracy_drop``); 2 points lower
+    fails; thresholds recorded without the key (older bundles) judge by the relative rule alone, as they ran."""
+    import random
+
+    rng = random.Random(seed)
+    base = [rng.uniform(0.03, 0.06) for _ in range(16)]
+    th = Thresholds.from_dict({**TH.as_dict(), "min_accuracy_drop": 0.01})
+    _, problems = compare("m", samples(base), samples([b - 0.003 for b in base]), th, 0)
+    assert problems == []
+    _, problems = compare("m", samples(base), samples([b - 0.02 for b in base]), th, 0)
+    assert len(problems) == 1 and "below 0.99x baseline and more than 1.0 pt under it" in problems[0]
+    old = Thresholds.from_dict({k: v for k, v in TH.as_dict().items() if k != "min_accuracy_drop"})
+    assert old.min_accuracy_drop == 0.0
+    _, problems = compare("m", samples(base), samples([b - 0.003 for b in base]), old, 0)
+    assert len(problems) == 1 and "below 0.99x baseline" in problems[0]

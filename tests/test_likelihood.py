@@ -208,4 +208,18 @@ def test_the_tiers_params_bind_and_score_the_sentinel_on_kept_out_items():
             inspect.signature(check_module.gold_answers).bind(None, **{**decl.params, **params})
             assert params["model"] == "sentinel" and params["data_dir"] == "synthetic"
             assert all(n <= EVAL_EXCLUDE[d] for d, n in params["limits"].items()), (tier, params)
-    assert likelihood.load_thresholds() == LikelihoodThresholds(0.95, 5000, 0.002, 0.02)
+    assert likelihood.load_thresholds() == LikelihoodThresholds(0.95, 5000, 0.0005, 0.002)
+
+
+def test_recorded_likelihoods_rejudged_under_other_margins(capsys):
+    """The committed H100 run (session 31): the clean fast path passes under the current margins, the
+    correction bias planted into the combine weights fails both MRCR lengths; looser margins pass it."""
+    runs = Path(__file__).resolve().parents[1] / "bundles" / "runs" / "2026-12-07-h100-session31"
+    clean, bias = runs / "standard-984fcf0", runs / "defect-router_bias_in_weights-984fcf0"
+    assert likelihood.main([str(clean)]) == 0
+    assert likelihood.main([str(bias)]) == 1
+    out = capsys.readouterr().out
+    assert "likelihood_mrcr_2needle@41000c: FAIL  nll 5.963 -> 6.085" in out and "16 of 16 less likely" in out
+    loose = LikelihoodThresholds(0.95, 5000, 0.002, 0.02)
+    assert all(not problems for _, _, problems in likelihood.rejudge(bias, loose))
+    assert likelihood.main(["/nowhere"]) == 2 and "likelihood: /nowhere" in capsys.readouterr().err

@@ -46,13 +46,12 @@
 #             with its checks and sizes (--only as it ran, or K3_DEFECT_ONLY: a subset of them), each run's torch
 #             CPU threads the cores / runs at once, --engine builtin:fast+defect=NAME against
 #             K3_DEFECT_BASELINE (default builtin:fast, the clean fast path; builtin:reference is ~27x slower),
-#             each within K3_EVAL_S (default 450), then `python -m verify.defects table CLEAN DEFECTS...`
+#             each within K3_EVAL_S (default 560), then `python -m verify.defects table CLEAN DEFECTS...`
 #             (sentinel-defects.md: which eval caught which defect); each run's budgets K3_DEFECT_BUDGETS
-#             (default "evals.gsm8k=150 evals.aime25=180 evals.mrcr=90 likelihood.gold_answers=150": the fast path
-#             on both sides, where the
-#             tiers' budgets are sized for the eager reference; on an H100 the standard tier's 300 GSM8K items
-#             took 7.4 s on the fast path alone and 25.8 s with two runs at once, and 80 s did not cover a run's
-#             two engine builds and both sides, bundles/runs/2026-12-07-h100-session30); K3_DEFECT_PARALLEL runs (default 1) at once
+#             (default "evals.gsm8k=180 evals.aime25=120 evals.mrcr=90 likelihood.gold_answers=260": the fast path
+#             on both sides, where the tiers' budgets are sized for the eager reference; on an H100 with six runs
+#             at once, bundles/runs/2026-12-07-h100-session31: gsm8k 160 s, aime25 98 s, likelihood 246 s a run,
+#             alone 7.4 s a side for gsm8k, bundles/runs/2026-12-07-h100-session30); K3_DEFECT_PARALLEL runs (default 1) at once
 #             on the GPU (the sentinel's steps leave it mostly idle; the clean run has compiled every kernel),
 #             each serving K3_DEFECT_MAX_LEN positions (--max-model-len; default 16,384), at most as many as the
 #             free GPU memory holds (two fast engines a run, their slot pools sized by that length)
@@ -155,8 +154,8 @@ for what in "$@"; do
             --only "${K3_EVAL_ONLY:-evals.gsm8k,evals.aime25,evals.mrcr,likelihood.gold_answers}" --output "/tmp/bundles/$stamp-$gpu-sentinel-standard" \
             --time-limit $((E - 20)) 2>&1 | tee "$OUT/sentinel-standard.log" || rc=1
         else echo "sentinel-standard: no /tmp/sentinel (run sentinel-train first on this machine)"; rc=2; fi ;;
-      sentinel-defects) E=${K3_EVAL_S:-450}
-        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=150 evals.aime25=180 evals.mrcr=90 likelihood.gold_answers=150}; do budgets+=(--budget "$b"); done
+      sentinel-defects) E=${K3_EVAL_S:-560}
+        budgets=(); for b in ${K3_DEFECT_BUDGETS:-evals.gsm8k=180 evals.aime25=120 evals.mrcr=90 likelihood.gold_answers=260}; do budgets+=(--budget "$b"); done
         clean=$(ls -d /tmp/bundles/*-sentinel-evals /tmp/bundles/*-sentinel-standard 2>/dev/null | tail -1)
         if [ -f /tmp/sentinel/training.json ] && [ -n "$clean" ]; then
           # the clean run's tier and checks: a defect is judged at the sizes the clean run passed at
@@ -165,8 +164,9 @@ for what in "$@"; do
           # each run builds two fast engines whose MLA slot pools (64 sequences x max_len x 576 BF16 x 3 layers)
           # are ~15 GB each at the sentinel's 65,536 positions (session 29: six such runs at once on an 80 GB H100
           # ran out of memory): the runs serve K3_DEFECT_MAX_LEN positions (default 16,384: the standard tier's
-          # longest MRCR chat is ~8.2K tokens), and one run per 4 GB + 2 x 15 GB x max_len / 65,536 free is let in
-          mlen=${K3_DEFECT_MAX_LEN:-16384}; per_run=$((4096 + 30720 * mlen / 65536))
+          # longest MRCR chat is ~8.2K tokens), and one run per 6 GB + 2 x 15 GB x max_len / 65,536 free is let in
+          # (session 31: 12.65 GB a run at 16,384 positions; six at once on an 80 GB H100, one ran out of memory)
+          mlen=${K3_DEFECT_MAX_LEN:-16384}; per_run=$((6144 + 30720 * mlen / 65536))
           par=${K3_DEFECT_PARALLEL:-1}; room=$(( $(nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits | head -1) / per_run ))
           [ "$par" -gt "$room" ] && { echo "sentinel-defects: $par runs at once do not fit the GPU's free memory: $((room > 0 ? room : 1))"; par=$((room > 0 ? room : 1)); }
           planted=(); defects=(${K3_DEFECTS:-$(python3 -m verify.defects list)})

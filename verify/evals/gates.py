@@ -12,8 +12,9 @@ An item's score is the mean over its repeats (AIME) or its single score.
 Gates, thresholds from ``evals/thresholds.yaml`` (each explained there):
 1. same items: both sides answered the same docs with the same prompts (hash for hash);
 2. accuracy: fail only if the fast path is worse, the paired test says significant at ``alpha``
-   (exact McNemar when every item score is 0/1, else the paired bootstrap CI excludes 0), and the fast
-   path's accuracy is below ``min_relative_accuracy`` x baseline;
+   (exact McNemar when every item score is 0/1, else the paired bootstrap CI excludes 0), the fast
+   path's accuracy is below ``min_relative_accuracy`` x baseline, and it is more than ``min_accuracy_drop``
+   (absolute) below it;
 3. output length: mean output tokens within ``max_relative_length_change`` of the baseline's;
 4. truncation and 5. extraction failures: each side's rate at most ``max_rate``; the fast path's may
    exceed the baseline's by more than ``max_increase`` only if the increase is not significant (exact
@@ -78,13 +79,17 @@ class Thresholds:
     # ``max_increase``, the rule of bundles whose recorded thresholds lack this key (written before
     # 2026-12-01 22:00 UTC), so their verdicts re-derive by the rule they ran under
     increase_test: str = "none"
+    # a drop of at most this much (absolute accuracy) never fails: without it a near-zero score (MRCR's
+    # similarity ratios on the sentinel, ~4%) fails the relative rule on a 0.4-point wobble; 0 in bundles whose
+    # recorded thresholds lack the key (written before 2026-12-07 16:00 UTC), the rule they ran under
+    min_accuracy_drop: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Thresholds:
-        missing = [k for k in cls.__dataclass_fields__ if k not in d and k != "increase_test"]
+        missing = [k for k in cls.__dataclass_fields__ if k not in d and k not in ("increase_test", "min_accuracy_drop")]
         if missing:
             raise ThresholdsError(f"thresholds lack {', '.join(missing)}")
         t = cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
@@ -95,7 +100,7 @@ class Thresholds:
         for k in ("alpha", "bootstrap_confidence"):
             if not 0 < getattr(self, k) < 1:
                 raise ThresholdsError(f"thresholds: {k} must be in (0, 1), got {getattr(self, k)!r}")
-        for k in ("min_relative_accuracy", "max_relative_length_change", "truncation_max_rate",
+        for k in ("min_relative_accuracy", "min_accuracy_drop", "max_relative_length_change", "truncation_max_rate",
                   "truncation_max_increase", "extraction_max_rate", "extraction_max_increase"):
             v = getattr(self, k)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
@@ -139,7 +144,7 @@ def load_thresholds(dataset: str, path: str | Path | None = None) -> Thresholds:
                 "extraction_max_increase": merged["extraction_failure"]["max_increase"],
                 "bootstrap_iters": merged["bootstrap"]["iters"],
                 "bootstrap_confidence": merged["bootstrap"]["confidence"],
-                "increase_test": merged["increase_test"]}
+                "increase_test": merged["increase_test"], "min_accuracy_drop": merged["min_accuracy_drop"]}
     except (KeyError, TypeError) as e:
         raise ThresholdsError(f"{p}: missing key {e} (in defaults or tasks.{dataset})") from None
     try:
@@ -244,11 +249,13 @@ def compare(task: str, base: Sequence[Mapping[str, Any]], fast: Sequence[Mapping
     metrics["significant"] = significant
     rel = sf.accuracy / sb.accuracy if sb.accuracy > 0 else None
     metrics["relative_accuracy"] = rel
-    if sf.accuracy < sb.accuracy and significant and (rel is None or rel < th.min_relative_accuracy):
+    if (sf.accuracy < sb.accuracy - th.min_accuracy_drop and significant
+            and (rel is None or rel < th.min_relative_accuracy)):
         how = (f"McNemar p={p:.3g} < {th.alpha}" if binary else
                f"{100 * ci.confidence:.0f}% paired bootstrap CI [{100 * ci.lo:+.1f}, {100 * ci.hi:+.1f}] pt excludes 0")
         problems.append(f"{task}: accuracy {sf.accuracy:.3f} vs baseline {sb.accuracy:.3f} "
-                        f"({100 * (sf.accuracy - sb.accuracy):+.1f} pt), {how}, below {th.min_relative_accuracy}x baseline")
+                        f"({100 * (sf.accuracy - sb.accuracy):+.1f} pt), {how}, below {th.min_relative_accuracy}x baseline"
+                        f"{f' and more than {100 * th.min_accuracy_drop:.1f} pt under it' if th.min_accuracy_drop else ''}")
     # output length
     if sb.mean_output_tokens is None or sf.mean_output_tokens is None:
         metrics["length_ratio"] = None
