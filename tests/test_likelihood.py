@@ -21,7 +21,7 @@ from verify.bundle.writer import BundleWriter
 from verify.checks import likelihood as check_module
 from verify.checks.registry import REGISTRY
 from verify.context import CheckContext
-from verify.evals import likelihood
+from verify.evals import likelihood, rejudge
 from verify.evals.likelihood import LikelihoodThresholds, compare
 from verify.tiers import load_tier
 
@@ -216,10 +216,10 @@ def test_recorded_likelihoods_rejudged_under_other_margins(capsys):
     correction bias planted into the combine weights fails both MRCR lengths; looser margins pass it."""
     runs = Path(__file__).resolve().parents[1] / "bundles" / "runs" / "2026-12-07-h100-session31"
     clean, bias = runs / "standard-984fcf0", runs / "defect-router_bias_in_weights-984fcf0"
-    assert likelihood.main([str(clean)]) == 0
-    assert likelihood.main([str(bias)]) == 1
+    assert rejudge.main([str(clean)]) == 0
+    assert rejudge.main([str(bias)]) == 1
     out = capsys.readouterr().out
     assert "likelihood_mrcr_2needle@41000c: FAIL  nll 5.963 -> 6.085" in out and "16 of 16 less likely" in out
     loose = LikelihoodThresholds(0.95, 5000, 0.002, 0.02)
-    assert all(not problems for _, _, problems in likelihood.rejudge(bias, loose))
-    assert likelihood.main(["/nowhere"]) == 2 and "likelihood: /nowhere" in capsys.readouterr().err
+    assert all(not problems for _, _, problems in rejudge.rejudge(bias, loose))
+    assert rejudge.main(["/nowhere"]) == 2 and "rejudge: /nowhere" in capsys.readouterr().err

@@ -11,6 +11,11 @@ models. The engine spec ``builtin:fast+defect=NAME`` (``verify.engines``) serves
 defect planted, and every record and manifest entry names it, so a bundle of a planted run can never pass
 for a clean one.
 
+Not in the catalog, because K3 cannot show them: a bug that rescales a token's routed weights uniformly (the
+top-k renormalisation dropped, ``norm_topk_prob`` lost) is absorbed by the RMSNorm over the latent routed sum
+(``latent_moe_use_norm``, ``reference.moe.LatentMoE.routed``); planted on the trained sentinel it moved the
+answers' likelihood by 2e-7 nats a token (bundles/runs/2026-12-07-h100-session31).
+
 ``wrap_op`` is the one way any planted change enters an executor (``equivalence.fp64``'s planted controls,
 which scale an op's output, use it too).
 """
@@ -87,8 +92,9 @@ def _kda_state_bf16(args: Args, kw: dict[str, Any], out: Any) -> Any:
     return out
 
 
-def _moe_no_renormalize(args: Args, kw: dict[str, Any]) -> tuple[Args, dict[str, Any]]:
-    return _replace(args, ROUTER_RENORM, False), kw
+def _router_ids_sorted(args: Args, kw: dict[str, Any], out: Any) -> Any:
+    ids, weights = out
+    return torch.sort(ids, dim=-1).values, weights
 
 
 def _router_bias_in_weights(args: Args, kw: dict[str, Any], out: Any) -> Any:
@@ -114,9 +120,10 @@ DEFECTS: dict[str, Defect] = {d.name: d for d in (
     Defect("kda_state_bf16", "kda_step",
            "the KDA recurrent state stored in BF16 between steps instead of FP32 (a pool allocated in the "
            "activation dtype)", after=_kda_state_bf16),
-    Defect("moe_no_renormalize", "moe_router",
-           "the router's top-k weights not renormalised to sum 1 (a dropped norm_topk_prob flag)",
-           rewrite=_moe_no_renormalize),
+    Defect("router_ids_sorted", "moe_router",
+           "the router's expert ids written sorted by index while their weights stay in selection order (a "
+           "kernel that sorts one output and not the other): each expert gets another's weight",
+           after=_router_ids_sorted),
     Defect("router_bias_in_weights", "moe_router",
            "the routing correction bias added into the combine weights as well as the selection (it must "
            "only steer the selection)", after=_router_bias_in_weights),
