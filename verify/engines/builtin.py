@@ -239,7 +239,7 @@ class BuiltinEngine:
         """The prompts completed as one batch. ``seeds``: one per prompt, each request's own sampling seed in
         place of ``params.seed`` (each row samples from its own generator: a request draws the same random
         numbers in any batch), so sampled requests with different seeds share the batch's decode steps."""
-        from k3_fastpath.runtime.generator import ContextLengthError, GenerationRequest
+        from k3_fastpath.runtime.generator import GenerationRequest
         from k3_fastpath.runtime.sampler import SamplingConfig
 
         self._check_open()
@@ -263,13 +263,18 @@ class BuiltinEngine:
                 stop_token_ids=self.eos_token_ids, ignore_stop_tokens=params.ignore_eos,
                 constraint=None if constraint is None else self._grammar_compiler().matcher(constraint),
                 stop_when=self._stop_when(params.stop) if params.stop else None))
+        return [self._completion(r, o, params) for r, o in zip(reqs, self._serve(reqs), strict=True)]
+
+    def _serve(self, reqs: list[Any]) -> list[Any]:
+        """The generator's outputs for ``reqs``; its refusals as the engine's errors."""
+        from k3_fastpath.runtime.generator import ContextLengthError
+
         try:
-            outs = self.generator.generate(reqs)
+            return self.generator.generate(reqs)
         except ContextLengthError as e:
             raise ContextLimitError(f"{self.name}: {e}") from None
         except ValueError as e:
             raise EngineError(f"{self.name}: {e}") from None
-        return [self._completion(r, o, params) for r, o in zip(reqs, outs, strict=True)]
 
     def _stop_when(self, stops: tuple[str, ...]):
         def stop_when(tokens: list[int]) -> bool:
@@ -314,7 +319,7 @@ class BuiltinEngine:
         the chat template's generation prompt, as one batch: the first token's log-probability from the
         prefill, every later one from a decode step of this engine's stepper (the fast path's for
         ``builtin:fast``) fed the continuation's previous token (``generator.ForcedTokens``, greedy)."""
-        from k3_fastpath.runtime.generator import ContextLengthError, ForcedTokens, GenerationRequest
+        from k3_fastpath.runtime.generator import ForcedTokens, GenerationRequest
 
         self._check_open()
         if len(conversations) != len(continuations):
@@ -325,14 +330,8 @@ class BuiltinEngine:
         reqs = [GenerationRequest(prompt_ids=p, max_tokens=len(f), logprobs=1, stop_token_ids=self.eos_token_ids,
                                   ignore_stop_tokens=True, constraint=ForcedTokens(f))
                 for p, f in zip(prompts, forced, strict=True)]
-        try:
-            outs = self.generator.generate(reqs)
-        except ContextLengthError as e:
-            raise ContextLimitError(f"{self.name}: {e}") from None
-        except ValueError as e:
-            raise EngineError(f"{self.name}: {e}") from None
         scored = []
-        for f, out in zip(forced, outs, strict=True):
+        for f, out in zip(forced, self._serve(reqs), strict=True):
             if out.token_ids != f or out.logprobs is None:
                 raise EngineError(f"{self.name}: teacher forcing produced {len(out.token_ids)} of {len(f)} tokens")
             scored.append(ScoredContinuation(

@@ -119,19 +119,25 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_thresholds(dataset: str, path: str | Path | None = None) -> Thresholds:
-    """The thresholds for ``dataset`` (gsm8k, aime25, mrcr): ``defaults`` with ``tasks.<dataset>`` merged in."""
+def read_thresholds_file(path: str | Path | None = None) -> tuple[Path, Any]:
+    """(the file, its parsed YAML): ``path`` (a relative one not found here: the repository's file), default
+    ``evals/thresholds.yaml``; ``ThresholdsError`` when it cannot be read or parsed."""
     import yaml
 
     p = Path(path) if path else default_thresholds_path()
     if not p.is_absolute() and not p.exists():  # a tier's path names a file of the repository
         p = Path(__file__).resolve().parents[2] / p
     try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+        return p, yaml.safe_load(p.read_text(encoding="utf-8"))
     except OSError as e:
         raise ThresholdsError(f"cannot read eval thresholds {p}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise ThresholdsError(f"{p}: not valid YAML ({' '.join(str(e).split())[:120]})") from None
+
+
+def load_thresholds(dataset: str, path: str | Path | None = None) -> Thresholds:
+    """The thresholds for ``dataset`` (gsm8k, aime25, mrcr): ``defaults`` with ``tasks.<dataset>`` merged in."""
+    p, doc = read_thresholds_file(path)
     if not isinstance(doc, dict) or not isinstance(doc.get("defaults"), dict):
         raise ThresholdsError(f"{p}: needs a 'defaults' mapping")
     merged = _merge(doc["defaults"], (doc.get("tasks") or {}).get(dataset) or {})

@@ -35,11 +35,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from verify.evals.gates import ThresholdsError, read_thresholds_file
+
 SIDES = ("baseline", "under_test")
 _Z_POWER = 0.8416212335729143  # z(0.8): 80% power
 
 
-class LikelihoodThresholdsError(ValueError):
+class LikelihoodThresholdsError(ThresholdsError):
     """The ``likelihood`` thresholds are missing or malformed (one line, names the file and key)."""
 
 
@@ -73,19 +75,10 @@ class LikelihoodThresholds:
 
 def load_thresholds(path: str | Path | None = None) -> LikelihoodThresholds:
     """The ``likelihood`` mapping of ``path`` (default: ``evals/thresholds.yaml``)."""
-    import yaml
-
-    from verify.evals.gates import default_thresholds_path
-
-    p = Path(path) if path else default_thresholds_path()
-    if not p.is_absolute() and not p.exists():  # a tier's path names a file of the repository
-        p = Path(__file__).resolve().parents[2] / p
     try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise LikelihoodThresholdsError(f"cannot read eval thresholds {p}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise LikelihoodThresholdsError(f"{p}: not valid YAML ({' '.join(str(e).split())[:120]})") from None
+        p, doc = read_thresholds_file(path)
+    except ThresholdsError as e:
+        raise LikelihoodThresholdsError(str(e)) from None
     if not isinstance(doc, dict) or not isinstance(doc.get("likelihood"), dict):
         raise LikelihoodThresholdsError(f"{p}: needs a 'likelihood' mapping")
     try:
