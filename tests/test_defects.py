@@ -126,6 +126,7 @@ def _eval_bundle(root, under_test: str, statuses: dict[str, tuple[str, float, fl
         task = "k3_" + check.split(".", 1)[1]
         if check.startswith("likelihood."):  # (status, reference nll, fast nll)
             metrics = {f"{task}:baseline_nll": ref, f"{task}:under_test_nll": fast, f"{task}:nll_diff": fast - ref,
+                       f"{task}:ci_diff": [0.03, 0.05], f"{task}:margin": 0.0005,
                        "tasks": {task: {"items": 30, "items_worse": 21}}}
         else:
             metrics = {f"{task}:baseline_accuracy": ref, f"{task}:under_test_accuracy": fast,
@@ -186,5 +187,5 @@ def test_the_catch_table_counts_the_gold_answers_likelihood_as_an_eval(tmp_path,
         ("evals.gsm8k", "accuracy", False), ("likelihood.gold_answers", "nll", True)]
     assert problems == []
     assert main(["table", clean, bf16]) == 0
-    assert ("| kda_state_bf16 | builtin:fast | k3_gold_answers | nll | failed | 0.05 | 0.09 | 0.04 | - | 21 of 30 | - "
-            "| yes |" in capsys.readouterr().out)
+    assert ("| kda_state_bf16 | builtin:fast | k3_gold_answers | nll | failed | 0.05 | 0.09 | 0.04 | CI low 0.03 vs "
+            "margin 0.0005 | 21 of 30 | - | yes |" in capsys.readouterr().out)

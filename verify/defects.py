@@ -208,6 +208,7 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
                        "status": data.status(check), "baseline": m.get(f"{task}:baseline_{measure}"),
                        "under_test": m.get(f"{task}:under_test_{measure}"),
                        "diff": m.get(f"{task}:{measure}_diff"), "p_value": m.get(f"{task}:p_value"),
+                       "ci_low": (m.get(f"{task}:ci_diff") or [None])[0], "margin": m.get(f"{task}:margin"),
                        "changed": changed.get(task, (None, None))[0], "compared": changed.get(task, (None, None))[1],
                        "fast_steps": served.get("fast_steps") if isinstance(served, dict) else None,
                        "caught": check in clean_ok and data.status(check) == "failed",
@@ -267,11 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     def fmt(v: Any, measure: str) -> str:
         return "-" if v is None else f"{100 * v:.1f}%" if measure == "accuracy" else f"{v:.4g}"
 
-    print("| defect | against | eval task | measure | status | baseline | fast + defect | diff | p | "
+    print("| defect | against | eval task | measure | status | baseline | fast + defect | diff | p (nll: CI vs margin) | "
           "responses changed (nll: items less likely) | fast steps | caught |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        p = "-" if r["p_value"] is None else f"{r['p_value']:.3g}"
+        p = ("-" if r["p_value"] is None else f"{r['p_value']:.3g}") if r["measure"] == "accuracy" else (
+            "-" if r["ci_low"] is None or r["margin"] is None else f"CI low {r['ci_low']:.3g} vs margin {r['margin']:.3g}")
         changed = "-" if r["changed"] is None else f"{r['changed']} of {r['compared']}"
         pct = lambda v, m=r["measure"]: fmt(v, m)  # noqa: E731
         steps = "-" if r["fast_steps"] is None else str(r["fast_steps"])
