@@ -1,13 +1,12 @@
 """The gold-answer likelihood gate: per-token log-probabilities of reference answers in, statistics and
 problems out, and the ``bundle verify`` rescorer that re-derives them from the records.
 
-``likelihood.gold_answers`` (``verify.checks.likelihood``) teacher-forces each item's reference answer (a
-sample record per item and side: the answer's ``answer_hash`` (SHA-256 of its token ids), the ``logprobs``
-the engine gave each token (6 significant digits), ``greedy``: 1 where the token was the engine's argmax)
-through the baseline and the engine under test. Greedy
-accuracy moves only when a defect flips a token a confident model was sure of; the answers' log-likelihood
-moves with any change to the distribution, so a numerics bug that leaves most greedy answers in place
-still shows (the trained sentinel's greedy GSM8K answers stayed put under planted defects, 2026-12-07).
+``likelihood.gold_answers`` (``verify.checks.likelihood``) teacher-forces each item's reference answer
+through the baseline and the engine under test (a sample record per item and side: the answer's
+``answer_hash``, SHA-256 of its token ids; the ``logprobs`` the engine gave each token, 6 significant
+digits; ``greedy``: 1 where the token was the engine's argmax). Greedy accuracy moves only when a bug flips
+a token a confident model was sure of; the answers' log-likelihood moves with any change to the
+distribution, so a numerics bug that leaves the greedy answers in place can still show.
 
 Per task (``stats``): each side's negative log-likelihood per answer token (``nll``: -sum of log-probs /
 tokens, over all items), the difference ``nll_diff`` = under test - baseline, its paired bootstrap interval
