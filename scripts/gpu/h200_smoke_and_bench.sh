@@ -8,7 +8,7 @@
 #   numerics  k3-verify run --tier scripts/gpu/kernels-numerics.yaml (every kernel GPU test, counters)
 #   kernels2  k3-verify run --tier scripts/gpu/kernels-ii.yaml   (all kernel GPU tests + router/MLA/experts bench)
 #   gputests  pytest -v -m gpu on the kernel tests named in $K3_GPU_TESTS (default: every tests/test_*gpu*.py;
-#             the log names every test passed, also when the step is cut short)
+#             the log names every test passed, also when the step is cut short, with what each printed: -rP)
 #   executor  python scripts/gpu/decode_executor_check.py        (decode executor vs reference, graphs)
 #   decode    k3-verify run --tier scripts/gpu/decode-sweep-quick.yaml  (decode step sweep, fast vs standard;
 #             TP2 points too when two GPUs are visible: the nvidia-h200-x2 kind)
@@ -110,7 +110,7 @@ for what in "$@"; do
       kernels2) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/kernels-ii.yaml --output "/tmp/bundles/$stamp-$gpu-kernels-ii" 2>&1 | tee "$OUT/kernels2.log" || rc=1 ;;
       numerics) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/kernels-numerics.yaml --output "/tmp/bundles/$stamp-$gpu-kernels-numerics" 2>&1 | tee "$OUT/numerics.log" || rc=1 ;;
       sweep) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/gemm-sweep.yaml --output "/tmp/bundles/$stamp-$gpu-gemm-sweep" 2>&1 | tee "$OUT/sweep.log" || rc=1 ;;
-      gputests) timeout -s TERM "$T" python3 -m pytest -v --tb=short -m gpu -p no:cacheprovider ${K3_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gputests.log" | tail -60 || rc=1 ;;
+      gputests) timeout -s TERM "$T" python3 -m pytest -v -rP --tb=short -m gpu -p no:cacheprovider ${K3_GPU_TESTS:-tests/} 2>&1 | tee "$OUT/gputests.log" | tail -60 || rc=1 ;;
       executor) timeout -s TERM "$T" python3 scripts/gpu/decode_executor_check.py 2>&1 | tail -80 | tee "$OUT/executor.log" || rc=1 ;;
       decode) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-quick.yaml --output "/tmp/bundles/$stamp-$gpu-decode-sweep" 2>&1 | tee "$OUT/decode.log" || rc=1 ;;
       decodes3) timeout -s TERM "$T" python3 -m verify.cli run --tier scripts/gpu/decode-sweep-s3.yaml --output "/tmp/bundles/$stamp-$gpu-decode-sweep-s3" 2>&1 | tee "$OUT/decodes3.log" || rc=1 ;;
