@@ -175,7 +175,7 @@ def test_the_catch_table_says_which_eval_caught_which_defect(tmp_path, capsys):
 
 
 def test_the_catch_table_counts_the_gold_answers_likelihood_as_an_eval(tmp_path, capsys):
-    from verify.defects import catch_table, main
+    from verify.defects import _moved, catch_table, main
 
     clean = _eval_bundle(tmp_path / "clean", "builtin:fast", {"evals.gsm8k": ("passed", 0.9, 0.9),
                                                                "likelihood.gold_answers": ("passed", 0.05, 0.0501)})
@@ -189,3 +189,11 @@ def test_the_catch_table_counts_the_gold_answers_likelihood_as_an_eval(tmp_path,
     assert main(["table", clean, bf16]) == 0
     assert ("| kda_state_bf16 | builtin:fast | k3_gold_answers | nll | failed | 0.05 | 0.09 | 0.04 | CI low 0.03 vs "
             "margin 0.0005 | 21 of 30 | - | yes |" in capsys.readouterr().out)
+    # not caught: moved under the margin, or not measurably at all
+    under = _eval_bundle(tmp_path / "under", "builtin:fast+defect=router_ids_sorted",
+                         {"likelihood.gold_answers": ("passed", 0.05, 0.0501)}, baseline="builtin:fast")
+    assert catch_table(clean, [under])[1] == [
+        "router_ids_sorted: no eval caught it; it made the answers less likely (k3_gold_answers: nll +0.0001, CI "
+        "low 0.03) by less than the margin 0.0005"]
+    rows = [{"defect": "x", "measure": "nll", "ci_low": -1e-5, "margin": 5e-4, "task": "t", "diff": 1e-6}]
+    assert "moved by no measurable amount" in _moved(rows, "x")  # an interval holding 0

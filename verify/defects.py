@@ -216,8 +216,21 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
                 rows.append(row)
                 caught += [check] if row["caught"] else []
         if not caught:
-            problems.append(f"{name}: no eval caught it")
+            problems.append(f"{name}: no eval caught it{_moved(rows, name)}")
     return rows, problems
+
+
+def _moved(rows: list[dict[str, Any]], name: str) -> str:
+    """What a defect no eval caught did to the answers' likelihood: the task where its interval lies furthest
+    above zero (moved, under the margin), or that none excludes zero (not measurable on this model)."""
+    nll = [r for r in rows if r["defect"] == name and r["measure"] == "nll" and r["ci_low"] is not None]
+    if not nll:
+        return ""
+    top = max(nll, key=lambda r: r["ci_low"] / r["margin"] if r["margin"] else r["ci_low"])
+    if top["ci_low"] <= 0:
+        return "; its answers' likelihood moved by no measurable amount in any task (every interval holds 0)"
+    return (f"; it made the answers less likely ({top['task']}: nll {top['diff']:+.3g}, CI low {top['ci_low']:.3g}) "
+            f"by less than the margin {top['margin']:.3g}")
 
 
 LIKELIHOOD_PREFIX = "likelihood."
