@@ -307,8 +307,8 @@ def test_chats_go_to_the_engine_in_batches_and_answer_as_one_at_a_time(engine) -
 
 def test_a_batch_holds_at_most_its_size_and_its_characters():
     """Long prompts go a few at a time (one over the cap alone), short ones up to the batch size, in order."""
-    from verify.evals.lm_adapter import BATCH_CHARS, _batches
+    from verify.evals.batching import BATCH_CHARS, batched
 
     jobs = [(i, None, "x" * n) for i, n in enumerate([10] * 5 + [BATCH_CHARS // 2] * 3 + [BATCH_CHARS + 1, 10])]
-    got = [[j[0] for j in b] for b in _batches(jobs, 4)]
+    got = [[j[0] for j in b] for b in batched(jobs, lambda job: len(job[2]), 4)]
     assert got == [[0, 1, 2, 3], [4, 5], [6, 7], [8], [9]]

@@ -164,6 +164,8 @@ def test_the_check_writes_a_bundle_that_verifies_and_an_edit_is_found(engine, tm
     assert any("records fail a gate" in p for p in verify_bundle(tmp_path / "bad").problems)
     forge(tmp_path / "ok", "likelihood.gold_answers", result={"metrics": {**ok.metrics, "likelihood_gsm8k:nll_diff": -0.5}})
     assert any("likelihood_gsm8k:nll_diff" in p for p in verify_bundle(tmp_path / "ok").problems)
+    forge(tmp_path / "ok", "likelihood.gold_answers", result={"status": "failed", "reason": "forged"})
+    assert any("but the records pass every gate" in p for p in verify_bundle(tmp_path / "ok").problems)
 
 
 def test_bad_params_are_one_line_errors_and_a_server_is_skipped(engine, tmp_path):

@@ -60,6 +60,8 @@ def _replace(args: Args, index: int, value: Any) -> Args:
     return args[:index] + (value,) + args[index + 1:]
 
 
+LIKELIHOOD_PREFIX = "likelihood."  # the checks catch_table reads beside the evals (verify.checks.likelihood)
+
 # argument positions of the ops the defects touch (fast_ops' table of signatures)
 MLA_W_UK, MLA_CTX_LEN, MLA_SOFTMAX_SCALE = 10, 9, 12
 KDA_DT_BIAS, KDA_STATE = 10, 16
@@ -233,9 +235,6 @@ def _moved(rows: list[dict[str, Any]], name: str) -> str:
             f"by less than the margin {top['margin']:.3g}")
 
 
-LIKELIHOOD_PREFIX = "likelihood."
-
-
 def _less_likely(metrics: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """Per task of a likelihood check: (items whose gold answer the engine under test found less likely, items)."""
     tasks = metrics.get("tasks") if isinstance(metrics.get("tasks"), dict) else {}
@@ -278,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BundleError, OSError) as e:
         print(f"defects table: {e}", file=sys.stderr)
         return 2
-    def fmt(v: Any, measure: str) -> str:
+    def fmt(v: Any, measure: str) -> str:  # accuracies as percentages, NLLs as numbers
         return "-" if v is None else f"{100 * v:.1f}%" if measure == "accuracy" else f"{v:.4g}"
 
     print("| defect | against | eval task | measure | status | baseline | fast + defect | diff | p (nll: CI vs margin) | "
@@ -288,10 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         p = ("-" if r["p_value"] is None else f"{r['p_value']:.3g}") if r["measure"] == "accuracy" else (
             "-" if r["ci_low"] is None or r["margin"] is None else f"CI low {r['ci_low']:.3g} vs margin {r['margin']:.3g}")
         changed = "-" if r["changed"] is None else f"{r['changed']} of {r['compared']}"
-        pct = lambda v, m=r["measure"]: fmt(v, m)  # noqa: E731
         steps = "-" if r["fast_steps"] is None else str(r["fast_steps"])
-        print(f"| {r['defect']} | {r['against']} | {r['task']} | {r['measure']} | {r['status']} | {pct(r['baseline'])} | {pct(r['under_test'])} | "
-              f"{pct(r['diff'])} | {p} | {changed} | {steps} | {'yes' if r['caught'] else 'no'} |")
+        m = r["measure"]
+        print(f"| {r['defect']} | {r['against']} | {r['task']} | {m} | {r['status']} | {fmt(r['baseline'], m)} | "
+              f"{fmt(r['under_test'], m)} | {fmt(r['diff'], m)} | {p} | {changed} | {steps} | "
+              f"{'yes' if r['caught'] else 'no'} |")
     for p in problems:
         print(f"- {p}")
     return 1 if problems else 0

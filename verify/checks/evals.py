@@ -167,14 +167,15 @@ def _label(task: str, length: int | None) -> str:
     return task if length is None else f"{task}@{length}c"
 
 
-def _lengths_error(lengths: Any, synthetic: bool) -> str | None:
+def _lengths_error(lengths: Any, synthetic: bool, param: str = "lengths") -> str | None:
+    """Why ``lengths`` (param ``param``: MRCR conversation lengths) cannot be used, or None."""
     if lengths is None:
         return None
     if not synthetic:
-        return "param lengths (MRCR conversation lengths in characters) needs data_dir: synthetic"
+        return f"param {param} (MRCR conversation lengths in characters) needs data_dir: synthetic"
     if (not isinstance(lengths, list) or not lengths or len(set(lengths)) != len(lengths)
             or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in lengths)):
-        return f"param lengths must be a list of distinct positive integers (characters), got {lengths!r}"
+        return f"param {param} must be a list of distinct positive integers (characters), got {lengths!r}"
     return None
 
 

@@ -6,7 +6,7 @@ same way: ``data_dir``, ``synthetic``, ``$K3_EVAL_DATA_DIR`` or the offline HF c
 items: the prompt as the eval task sends it (the chat template over ``evals.utils``' prompt, MRCR's turns)
 and the answer ``evals.utils.gold_answer`` gives (the row's ``solution``, else GSM8K's worked answer or
 MRCR's prefixed needle; AIME rows without a solution are an ``error`` naming it), then EOS. Each engine
-scores them with ``score_chats`` in batches of at most ``BATCH`` chats and ``BATCH_CHARS`` characters:
+scores them with ``score_chats`` in the evals' batches (``verify.evals.batching``):
 the first answer token from the prefill, every later one from a decode step fed the answer's previous
 token, so the fast path's decode kernels produce all but one log-probability of every answer.
 ``mrcr_lengths`` (synthetic data only): one MRCR data set per conversation length, tasks
@@ -34,8 +34,6 @@ from verify.result import CheckResult
 
 DATASETS = ("gsm8k", "aime25", "mrcr")
 DEFAULT_LIMITS = {"gsm8k": 300, "aime25": 30, "mrcr": 16}
-BATCH = 64  # chats per engine call (the fast path's largest decode bucket)
-BATCH_CHARS = 200_000  # prompt characters per engine call (lm_adapter's bound: long MRCR chats go a few at a time)
 
 
 def _hash(obj: Any) -> str:
@@ -65,30 +63,13 @@ def _items(dataset: str, source: Any, limit: int, needles: int) -> list[dict[str
     return out
 
 
-def _batches(items: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    out: list[list[dict[str, Any]]] = [[]]
-    chars = 0
-    for it in items:
-        n = sum(len(m["content"]) for m in it["messages"])
-        if out[-1] and (len(out[-1]) == BATCH or chars + n > BATCH_CHARS):
-            out.append([])
-            chars = 0
-        out[-1].append(it)
-        chars += n
-    return out
-
-
-def _bad_limits(limits: Any, datasets: Any, mrcr_lengths: Any) -> str | None:
+def _bad_limits(limits: Any, datasets: Any) -> str | None:
     if not isinstance(datasets, list) or not datasets or any(d not in DATASETS for d in datasets) \
             or len(set(datasets)) != len(datasets):
         return f"param datasets must be a non-empty list of distinct names among {', '.join(DATASETS)}, got {datasets!r}"
     if not isinstance(limits, dict) or any(k not in DATASETS or isinstance(v, bool) or not isinstance(v, int) or v < 1
                                            for k, v in limits.items()):
         return f"param limits must map dataset names to positive integers, got {limits!r}"
-    if mrcr_lengths is not None and (not isinstance(mrcr_lengths, list) or not mrcr_lengths
-                                     or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in mrcr_lengths)
-                                     or len(set(mrcr_lengths)) != len(mrcr_lengths)):
-        return f"param mrcr_lengths must be a list of distinct positive integers (characters), got {mrcr_lengths!r}"
     return None
 
 
@@ -98,17 +79,16 @@ def gold_answers(ctx: CheckContext, datasets: list[str] = list(DATASETS), limits
                  data_dir: str | None = None, model: str | None = None, mrcr_needles: int = 2,
                  mrcr_lengths: list[int] | None = None, thresholds: str | None = None) -> CheckResult:
     from evals.data.sources import DataError, NoDataError
-    from verify.checks.evals import SYNTHETIC, _data_sources, _scored_model, _training_overlap
+    from verify.checks.evals import SYNTHETIC, _data_sources, _lengths_error, _scored_model, _training_overlap
     from verify.engines.base import EngineError
+    from verify.evals.batching import batched
     from verify.evals.gates import served, served_during
     from verify.evals.likelihood import LikelihoodThresholdsError, compare, headline, load_thresholds
     from verify.model_source import ModelSourceError
 
     lim = {**DEFAULT_LIMITS, **(limits or {})}
     synthetic = data_dir == SYNTHETIC
-    bad = _bad_limits(lim, datasets, mrcr_lengths)
-    if bad is None and mrcr_lengths is not None and not synthetic:
-        bad = "param mrcr_lengths (MRCR conversation lengths in characters) needs data_dir: synthetic"
+    bad = _bad_limits(lim, datasets) or _lengths_error(mrcr_lengths, synthetic, "mrcr_lengths")
     if bad is None and (isinstance(mrcr_needles, bool) or mrcr_needles not in (2, 4, 8)):
         bad = f"param mrcr_needles must be 2, 4 or 8, got {mrcr_needles!r}"
     if bad:
@@ -151,7 +131,7 @@ def gold_answers(ctx: CheckContext, datasets: list[str] = list(DATASETS), limits
         t0, before = time.monotonic(), served(engine.describe())
         for task, items in tasks.items():
             out = samples[task].setdefault(side, [])
-            for batch in _batches(items):
+            for batch in batched(items, lambda it: sum(len(m["content"]) for m in it["messages"])):
                 try:
                     got = engine.score_chats([it["messages"] for it in batch], [it["answer"] for it in batch])
                 except EngineError as e:

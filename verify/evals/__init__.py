@@ -5,7 +5,11 @@
 - ``lm_adapter`` / ``api_lm``: the lm-eval models (any ``Engine``; lm-eval's own API models for servers);
 - ``stats``: exact McNemar, paired bootstrap, per-item means over repeats;
 - ``gates``: thresholds from ``evals/thresholds.yaml`` -> metrics and failure reasons;
-- ``rescore``: the ``bundle verify`` rescorer that re-derives all of it from the records.
+- ``rescore``: the ``bundle verify`` rescorer that re-derives all of it from the records;
+- ``batching``: how many chats go to one engine call (the adapter and the likelihood check);
+- ``likelihood``: the gold answers' likelihood gate and its rescorer (``likelihood.gold_answers``);
+  ``rejudge``: recorded likelihoods judged under other margins.
 
-Only ``rescore``, ``gates`` and ``stats`` are imported by ``bundle verify`` (no lm-eval, no torch there).
+Only ``rescore``, ``likelihood``, ``gates`` and ``stats`` are imported by ``bundle verify`` (no lm-eval, no
+torch there).
 """

@@ -5,7 +5,7 @@ with all of them, filters and scores. This adapter turns each request into ``Eng
 prompts) or a chat (the eval tasks' conversations, sent as real turns), batched up to ``batch_size`` where
 the sampling parameters agree (chats whatever their seeds: each sampled chat carries its own to
 ``chat_batch``; text prompts where the seed agrees too) and the prompts
-stay within ``BATCH_CHARS`` (a batch is prefilled as one padded block): chats through the engine's
+stay within ``batching.BATCH_CHARS`` (a batch is prefilled as one padded block): chats through the engine's
 ``chat_batch`` where it has one (the builtin engine: its decode steps then run at the batch's size, as a
 server's would), else one ``Engine.chat`` each. It keeps, per response, what lm-eval's sample log does not:
 generated token count, finish reason (``length`` = hit max_tokens), the seed. ``CompletionLog`` holds that,
@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -29,11 +29,9 @@ from lm_eval.api.model import LM
 
 from evals.utils import expand_conversation
 from verify.engines.base import ContextLimitError, Engine, EngineError, SamplingParams
+from verify.evals.batching import BATCH, batched
 
 DEFAULT_MAX_TOKENS = 256  # lm-eval's own default when a task names no max_gen_toks
-BATCH_CHARS = 200_000  # prompt characters per engine call: ~40K tokens of MRCR chat (~5 characters a token)
-BATCH = 64  # requests per engine call: the fast path's largest decode bucket (the eager reference's step on
-# the sentinel, launch-bound on a GPU: ~86 ms at 64 rows, ~38 ms at one on an H100, bundles of sessions 29 / 28)
 
 
 class EvalRunError(RuntimeError):
@@ -103,23 +101,6 @@ def sampling_params(gen_kwargs: dict[str, Any], seed: int, prompt: str, repeat: 
                           seed=derive_seed(seed, prompt, repeat) if temperature > 0 else None, stop=stop)
 
 
-def _batches(group: list, size: int) -> Iterator[list]:
-    """``group``'s jobs in order, ``size`` at most a batch and at most ``BATCH_CHARS`` prompt characters (one
-    longer prompt goes alone): a batch is prefilled as one right-padded block, so long conversations (MRCR at
-    ~32K tokens) go a few at a time."""
-    batch: list = []
-    chars = 0
-    for job in group:
-        n = len(job[2])
-        if batch and (len(batch) == size or chars + n > BATCH_CHARS):
-            yield batch
-            batch, chars = [], 0
-        batch.append(job)
-        chars += n
-    if batch:
-        yield batch
-
-
 class EngineLM(LM):
     """lm-eval model backed by an ``Engine`` (the builtin engine, or any other implementation)."""
 
@@ -168,7 +149,7 @@ class EngineLM(LM):
                     groups[replace(job[4], seed=None) if own_seeds else job[4]].append(job)
             step = 1 if is_chat and chat_batch is None else self.batch_size
             for params, group in groups.items():
-                for batch in _batches(group, step):
+                for batch in batched(group, lambda job: len(job[2]), step):
                     if not is_chat:
                         call = lambda b=batch, p=params: self.engine.generate([j[3] for j in b], p)  # noqa: E731
                     elif chat_batch is not None:
