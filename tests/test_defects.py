@@ -73,19 +73,23 @@ def test_every_defect_moves_the_fast_steps_logits_and_counts_its_calls(model16, 
 def test_a_uniform_rescale_of_the_routed_weights_is_absorbed_and_a_permutation_is_not(model16, seed):
     """Why the catalog has no dropped top-k renormalisation: K3 normalises the latent routed sum
     (``latent_moe_use_norm``), so scaling a token's routed weights by any factor leaves the MoE output as it
-    was; giving each expert another's weight (``router_ids_sorted``) does not."""
+    was, up to the norm's eps (set to 0 here: with it, small random sums move by ~1e-4 at a 0.3x scale);
+    giving each expert another's weight (``router_ids_sorted``) does not."""
     from k3_fastpath.reference.model import load_reference
 
     model = load_reference(CFG, synthetic_state_dict(CFG, 0, conditioning="stable"), dtype=torch.float32)
     moe = next(layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe"))
     assert CFG.latent_moe_use_norm
+    moe.routed_expert_norm.eps = 0.0
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(16, CFG.hidden_size, generator=g)
-    ids, w = moe.gate(x)
-    base = moe.routed(x, ids, w)
-    scaled = moe.routed(x, ids, w * (0.3 + 3 * torch.rand(16, 1, generator=g)))
+    with torch.no_grad():
+        ids, w = moe.gate(x)
+        base = moe.routed(x, ids, w)
+        scaled = moe.routed(x, ids, w * (0.3 + 3 * torch.rand(16, 1, generator=g)))
+        permuted = moe.routed(x, ids, w.flip(-1))
     assert _rel(scaled, base) < 1e-4
-    assert _rel(moe.routed(x, ids, w.flip(-1)), base) > 1e-2
+    assert _rel(permuted, base) > 1e-2
 
 
 def test_bad_defects_are_refused(model16):
