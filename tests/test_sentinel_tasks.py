@@ -127,6 +127,22 @@ def test_an_mrcr_lexicon_is_the_first_n_words():
             tasks.items("mrcr", "train", 0, 1, **kw, mrcr_words=bad)
 
 
+def test_copy_items_answer_their_text_word_for_word_and_train_only():
+    """``copy`` (training only): the answer is the user turn's text, from the lexicon, ``COPY_WORDS`` long."""
+    lengths = []
+    for item in tasks.items("copy", "train", 3, 200, mrcr_words=12):
+        user, answer = item.messages[0]["content"], item.messages[-1]["content"]
+        assert user.endswith("\n\n" + answer) and item.record["answer"] == answer == item.prompt_key
+        words = {w.strip(".").lower() for w in answer.split()}
+        assert words - set(tasks.TOPICS) <= set(tasks.WORDS[:12])
+        lengths.append(len(answer.split()) - 1)  # the topic, inserted once
+    lo, hi = tasks.COPY_WORDS
+    assert min(lengths) <= lo + 2 and max(lengths) >= hi - 2 and all(lo <= n <= hi for n in lengths)
+    assert tasks.eval_prompt_keys("copy", (0,), 10) == set()  # no eval file, nothing to exclude
+    with pytest.raises(ValueError, match="unknown task"):
+        tasks.stream("copy", "eval", 0)
+
+
 def test_training_items_never_repeat_an_eval_question():
     for task, kw in (("gsm8k", {}), ("aime25", {}), ("mrcr", {"n_needles": 2, "mrcr_chars": 800})):
         n_eval = 20 if task == "mrcr" else 400

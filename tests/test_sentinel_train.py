@@ -30,7 +30,7 @@ def test_rows_mask_the_prompt_and_end_on_im_end():
     for _ in range(12):
         ids, mask = rows.row()
         number = mask[-1]  # the answer's tokens hold its task's number
-        assert len(ids) == len(mask) <= PLAN.seq_len and ids[-1] == EOS_ID and number in (1, 2, 3)
+        assert len(ids) == len(mask) <= PLAN.seq_len and ids[-1] == EOS_ID and 1 <= number <= len(PLAN.mix)
         first = mask.index(number)
         assert set(mask[first:]) == {number} and not any(mask[:first])  # the answer is one run at the end
     ids, lengths, mask = rows.batch("cpu")
@@ -40,7 +40,8 @@ def test_rows_mask_the_prompt_and_end_on_im_end():
 def test_each_task_takes_its_loss_share_whatever_its_answer_tokens():
     """``answer_loss``: each task's mean token loss weighted by ``loss_share``, so AIME's long answers do not
     outweigh MRCR's short ones; a task missing from a step leaves its share to the others; None: token mean."""
-    plan = sentinel_train.TrainPlan(loss_share=(("gsm8k", 0.2), ("aime25", 0.5), ("mrcr", 0.3)))
+    plan = sentinel_train.TrainPlan(mix=(("gsm8k", 1.0), ("aime25", 1.0), ("mrcr", 1.0)),
+                                    loss_share=(("gsm8k", 0.2), ("aime25", 0.5), ("mrcr", 0.3)))
     g = torch.Generator().manual_seed(3)
     logits, gold = torch.randn(2, 40, 11, generator=g), torch.randint(0, 11, (2, 40), generator=g)
     mask = torch.zeros(2, 40, dtype=torch.int8)
@@ -85,7 +86,7 @@ def test_two_processes_with_two_threads_train_the_same_checkpoint(tmp_path):
     gave the same plan another digest in each process (one thread did not); training runs under
     deterministic algorithms (``deterministic``) and two processes must agree. The mode is restored after."""
     args = ["--preset", "k3-tiny", "--steps", "3", "--batch", "2", "--seq-len", "256", "--warmup", "1",
-            "--mrcr-chars", "300", "--heldout-items", "0", "--device", "cpu"]
+            "--mix", "gsm8k=1,copy=1", "--heldout-items", "0", "--device", "cpu"]  # items that fit 256 tokens
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     digests = []
     for i in range(2):
@@ -310,11 +311,46 @@ def test_heldout_scores_the_training_forward_and_the_written_checkpoint_alike(tm
     assert held == json.loads((tmp_path / "h" / "training.json").read_text())["heldout"]
     assert held["seed"] == plan.seed + heldout.HELDOUT_SEED_OFFSET and held["checkpoint_dtype"] == "float32"
     for side in ("training_forward", "checkpoint"):
-        assert set(held[side]) == {"gsm8k", "aime25", "mrcr"}
+        assert set(held[side]) == {t for t, _ in plan.mix} == {"gsm8k", "aime25", "mrcr", "copy"}
         assert all(m["items"] == 3 and m["answer_tokens"] > 3 for m in held[side].values())
     for task, m in held["checkpoint"].items():
         assert m["loss"] == pytest.approx(held["training_forward"][task]["loss"], rel=0.02)
-    assert any(x.startswith("held-out items") for x in lines) and sum(" checkpoint " in x for x in lines) == 3
+        # the MLA layers zeroed: the same rows, other losses (random weights use every layer)
+        zeroed = held["ablated"]["mla_zeroed"][task]
+        assert zeroed["answer_tokens"] == m["answer_tokens"] and abs(zeroed["loss"] - m["loss"]) > 1e-4 * m["loss"]
+    assert any(x.startswith("held-out items") for x in lines) and sum(" checkpoint " in x for x in lines) == 4
+    assert sum(" mla_zeroed " in x for x in lines) == 4
+
+
+def test_mla_zeroed_silences_every_mla_layer_and_restores_them():
+    """Inside ``mla_zeroed`` each MLA layer adds nothing (the output equals the model with its MLA output
+    projections zeroed); outside, the model is itself again; a model without MLA layers is refused."""
+    import copy
+
+    from k3_fastpath.presets import preset
+    from k3_fastpath.reference.mla import GatedMLA
+    from k3_fastpath.reference.model import load_reference
+    from k3_fastpath.synthetic import synthetic_state_dict
+
+    cfg = preset("k3-tiny").config
+    model = load_reference(cfg, synthetic_state_dict(cfg, 0, "stable"), dtype=torch.float32, device="cpu").eval()
+    ids, lengths = torch.randint(3, cfg.vocab_size, (2, 10), generator=torch.Generator().manual_seed(7)), torch.tensor([10, 8])
+
+    def run(m):
+        return m.prefill(ids, lengths, m.new_cache(2, 10))
+
+    before = run(model)
+    silenced = copy.deepcopy(model)
+    for m in silenced.modules():
+        if isinstance(m, GatedMLA):
+            torch.nn.init.zeros_(m.o_proj.weight)
+    with heldout.mla_zeroed(model):
+        zeroed = run(model)
+    assert torch.allclose(zeroed, run(silenced), atol=1e-5) and (zeroed - before).abs().max() > 1e-2
+    assert torch.equal(run(model), before)
+    with pytest.raises(ValueError, match="no MLA layer"):
+        with heldout.mla_zeroed(torch.nn.Linear(2, 2)):
+            pass
 
 
 def test_heldout_metrics_follow_the_argmax_and_can_fail():

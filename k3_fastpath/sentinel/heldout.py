@@ -9,10 +9,15 @@ next token (``token_accuracy``), that share at each answer's first token (``firs
 prompt hands over to the answer) and the share of items whose every answer token is the argmax
 (``answers_exact``: what greedy decoding would reproduce whole). The items come from the training streams
 under another seed (``HELDOUT_SEED_OFFSET``), eval questions excluded as in training.
+
+``ablated`` scores the checkpoint again with every MLA layer's attention output zeroed (``mla_zeroed``): where
+a task's metrics barely move, the model does not use its MLA layers for it, and a defect planted in the MLA
+kernels cannot show in that task's evals.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from pathlib import Path
@@ -87,15 +92,36 @@ def heldout_report(plan, tok, exclude: dict[str, set[str]], train_forward: Forwa
         return ref.prefill(ids, lengths, ref.new_cache(ids.shape[0], ids.shape[1]))
 
     report["checkpoint"] = {t: score(ref_forward, r, device) for t, r in rows.items()}
+    with mla_zeroed(ref):
+        report["ablated"] = {"mla_zeroed": {t: score(ref_forward, r, device) for t, r in rows.items()}}
     report["checkpoint_dtype"] = str(dtype).replace("torch.", "")
     return report
+
+
+@contextlib.contextmanager
+def mla_zeroed(model):
+    """Within the block, every MLA layer of the reference ``model`` adds nothing to the residual stream (its
+    attention output zeroed by a forward hook); the hooks are removed on exit."""
+    from ..reference.mla import GatedMLA
+
+    handles = [m.register_forward_hook(lambda _m, _i, out: torch.zeros_like(out))
+               for m in model.modules() if isinstance(m, GatedMLA)]
+    if not handles:
+        raise ValueError("the model has no MLA layer to zero")
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def report_lines(report: dict) -> list[str]:
     """The report as a table: one line per task and forward."""
     out = [f"held-out items (seed {report['seed']}): loss / token accuracy / first answer token / answers exact"]
-    for side in ("training_forward", "checkpoint"):
-        for task, m in report[side].items():
+    sides = [("training_forward", report["training_forward"]), ("checkpoint", report["checkpoint"])]
+    sides += list(report.get("ablated", {}).items())
+    for side, metrics in sides:
+        for task, m in metrics.items():
             out.append(f"  {side:<16} {task:<7} {m['loss']:8.4f} {m['token_accuracy']:7.3f} "
                        f"{m['first_token_accuracy']:7.3f} {m['answers_exact']:7.3f}  ({m['items']} items)")
     return out

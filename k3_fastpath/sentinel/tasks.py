@@ -11,7 +11,10 @@ randomisation, so the same seed gives the same items in every process):
   triangular numbers; its divisions, products and sums worked by ``worked``) is the training target and
   the row's ``solution``;
 - ``mrcr``: openai/mrcr-format conversations: the same request appears ``n_needles`` times among
-  distractors, the last user turn asks for the i-th one prefixed with a random string.
+  distractors, the last user turn asks for the i-th one prefixed with a random string;
+- ``copy`` (training only, no eval file): a piece of MRCR-style writing in the user turn, the answer that
+  text word for word: every answer token a copy, the dense signal a copy mechanism forms from (MRCR's own,
+  one needle a conversation, never built one: sessions 29-30).
 
 Each generator yields ``TaskItem``: ``record`` is the eval file's row (the fields the loader and scorers
 read; GSM8K and AIME rows also hold the ``solution`` the sentinel is trained to write, whose likelihood
@@ -35,15 +38,17 @@ from typing import Any
 
 from . import worked
 
-TASKS = ("gsm8k", "aime25", "mrcr")
+TASKS = ("gsm8k", "aime25", "mrcr")  # the eval tasks (each has eval files)
+TRAIN_TASKS = (*TASKS, "copy")  # what a training mix may draw
 # the tasks whose prompts reach a model through its chat template (K3 is a chat model, and its GSM8K / AIME
 # numbers are chat numbers): the eval runner sends these as chats (``verify/evals/runner.py``) and the
 # sentinel trains on the same rendering (``rows.item_row``); any other task is a plain completion of its
 # prompt text
-CHAT_TASKS = frozenset(TASKS)
+CHAT_TASKS = frozenset(TRAIN_TASKS)
 SPLITS = ("eval", "train")
 EVAL_NEEDLES = (2, 4, 8)  # the MRCR files an eval set holds, one per needle count
 EVAL_MRCR_CHARS = 2000  # their conversations' length in characters
+COPY_WORDS = (4, 64)  # a copy item's text: words, drawn uniformly
 
 NAMES = ["Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hugo", "Ines", "Jamal", "Kira", "Liam"]
 ITEMS = ["apples", "stickers", "marbles", "pencils", "cookies", "stamps", "shells", "beads"]
@@ -96,7 +101,7 @@ class TaskItem:
 
 def prompt_key(task: str, record: dict[str, Any]) -> str:
     """What identifies an item's question, read from its eval row (the disjointness check compares these)."""
-    return record[{"gsm8k": "question", "aime25": "problem", "mrcr": "prompt"}[task]]
+    return record[{"gsm8k": "question", "aime25": "problem", "mrcr": "prompt", "copy": "text"}[task]]
 
 
 # ---------------------------------------------------------------- prompts (the eval tasks' own)
@@ -117,8 +122,9 @@ def _ordinal(n: int) -> str:
 def stream(task: str, split: str, seed: int, n_needles: int | None = None) -> random.Random:
     """The seeded stream of ``task`` (``mrcr`` per needle count) in ``split``: eval streams are those the
     eval files were always made from; training streams are named apart."""
-    if task not in TASKS or split not in SPLITS:
-        raise ValueError(f"unknown task/split {task!r}/{split!r}: tasks {TASKS}, splits {SPLITS}")
+    if task not in TRAIN_TASKS or split not in SPLITS or (split == "eval" and task not in TASKS):
+        raise ValueError(f"unknown task/split {task!r}/{split!r}: tasks {TASKS} (training also {TRAIN_TASKS}), "
+                         f"splits {SPLITS}")
     if (task == "mrcr") != (n_needles is not None):
         raise ValueError("n_needles is required for mrcr and only for mrcr")
     name = f"mrcr{n_needles}" if task == "mrcr" else task
@@ -331,6 +337,15 @@ def mrcr_item(rng: random.Random, n_needles: int, n_chars: int, lexicon: int = M
     return TaskItem("mrcr", record, (*messages, {"role": "assistant", "content": record["answer"]}))
 
 
+def copy_item(rng: random.Random, lexicon: int = MRCR_WORDS) -> TaskItem:
+    """A ``copy`` item: MRCR-style text of ``COPY_WORDS`` words in the user turn, the answer that text."""
+    form, topic = rng.choice(FORMS), rng.choice(TOPICS)
+    text = _text(rng, form, topic, 7 * rng.randint(*COPY_WORDS), lexicon)
+    record = {"text": text, "answer": text}
+    return TaskItem("copy", record, ({"role": "user", "content": f"Repeat this {form} word for word.\n\n{text}"},
+                                     {"role": "assistant", "content": text}))
+
+
 # ---------------------------------------------------------------- item streams
 def _next(task: str, rng: random.Random, i: int, n_needles: int | None, mrcr_chars: int, mrcr_words: int
           ) -> TaskItem:
@@ -338,6 +353,8 @@ def _next(task: str, rng: random.Random, i: int, n_needles: int | None, mrcr_cha
         return gsm8k_item(rng)
     if task == "aime25":
         return aime_item(rng, i)
+    if task == "copy":
+        return copy_item(rng, mrcr_words)
     return mrcr_item(rng, n_needles, mrcr_chars, mrcr_words)
 
 
@@ -350,7 +367,9 @@ def items(task: str, split: str, seed: int, n: int, *, n_needles: int | None = N
 
 def eval_prompt_keys(task: str, seeds: tuple[int, ...], n: int) -> set[str]:
     """The prompt keys of the first ``n`` items of every eval file of ``task`` (MRCR: each of
-    ``EVAL_NEEDLES`` at ``EVAL_MRCR_CHARS``) made with each of ``seeds``."""
+    ``EVAL_NEEDLES`` at ``EVAL_MRCR_CHARS``) made with each of ``seeds``; none for a training-only task."""
+    if task not in TASKS:
+        return set()
     needles = EVAL_NEEDLES if task == "mrcr" else (None,)
     return {t.prompt_key for s in seeds for k in needles for t in items(task, "eval", s, n, n_needles=k)}
 
@@ -358,9 +377,10 @@ def eval_prompt_keys(task: str, seeds: tuple[int, ...], n: int) -> set[str]:
 def train_streams(task: str, seed: int, exclude: set[str], needles: tuple[int, ...], mrcr_chars: int,
                   mrcr_words: int = MRCR_WORDS) -> list[Iterator[TaskItem]]:
     """``task``'s training streams under ``seed`` (``train_items``): one for GSM8K / AIME, one per needle
-    count of ``needles`` for MRCR (conversations of ``mrcr_chars``, replies from ``mrcr_words`` words)."""
+    count of ``needles`` for MRCR (conversations of ``mrcr_chars``, replies from ``mrcr_words`` words; ``copy``'s
+    texts from those words too)."""
     if task != "mrcr":
-        return [train_items(task, seed, exclude)]
+        return [train_items(task, seed, exclude, mrcr_words=mrcr_words)]
     return [train_items(task, seed, exclude, n_needles=n, mrcr_chars=mrcr_chars, mrcr_words=mrcr_words)
             for n in needles]
 
