@@ -305,7 +305,7 @@ def test_heldout_scores_the_training_forward_and_the_written_checkpoint_alike(tm
     training forward and by the checkpoint loaded back: on a CPU both run the reference KDA in FP32, so only
     the experts' MXFP4 rounding parts them; the record and the log carry both."""
     lines: list[str] = []
-    plan = dataclasses.replace(PLAN, heldout_items=3)
+    plan = dataclasses.replace(PLAN, heldout_items=3, mix=(*PLAN.mix, ("copy", 0.2)))  # every task, copy too
     rec = sentinel_train.train(plan, tmp_path / "h", "cpu", log=lines.append)
     held = rec["heldout"]
     assert held == json.loads((tmp_path / "h" / "training.json").read_text())["heldout"]
@@ -374,3 +374,38 @@ def test_heldout_metrics_follow_the_argmax_and_can_fail():
     bad = heldout.score(forward, rows, "cpu")
     assert bad["first_token_accuracy"] == 0.5 and bad["answers_exact"] == 0.5 and bad["loss"] > ok["loss"]
     assert bad["token_accuracy"] == pytest.approx(5 / 6, abs=1e-4)
+
+
+def test_kda_drop_zeroes_whole_rows_of_kda_output_in_training_only():
+    """``kda_drop``: in training mode each KDA layer's output is zeroed for whole rows (about ``p`` of them,
+    the same rows for the same seed), in eval mode never; a plan outside [0, 1) is refused."""
+    from k3_fastpath.presets import preset
+    from k3_fastpath.reference.kda import KimiDeltaAttention
+    from k3_fastpath.reference.model import load_reference
+    from k3_fastpath.synthetic import synthetic_state_dict
+
+    cfg = preset("k3-tiny").config
+
+    def outputs(p: float, train: bool) -> list[torch.Tensor]:
+        model = load_reference(cfg, synthetic_state_dict(cfg, 0, "stable"), dtype=torch.float32)
+        model.train(train)
+        seen: list[torch.Tensor] = []
+        sentinel_train._drop_kda(model, p, seed=3)
+        for m in model.modules():  # registered after the drop hooks: sees what the layer hands on
+            if isinstance(m, KimiDeltaAttention):
+                m.register_forward_hook(lambda _m, _a, out: seen.append(out.detach()))
+        ids = torch.randint(3, cfg.vocab_size, (16, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            model._run(ids, torch.full((16,), 9), model.new_cache(16, 9), "plain")
+        return seen
+
+    dropped = [(o.abs().amax(dim=(1, 2)) == 0) for o in outputs(0.5, True)]
+    assert len(dropped) == len(cfg.kda_layer_ids)
+    share = float(torch.stack(dropped).float().mean())
+    assert 0.25 < share < 0.75 and any(d.any() and not d.all() for d in dropped)  # whole rows, some of them
+    assert all(torch.equal(a, b) for a, b in zip(dropped, [(o.abs().amax(dim=(1, 2)) == 0) for o in outputs(0.5, True)]))
+    assert not any((o.abs().amax(dim=(1, 2)) == 0).any() for o in outputs(0.5, False))  # eval: every layer
+    assert not any((o.abs().amax(dim=(1, 2)) == 0).any() for o in outputs(0.0, True))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="kda_drop"):
+            dataclasses.replace(PLAN, kda_drop=bad)

@@ -104,17 +104,19 @@ class TrainPlan:
     weight_decay: float = 0.1
     clip: float = 1.0
     bias_rate: float = 1e-3
-    # items drawn per task. A step of 16 rows at this mix: ~12 AIME solutions (~4,700 answer tokens: they fill
-    # the rows first), ~15 MRCR conversations (~570; at most one a row), ~20 copy items (~920), ~5 GSM8K
-    # (~450). Session 29's run (0.35 / 0.3 / 0.35, no copy) learnt MRCR's prefix copy, not the reply's; MRCR
-    # alone (session 30) no copy at all in 500-660 steps: ``copy`` items add the dense copy signal MRCR lacks
-    mix: tuple[tuple[str, float], ...] = (("gsm8k", 0.15), ("aime25", 0.2), ("mrcr", 0.25), ("copy", 0.4))
+    # items drawn per task. AIME's worked solutions (~420 answer tokens on average) fill rows: at 0.4 / 0.4 /
+    # 0.2 a step of 16 rows would hold 8.1 MRCR conversations, 3.5% of the answer tokens; at this mix 13.6 and
+    # 8% (session 28's run, one-shot arithmetic at 0.4 / 0.4 / 0.2: 11.8 a step, ~10%; MRCR not learnt).
+    # ``copy`` (training only) is not in it: at 0.4 of the items (0.15 / 0.2 / 0.25 / 0.4, loss shares 0.15 /
+    # 0.35 / 0.25 / 0.25) neither copy nor MRCR's reply left the unigram floor in 725 steps, and steps took
+    # 0.50 s instead of 0.35 (bundles/runs/2026-12-07-h100-session32)
+    mix: tuple[tuple[str, float], ...] = (("gsm8k", 0.35), ("aime25", 0.3), ("mrcr", 0.35))
     # each task's share of the loss: the mean loss over its answer tokens in a step, weighted by the share (a
     # task a step lacks leaves its share to the others; a task not in the mix is ignored); None: every answer
     # token alike, where AIME's long worked solutions carry ~70% of the gradient and MRCR ~8% (session 28's
-    # run: MRCR's copy not learnt). GSM8K's share is the smallest: its loss reached 0.001 by step 1,000 at 0.3
-    loss_share: tuple[tuple[str, float], ...] | None = (("gsm8k", 0.15), ("aime25", 0.35), ("mrcr", 0.25),
-                                                         ("copy", 0.25))
+    # run: MRCR's copy not learnt)
+    loss_share: tuple[tuple[str, float], ...] | None = (("gsm8k", 0.3), ("aime25", 0.4), ("mrcr", 0.3),
+                                                         ("copy", 0.3))
     mrcr_needles: tuple[int, ...] = (2, 4)
     mrcr_chars: int = 1500
     mrcr_words: int = tasks.MRCR_WORDS  # the MRCR replies' lexicon (the first N of tasks.WORDS; the tokenizer's
@@ -126,6 +128,10 @@ class TrainPlan:
     compile_glue: bool = False  # the reference's elementwise glue through torch.compile (train_glue)
     mtp_weight: float = 0.3  # the next-token (MTP) layer's loss weight, where the preset has one (a preset spec
     # such as k3-sentinel:mtp=1): its prediction of the token after next, on the answer tokens
+    kda_drop: float = 0.0  # in training, each KDA layer's output zeroed for a row with this probability (a
+    # LayerDrop of the KDA layers, seeded; ``_drop_kda``): a model that cannot count on its KDA layers learns
+    # in-context copies in its MLA layers too (the default plan's sentinel does not use them: zeroing every
+    # MLA layer moves its held-out losses < 1%). Held-out scoring and the checkpoint run every layer
     heldout_items: int = 16  # items per task scored after training by the training forward and by the written
     # checkpoint (heldout.py; 0: none)
     fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
@@ -137,9 +143,9 @@ class TrainPlan:
         if self.moe not in MOE_IMPLS:
             raise ValueError(f"moe must be one of {MOE_IMPLS}, got {self.moe!r}")
         if (self.steps < 1 or self.batch < 1 or self.seq_len < 16 or not self.lr > 0 or self.mtp_weight < 0
-                or self.heldout_items < 0):
-            raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16, lr > 0, mtp_weight >= 0 "
-                             f"and heldout_items >= 0: "
+                or self.heldout_items < 0 or not 0 <= self.kda_drop < 1):
+            raise ValueError(f"a training plan needs steps >= 1, batch >= 1, seq_len >= 16, lr > 0, mtp_weight >= 0, "
+                             f"heldout_items >= 0 and 0 <= kda_drop < 1: "
                              f"{self}")
         if not 1 <= self.mrcr_words <= len(tasks.WORDS):
             raise ValueError(f"mrcr_words is 1..{len(tasks.WORDS)} (the first N of tasks.WORDS), got {self.mrcr_words}")
@@ -395,6 +401,27 @@ def _gate_loads(model) -> tuple[list, list]:
     return gates, loads
 
 
+def _drop_kda(model, p: float, seed: int) -> None:
+    """With ``p`` > 0: forward hooks that zero each KDA layer's output for each row with probability ``p``
+    while the model is in training mode (a fresh draw per layer and forward, from one CPU generator seeded
+    with ``seed``: the same rows dropped on every device)."""
+    if p <= 0:
+        return
+    from ..reference.kda import KimiDeltaAttention
+
+    gen = torch.Generator().manual_seed(seed + 7919)
+
+    def drop(mod, _args, out):
+        if not mod.training:
+            return None
+        keep = (torch.rand(out.shape[0], generator=gen) >= p).to(device=out.device, dtype=out.dtype)
+        return out * keep.view(-1, *([1] * (out.dim() - 1)))
+
+    for mod in model.modules():
+        if isinstance(mod, KimiDeltaAttention):
+            mod.register_forward_hook(drop)
+
+
 def _heldout(plan: TrainPlan, model, tok, exclude, ckpt: Path, device: str, autocast, log) -> dict:
     """``heldout.heldout_report`` of the trained model (its training forward, under the training autocast)
     and of the checkpoint just written, logged as a table."""
@@ -477,6 +504,7 @@ def _train(plan: TrainPlan, out: Path, device: str, log, profile: bool, expect_d
                             lr=plan.lr, betas=(0.9, 0.95),
                             fused=device.startswith("cuda"))  # one kernel for every parameter's update
     gates, loads = _gate_loads(model)
+    _drop_kda(model, plan.kda_drop, plan.seed)
     if profile:
         _label_parts(model)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
