@@ -403,7 +403,8 @@ def test_kda_drop_zeroes_whole_rows_of_kda_output_in_training_only():
     assert len(dropped) == len(cfg.kda_layer_ids)
     share = float(torch.stack(dropped).float().mean())
     assert 0.25 < share < 0.75 and any(d.any() and not d.all() for d in dropped)  # whole rows, some of them
-    assert all(torch.equal(a, b) for a, b in zip(dropped, [(o.abs().amax(dim=(1, 2)) == 0) for o in outputs(0.5, True)]))
+    again = [(o.abs().amax(dim=(1, 2)) == 0) for o in outputs(0.5, True)]
+    assert all(torch.equal(a, b) for a, b in zip(dropped, again, strict=True))
     assert not any((o.abs().amax(dim=(1, 2)) == 0).any() for o in outputs(0.5, False))  # eval: every layer
     assert not any((o.abs().amax(dim=(1, 2)) == 0).any() for o in outputs(0.0, True))
     for bad in (-0.1, 1.0):
