@@ -117,8 +117,9 @@ def test_a_defect_engine_on_a_cpu_says_the_fast_path_is_unavailable():
 
 
 def _eval_bundle(root, under_test: str, statuses: dict[str, tuple[str, float, float]],
-                 baseline: str = "builtin:reference"):
-    """A finished bundle of eval results only (``statuses``: check -> (status, reference acc, fast acc))."""
+                 baseline: str = "builtin:reference", model: dict | None = None):
+    """A finished bundle of eval results only (``statuses``: check -> (status, reference acc, fast acc); the
+    evals' ``model`` metrics where given)."""
     from verify.bundle.writer import BundleWriter
     from verify.result import CheckResult
 
@@ -135,6 +136,8 @@ def _eval_bundle(root, under_test: str, statuses: dict[str, tuple[str, float, fl
         else:
             metrics = {f"{task}:baseline_accuracy": ref, f"{task}:under_test_accuracy": fast,
                        f"{task}:accuracy_diff": fast - ref, f"{task}:p_value": 0.01}
+            if model is not None:
+                metrics["model"] = model
         w.add_result(CheckResult(id=check, status=status, reason="" if status == "passed" else "accuracy drop",
                                  metrics=metrics, duration_s=1.0))
     w.finalize()
@@ -176,6 +179,26 @@ def test_the_catch_table_says_which_eval_caught_which_defect(tmp_path, capsys):
                         f"{clean}: its engine under test has no planted defect"]
     assert main(["list"]) == 0 and capsys.readouterr().out.split() == list(DEFECTS)
     assert main(["table", clean]) == 2
+
+
+def test_an_uncaught_mla_defect_says_how_little_the_model_uses_its_mla_layers(tmp_path):
+    """Where the clean run's evals recorded the scored model's held-out losses with its MLA layers zeroed
+    (``training.json``'s ``heldout.ablated``), an MLA defect no eval caught says how far that moved them; a
+    defect elsewhere, or a model without the measure, says nothing of it."""
+    from verify.defects import catch_table
+
+    held = {"checkpoint": {"gsm8k": {"loss": 0.02}, "mrcr": {"loss": 2.0}},
+            "ablated": {"mla_zeroed": {"gsm8k": {"loss": 0.0206}, "mrcr": {"loss": 2.002}}}}
+    ok = {"evals.gsm8k": ("passed", 0.9, 0.9)}
+    clean = _eval_bundle(tmp_path / "clean", "builtin:fast", ok, model={"training": {"heldout": held}})
+    mla = _eval_bundle(tmp_path / "mla", "builtin:fast+defect=mla_ctx_off_by_one", ok)
+    kda = _eval_bundle(tmp_path / "kda", "builtin:fast+defect=kda_state_bf16", ok)
+    _, problems = catch_table(clean, [mla, kda])
+    assert problems == ["mla_ctx_off_by_one: no eval caught it; with its MLA layers zeroed the scored model's "
+                        "held-out losses moved 3% at most (its training.json)",
+                        "kda_state_bf16: no eval caught it"]
+    bare = _eval_bundle(tmp_path / "bare", "builtin:fast", ok, model={"training": {"heldout": {}}})
+    assert catch_table(bare, [mla])[1] == ["mla_ctx_off_by_one: no eval caught it"]
 
 
 def test_the_catch_table_counts_the_gold_answers_likelihood_as_an_eval(tmp_path, capsys):

@@ -130,7 +130,7 @@ for what in "$@"; do
           i=$((i + 1)); rm -rf "/tmp/sentinel-probe-$i"; echo "probe $i: $a" | tee -a "$OUT/sentinel-probes.log"
           # shellcheck disable=SC2086
           timeout -s TERM "$T" python3 -m k3_fastpath.sentinel.train --out "/tmp/sentinel-probe-$i" \
-            --time-limit-s "${K3_PROBE_S:-150}" $a 2>&1 | grep -E "^step [0-9]+0:|held-out|_forward|checkpoint |trained|sentinel train|Error" \
+            --time-limit-s "${K3_PROBE_S:-150}" $a 2>&1 | grep -E "^step [0-9]+0:|held-out|_forward|checkpoint |mla_zeroed|trained|sentinel train|Error" \
             | tee -a "$OUT/sentinel-probes.log" | tail -4
           [ -f "/tmp/sentinel-probe-$i/training.json" ] && cp "/tmp/sentinel-probe-$i/training.json" "$OUT/sentinel-probe-$i.json" || rc=1
           rm -rf "/tmp/sentinel-probe-$i"

@@ -127,9 +127,10 @@ def _scored_model(ctx: CheckContext, model: str | None) -> tuple[Any, dict[str, 
         import json
 
         rec = json.loads(training.read_text())
+        # heldout: its held-out scores, also with its MLA layers zeroed (what a defect there can move)
         about["training"] = {k: rec.get(k) for k in ("plan", "steps_done", "train_s", "device", "torch",
                                                      "checkpoint_digest", "eval_seeds_excluded",
-                                                     "eval_items_excluded")}
+                                                     "eval_items_excluded", "heldout")}
         about["digest_matches_training"] = rec.get("checkpoint_digest") == source.digest
     return source, about
 
