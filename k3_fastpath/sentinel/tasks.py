@@ -12,9 +12,9 @@ randomisation, so the same seed gives the same items in every process):
   the row's ``solution``;
 - ``mrcr``: openai/mrcr-format conversations: the same request appears ``n_needles`` times among
   distractors, the last user turn asks for the i-th one prefixed with a random string;
-- ``copy`` (training only, no eval file): a piece of MRCR-style writing in the user turn, the answer that
-  text word for word: every answer token a copy, the dense signal a copy mechanism forms from (MRCR's own,
-  one needle a conversation, never built one: sessions 29-30).
+- ``copy`` (training only, no eval file, not in the default mix): a piece of MRCR-style writing in the user
+  turn, the answer that text word for word: every answer token a copy, a denser copy signal than MRCR's
+  one needle a conversation (``train.TrainPlan.mix`` says what it did).
 
 Each generator yields ``TaskItem``: ``record`` is the eval file's row (the fields the loader and scorers
 read; GSM8K and AIME rows also hold the ``solution`` the sentinel is trained to write, whose likelihood
