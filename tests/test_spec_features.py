@@ -196,11 +196,15 @@ def test_decode_sampling_passes_on_the_reference_and_needs_no_drafts(pool, seed,
     ``bundle verify`` refuses it)."""
     from test_status_rescore import assert_a_flipped_status_fails_verify
 
-    res, recs = _run("decode_sampling", pool, seed, samples=200, max_tokens=8)
+    # alpha 1e-4 as the other passing runs here: at the check's default 1e-3 one run in a thousand of this test
+    # fails by chance (seed 1208141354 did; 120 cells' p-values over 60 seeds lay as uniform ones do)
+    res, recs = _run("decode_sampling", pool, seed, samples=200, max_tokens=8, alpha=1e-4)
     assert res.status == "passed", f"seed {seed}: {res.reason}"
     assert res.metrics["speculative"] is None
     cells = [r for r in recs if r["kind"] == "cell"]
-    assert len(cells) == 2 and all(c["tested"] == 200 * 8 and c["examined"] == 0 for c in cells)
+    # every token tested but those within their logit tolerance of a filter boundary (1 of 192,000 over 60 seeds)
+    assert len(cells) == 2 and all(c["tested"] + c["ambiguous"] == 200 * 8 and c["ambiguous"] <= 16
+                                   and c["examined"] == 0 for c in cells)
     assert spec_rules.spec_sampling_problems(recs) == []
     assert_a_flipped_status_fails_verify(tmp_path / "b", res, recs)
 
