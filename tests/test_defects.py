@@ -199,6 +199,9 @@ def test_an_uncaught_mla_defect_says_how_little_the_model_uses_its_mla_layers(tm
                         "kda_state_bf16: no eval caught it"]
     bare = _eval_bundle(tmp_path / "bare", "builtin:fast", ok, model={"training": {"heldout": {}}})
     assert catch_table(bare, [mla])[1] == ["mla_ctx_off_by_one: no eval caught it"]
+    apart = {"checkpoint": {"aime25": {"loss": 0.05}}, "ablated": {"mla_zeroed": {"gsm8k": {"loss": 0.03}}}}
+    disjoint = _eval_bundle(tmp_path / "apart", "builtin:fast", ok, model={"training": {"heldout": apart}})
+    assert catch_table(disjoint, [mla])[1] == ["mla_ctx_off_by_one: no eval caught it"]  # no task scored both ways
 
 
 def test_the_catch_table_counts_the_gold_answers_likelihood_as_an_eval(tmp_path, capsys):

@@ -218,14 +218,14 @@ def catch_table(clean: str, planted: list[str]) -> tuple[list[dict[str, Any]], l
                 rows.append(row)
                 caught += [check] if row["caught"] else []
         if not caught:
-            problems.append(f"{name}: no eval caught it{_moved(rows, name)}{_unused_layers(base, name)}")
+            problems.append(f"{name}: no eval caught it{_moved(rows, name)}{_ablation_note(base, name)}")
     return rows, problems
 
 
 ABLATION_OF_OP = {"mla_attention": ("mla_zeroed", "MLA")}  # a defect's op -> the held-out ablation of its layers
 
 
-def _unused_layers(base: Any, name: str) -> str:
+def _ablation_note(base: Any, name: str) -> str:
     """For a defect in a layer kind the scored model was measured without (its ``training.json``'s held-out
     ablation, recorded by the clean run's evals in their ``model`` metrics): how far that moved its held-out
     losses, the most over tasks; "" where there is no such measure."""
@@ -236,9 +236,9 @@ def _unused_layers(base: Any, name: str) -> str:
         r = base.results.get(check)
         held = (((r.metrics if r is not None else {}).get("model") or {}).get("training") or {}).get("heldout") or {}
         zeroed, full = (held.get("ablated") or {}).get(ablation), held.get("checkpoint")
-        if isinstance(zeroed, dict) and isinstance(full, dict) and zeroed:
-            change = max(abs(zeroed[t]["loss"] - full[t]["loss"]) / max(full[t]["loss"], 1e-12)
-                         for t in zeroed if t in full)
+        both = [t for t in zeroed if t in full] if isinstance(zeroed, dict) and isinstance(full, dict) else []
+        if both:
+            change = max(abs(zeroed[t]["loss"] - full[t]["loss"]) / max(full[t]["loss"], 1e-12) for t in both)
             return (f"; with its {kind} layers zeroed the scored model's held-out losses moved {100 * change:.2g}% "
                     f"at most (its training.json)")
     return ""

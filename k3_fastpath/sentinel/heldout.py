@@ -92,8 +92,9 @@ def heldout_report(plan, tok, exclude: dict[str, set[str]], train_forward: Forwa
         return ref.prefill(ids, lengths, ref.new_cache(ids.shape[0], ids.shape[1]))
 
     report["checkpoint"] = {t: score(ref_forward, r, device) for t, r in rows.items()}
-    with mla_zeroed(ref):
-        report["ablated"] = {"mla_zeroed": {t: score(ref_forward, r, device) for t, r in rows.items()}}
+    with mla_zeroed(ref) as silenced:
+        if silenced:  # a model without MLA layers has nothing to ablate
+            report["ablated"] = {"mla_zeroed": {t: score(ref_forward, r, device) for t, r in rows.items()}}
     report["checkpoint_dtype"] = str(dtype).replace("torch.", "")
     return report
 
@@ -101,15 +102,14 @@ def heldout_report(plan, tok, exclude: dict[str, set[str]], train_forward: Forwa
 @contextlib.contextmanager
 def mla_zeroed(model):
     """Within the block, every MLA layer of the reference ``model`` adds nothing to the residual stream (its
-    attention output zeroed by a forward hook); the hooks are removed on exit."""
+    attention output zeroed by a forward hook); yields how many layers that silenced; the hooks are removed on
+    exit."""
     from ..reference.mla import GatedMLA
 
     handles = [m.register_forward_hook(lambda _m, _i, out: torch.zeros_like(out))
                for m in model.modules() if isinstance(m, GatedMLA)]
-    if not handles:
-        raise ValueError("the model has no MLA layer to zero")
     try:
-        yield
+        yield len(handles)
     finally:
         for h in handles:
             h.remove()
