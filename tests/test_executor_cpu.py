@@ -268,6 +268,48 @@ def test_emulated_fast_step_matches_fp64_oracle(sd_stable, seed):
     assert fast_path_problems(summarize(list(ex.trace.records)))  # emulation is not a fast path
 
 
+@pytest.mark.parametrize("backend", ["latency_specialized", "standard"])
+def test_hidden_readout_is_what_the_final_norm_reads(sd_stable, seed, backend):
+    """``readout="hidden"`` (the vLLM route, whose engine applies the final norm and lm_head): decode and fused
+    verify steps return the hidden states the final norm reads. The reference's final norm and lm_head of them
+    (vLLM's K3 ``compute_logits``) give the logits executor's logits of the same step (bitwise on the standard
+    path, which is the reference; to BF16 rounding of the logits on the emulated fast step), the caches are left
+    bitwise as the logits executor leaves them, inactive rows are 0, and a mixed step is refused."""
+    m16 = load_reference(CFG, sd_stable, dtype=torch.bfloat16)
+    kw = {"backend": backend, "max_len": 24, "max_batch": 4, "envelope": Envelope(emulate=True), "spec_tokens": 3}
+    hid, log = DecodeExecutor(m16, readout="hidden", **kw), DecodeExecutor(m16, **kw)
+    ids, lens = _prompt(3, 6, seed), torch.tensor([6, 4, 5])
+    ch, cl = hid.new_cache(3), log.new_cache(3)
+    hid.prefill(ids, lens, ch)
+    log.prefill(ids, lens, cl)
+
+    def head(h):
+        with torch.no_grad():
+            return m16.lm_head(m16.model.norm(h)).float()
+
+    def check(h, want, live):
+        assert h.dtype == torch.bfloat16 and h.shape[-1] == CFG.hidden_size and not h[~live].any()
+        got, want = head(h[live]), want[live]
+        if backend == "standard":
+            assert torch.equal(got, want)
+        else:
+            assert float((got - want).abs().max()) <= 0.02 * float(want.abs().max()), f"seed {seed}"
+        for a, b in zip(ch.layers, cl.layers, strict=True):
+            for x, y in zip(*(c.tensors() if hasattr(c, "tensors") else [c.latent] for c in (a, b)), strict=True):
+                assert torch.equal(x, y)
+
+    active = torch.tensor([True, False, True])
+    tok = _prompt(3, 1, seed + 1)[:, 0]
+    check(hid.decode(tok, ch, active), log.decode(tok, cl, active), active)
+    if backend != "standard":  # the standard backend runs no fused verify step
+        feed = _prompt(3, 3, seed + 2)
+        act = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
+        check(hid.verify(feed, ch, act), log.verify(feed, cl, act), act)
+        assert hid.trace.records[-1].kind == "verify" and hid.trace.records[-1].fallback is None
+    with pytest.raises(ValueError, match="readout='hidden'"):
+        hid.mixed(tok, ch, 0, ids[0, :2])
+
+
 # ------------------------------------------------------------------------------------------ kernel adapters
 def _mla_setup(dtype, kv_dtype, seed):
     from k3_fastpath.reference.mla import MLACache

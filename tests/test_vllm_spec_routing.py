@@ -205,9 +205,9 @@ def test_verify_classification_reasons():
 
 def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
     """``vllm_model.KimiK3ForConditionalGeneration`` in route mode with an n-gram speculative config (vLLM's
-    base constructor and language model stood in for): a verify step's ``forward`` returns one placeholder row
-    per token and ``compute_logits`` on vLLM's logits indices (every token of every verify row) returns the
-    reference decode logits of those tokens; the next step settles the acceptance; a step with a prefill
+    base constructor and language model stood in for): a verify step's ``forward`` returns one hidden state per
+    token (before the final norm) and vLLM's ``compute_logits`` on vLLM's logits indices (every token of every
+    verify row) returns the reference decode logits of those tokens; the next step settles the acceptance; a step with a prefill
     hands the committed state back where vLLM reads it and calls vLLM's forward."""
     from types import SimpleNamespace
 
@@ -218,13 +218,13 @@ def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
     m = models[torch.float32]
     g = torch.Generator().manual_seed(seed)
     vc = VllmCaches(CFG, INDICES, BLOCKS, BS, torch.float32, num_spec=K, seed=seed)
-    calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size)
+    calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size, m)
     cfg = route_vllm_config(dtype=torch.float32, max_len=MAX_LEN, max_num_seqs=4, block_size=BS, fastpath_max_batch=4,
                             spec=SimpleNamespace(method="ngram", num_speculative_tokens=K))
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     fast = model._k3_fast
     assert fast.num_spec == K
-    fast.executor = DecodeExecutor(m, max_batch=4, max_len=MAX_LEN, spec_tokens=K + 1)  # what load_weights builds
+    fast.executor = DecodeExecutor(m, max_batch=4, max_len=MAX_LEN, spec_tokens=K + 1, readout="hidden")
 
     lens = torch.tensor([6, 4])
     ids = torch.randint(3, CFG.vocab_size, (2, 6), generator=g)
@@ -246,6 +246,7 @@ def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
         hidden = model.forward(torch.cat([feed[active], torch.zeros(2, dtype=torch.long)]),
                                torch.cat([pos, torch.zeros(2, dtype=torch.long)]))
         assert hidden.shape == (n + 2, CFG.hidden_size) and not calls  # padded tokens, vLLM's forward not run
+        assert not hidden[n:].any()
         want = _columns(m, _copy(m, ref), feed, active)[active]
         assert _rel(model.compute_logits(hidden[:n]), want) <= 1e-4
         a = torch.tensor([2, 1])  # request 0 keeps its fed token and one draft, request 1 its fed token

@@ -187,11 +187,13 @@ def vllm_language_model(cfg, state_dict: dict) -> torch.nn.Module:
     return root
 
 
-def stand_in_vllm_k3(monkeypatch, vc: VllmCaches, hidden_size: int) -> tuple[list, SimpleNamespace]:
+def stand_in_vllm_k3(monkeypatch, vc: VllmCaches, hidden_size: int, model=None) -> tuple[list, SimpleNamespace]:
     """Stand in for what vLLM's K3 model class builds and reads on a GPU: its base constructor builds a
     language model over ``vc``'s layers (named as vLLM names them) whose ``forward`` appends its keyword
-    arguments to ``calls`` and returns ``"vllm hidden"`` (``compute_logits``: ``"vllm logits of <h>"``), and the
-    forward context is ``context`` (set ``context.attn_metadata`` per step). Returns ``(calls, context)``."""
+    arguments to ``calls`` and returns ``"vllm hidden"``, and whose ``compute_logits`` is vLLM's K3 one over
+    ``model``'s weights (the final norm, then lm_head; FP32 here) on a tensor, ``"vllm logits of <h>"`` on
+    anything else; the forward context is ``context`` (set ``context.attn_metadata`` per step). Returns
+    ``(calls, context)``."""
     import vllm.forward_context as fc
     from vllm.models.kimi_k3 import KimiK3ForConditionalGeneration as Base
 
@@ -209,7 +211,10 @@ def stand_in_vllm_k3(monkeypatch, vc: VllmCaches, hidden_size: int) -> tuple[lis
             return "vllm hidden"
 
         def compute_logits(self, hidden):
-            return f"vllm logits of {hidden}"
+            if not isinstance(hidden, torch.Tensor):
+                return f"vllm logits of {hidden}"
+            with torch.no_grad():
+                return model.lm_head(model.model.norm(hidden)).float()
 
     def stand_in(self, vllm_config, prefix=""):
         torch.nn.Module.__init__(self)

@@ -26,10 +26,10 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
   * ``forward``: at the first call with metadata the router binds vLLM's per-layer caches; each call is
     classified (``VllmDecodeRouter.plan``). A routed step (a decode step, or with a speculative config a
     verify step: the executor then holds verify scratch for ``1 + num_speculative_tokens`` tokens) runs on
-    the executor: its logits, one row per token, are stashed and ``forward`` returns ``[num_tokens,
-    hidden]`` placeholder hidden states whose first two columns encode the row number, so
-    ``compute_logits`` (which vLLM calls on ``hidden_states[logits_indices]``) returns exactly the stashed
-    rows it was asked for (a drafter that reads hidden states is refused at start-up). Any other step
+    the executor (built with ``readout="hidden"``) and ``forward`` returns what vLLM's own K3 ``forward``
+    returns: ``[num_tokens, hidden]``, each token's hidden state before the final norm (padded tokens 0).
+    ``compute_logits`` is vLLM's throughout (final norm, lm_head, its TP gather), and a drafter that reads
+    the target's final hidden states (K3's MTP layer) reads real ones. Any other step
     settles the last verify step and exports the routed requests' state to vLLM (``sync_back``), runs
     vLLM's forward and is traced as ``fallback: "vllm standard path: <reason>"``;
   * the runner passes token ids beside the multimodal embeddings (``requires_raw_input_tokens``, set on the
@@ -63,20 +63,6 @@ except ImportError as e:  # e.g. a platform for which vLLM exports no K3 impleme
 ARCHITECTURE = "KimiK3ForConditionalGeneration"
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_LEN = 4096
-_ROW_BASE = 256  # row ids are written as (row // 256, row % 256): exact in bf16
-
-
-def encode_rows(num_tokens: int, hidden: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
-    """Placeholder hidden states of a routed step: row ``r`` holds ``(r // 256, r % 256)`` in columns 0, 1."""
-    h = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
-    r = torch.arange(num_tokens, device=device)
-    h[:, 0] = (r // _ROW_BASE).to(dtype)
-    h[:, 1] = (r % _ROW_BASE).to(dtype)
-    return h
-
-
-def decode_rows(hidden: torch.Tensor) -> torch.Tensor:
-    return (hidden[:, 0].float() * _ROW_BASE + hidden[:, 1].float()).round().long()
 
 
 def checkpoint_dir(model_config: Any) -> str:
@@ -122,7 +108,6 @@ class FastPathState:
         self.spec_all_rows = bool(get("fastpath_spec_all_rows", False))  # DecodeExecutor(spec_all_rows=...)
         self.executor: Any = None
         self.router: Any = None
-        self.logits: torch.Tensor | None = None  # the last routed step's [B, V]
         self.stale: str | None = None  # set when vLLM's weights change under the executor
         self.weights: Any = None  # vllm_weights.InPlaceWeights: what the executor shares with vLLM
 
@@ -180,14 +165,16 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
         if tp > 1:  # this rank's share, its partial sums meeting over vLLM's own TP group (an FP8 cache is refused)
             from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
-            ex = TPFastDecoder(cfg, model, vllm_tp_comm(device), max_batch=fast.max_batch, max_len=fast.max_len)
+            ex = TPFastDecoder(cfg, model, vllm_tp_comm(device), max_batch=fast.max_batch, max_len=fast.max_len,
+                               readout="hidden")
         else:
             kv_scale = None
             if kv_dtype == torch.float8_e4m3fn:  # the executor's FP8 latents must use vLLM's k_scale
                 mla = next(layer.self_attn for i, layer in enumerate(self._vllm_layers()) if cfg.is_mla_layer(i))
                 kv_scale = float(mla._k_scale)
             ex = DecodeExecutor(model, max_batch=fast.max_batch, max_len=fast.max_len, kv_dtype=kv_dtype,
-                                kv_scale=kv_scale, spec_tokens=spec_tokens, spec_all_rows=fast.spec_all_rows)
+                                kv_scale=kv_scale, spec_tokens=spec_tokens, spec_all_rows=fast.spec_all_rows,
+                                readout="hidden")
         ex.trace.set_meta(weights_in_place=weights.summary())
         fast.weights = weights
         ex.warmup_and_capture()
@@ -231,21 +218,11 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
             from k3_fastpath.integrations.vllm_routing import StepPlan
 
             plan = StepPlan(fast.stale or "no token ids passed (inputs_embeds only)", batch=plan.batch)
-        fast.logits = None
         if plan.route:
-            fast.logits = router.run(plan, input_ids)
-            hidden = self.config.text_config.hidden_size
-            return encode_rows(int(positions.shape[-1]), hidden, fast.executor.dtype, positions.device)
+            rows = router.run(plan, input_ids)  # one hidden state per real token, in vLLM's token order
+            hidden = rows.new_zeros(int(positions.shape[-1]), rows.shape[-1])
+            hidden[: rows.shape[0]] = rows
+            return hidden
         router.sync_back(plan)
         router.record_fallback(plan)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)
-
-    def compute_logits(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:  # noqa: ANN003
-        fast = self.__dict__.get("_k3_fast")
-        if fast is None or fast.logits is None:
-            return super().compute_logits(hidden_states, **kwargs)
-        rows = decode_rows(hidden_states)
-        if int(rows.max()) >= fast.logits.shape[0] or int(rows.min()) < 0:
-            raise RuntimeError(f"compute_logits asked for rows {rows.tolist()} of a routed step of "
-                               f"{fast.logits.shape[0]} requests")
-        return fast.logits.index_select(0, rows.to(fast.logits.device))

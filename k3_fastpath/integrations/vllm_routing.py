@@ -37,7 +37,8 @@ without drafts one of 1 token). A request is keyed by its first KDA state block;
 where vLLM's own verify kernels read it (``vllm_state.KdaSlot.spec``: block ``a-1`` and window offset
 ``a-1``, a = ``num_accepted_tokens``). The step runs fused on the executor (``DecodeExecutor.verify``: every
 token's state kept in scratch slots) where ``verify_reason`` allows, else as decode steps column by column
-keeping each request's KDA state after each column; the logits come back one row per token. vLLM tells
+keeping each request's KDA state after each column; the executor's readout (logits, or with
+``readout="hidden"`` the hidden states vLLM's ``compute_logits`` takes) comes back one row per token. vLLM tells
 what it accepted only at the next step, so the step stays pending (``PendingVerify``) until ``settle``
 (at the next ``run`` or ``sync_back``): each request that step names is committed to its state after its
 a kept tokens, exactly where vLLM will read it; a request it does not name (finished, or not scheduled)
@@ -92,9 +93,11 @@ from .vllm_state import (
 )
 
 VLLM_PATH = "vllm standard path"  # prefix of the trace reason of a step vLLM's own forward ran
-# vLLM's speculative methods whose drafter needs only token ids (``SpeculativeConfig.method``): the others
-# (eagle, eagle3, mtp, dflash, dspark, medusa, ...) read the target's hidden states
-SPEC_METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model")
+# vLLM's speculative methods (``SpeculativeConfig.method``) the route serves: drafters of token ids, and K3's
+# next-token layer (mtp), which reads the target's final hidden states before the norm, what a routed step
+# returns (vLLM's K3 ``forward`` contract). The others (eagle, eagle3, dflash, dspark, medusa, ...) read
+# hidden states of inner layers or have not been checked against the route
+SPEC_METHODS = ("ngram", "ngram_gpu", "suffix", "draft_model", "mtp")
 
 
 @dataclass(frozen=True)
@@ -379,7 +382,8 @@ class VllmDecodeRouter:
     # ------------------------------------------------------------------ steps
     @torch.no_grad()
     def run(self, plan: StepPlan, tokens: torch.Tensor) -> torch.Tensor:
-        """One routed step -> FP32 logits, one row per token of the step (``[B, V]`` for a decode step; a verify
+        """One routed step -> the executor's readout (FP32 logits, or its hidden states), one row per token of the
+        step (``[B, V]`` / ``[B, H]`` for a decode step; a verify
         step's rows request by request, each request's tokens in order); the executor traces the step."""
         assert plan.route and plan.state_indices is not None and plan.seq_lens is not None
         self.settle(plan.accepted)
@@ -511,8 +515,8 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
     if sc is not None:
         method, k = getattr(sc, "method", None), int(getattr(sc, "num_speculative_tokens", 0) or 0)
         if method not in SPEC_METHODS:
-            out.append(f"speculative method {method}: its drafter reads the target model's hidden states, which a "
-                       f"routed step does not return (routed: {', '.join(SPEC_METHODS)})")
+            out.append(f"speculative method {method}: its drafter may read hidden states a routed step does not "
+                       f"return (routed: {', '.join(SPEC_METHODS)})")
         if not 1 <= k <= MAX_DRAFT_TOKENS:
             out.append(f"num_speculative_tokens {k}: a routed verify step holds 1 + 1..{MAX_DRAFT_TOKENS} tokens per "
                        "request")

@@ -243,8 +243,9 @@ class K3ForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(x))
         logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
         cache.lengths = start_pos + lengths
-        logits = torch.where(valid[..., None], logits, torch.zeros((), dtype=logits.dtype, device=dev))
-        return (logits, x) if hidden else logits
+        zero = torch.zeros((), dtype=logits.dtype, device=dev)
+        logits = torch.where(valid[..., None], logits, zero)
+        return (logits, torch.where(valid[..., None], x, zero.to(x.dtype))) if hidden else logits
 
     @torch.no_grad()
     def prefill_hidden(self, input_ids: torch.Tensor, lengths: torch.Tensor | None, cache: K3Cache
@@ -273,11 +274,21 @@ class K3ForCausalLM(nn.Module):
 
         Inactive sequences (``active[b] == False``) are left untouched and get logits 0. MLA runs absorbed.
         """
+        return self._decode(tokens, cache, active, hidden=False)
+
+    @torch.no_grad()
+    def decode_hidden(self, tokens: torch.Tensor, cache: K3Cache, active: torch.Tensor | None = None) -> torch.Tensor:
+        """``decode`` -> the hidden states the final norm reads ``[B, H]`` (model dtype, inactive rows 0): what
+        vLLM's K3 ``forward`` returns, its ``compute_logits`` applying the final norm and lm_head."""
+        return self._decode(tokens, cache, active, hidden=True)
+
+    def _decode(self, tokens: torch.Tensor, cache: K3Cache, active: torch.Tensor | None, hidden: bool) -> torch.Tensor:
         b = tokens.shape[0]
         if active is None:
             active = torch.ones(b, dtype=torch.bool)
         lengths = active.to(torch.long).reshape(b)
-        return self._run(tokens.reshape(b, 1), lengths, cache, "absorbed")[:, 0]
+        out = self._run(tokens.reshape(b, 1), lengths, cache, "absorbed", hidden=hidden)
+        return (out[1] if hidden else out)[:, 0]
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         """A full prefill on a fresh cache (MLA latents in the model dtype)."""

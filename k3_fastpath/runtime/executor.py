@@ -10,6 +10,11 @@
     ex.commit_verify(cache, keep)                        # keep [B] accepted rows per sequence
     ex.trace.summary()                                   # per step: kernels, standard ops, fallbacks
 
+``readout="hidden"`` (the vLLM route, whose engine applies the final norm and lm_head in its own
+``compute_logits``): ``decode`` and ``verify`` return the hidden states the final norm reads (``[B, H]`` /
+``[B, T, H]`` in the model dtype, inactive rows 0; ``K3ForCausalLM.decode_hidden`` on the standard path)
+instead of logits, and the step skips lm_head. ``prefill`` returns logits either way; ``mixed`` is refused.
+
 Every decode step is checked against the ``Envelope`` on the host (no GPU read): inside it the step pads
 the batch to its bucket (padded rows use the empty slot 0), copies tokens / slots / positions into static
 buffers and replays the bucket's CUDA graph (or runs ``fast_step.run_step`` eagerly with
@@ -64,6 +69,7 @@ from .verify_step import MAX_VERIFY_ROWS, commit_verify, load_verify, verify_io,
 BACKENDS = ("latency_specialized", "standard", "standard_graph")
 STEP_BACKENDS = ("latency_specialized", "standard_graph")  # backends that run fast_step.run_step
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+READOUTS = ("logits", "hidden")  # what a decode / verify step returns (DecodeExecutor(readout=...))
 
 
 def pdl_support() -> str:
@@ -92,14 +98,17 @@ class DecodeExecutor:
                  kv_dtype: torch.dtype | None = None, kv_scale: float | None = None,
                  envelope: Envelope | None = None, options: DecodeOptions | None = None,
                  pool_from: DecodeExecutor | None = None, ops: Mapping[str, OpImpl] | None = None,
-                 spec_tokens: int = 0, spec_all_rows: bool = False) -> None:
+                 spec_tokens: int = 0, spec_all_rows: bool = False, readout: str = "logits") -> None:
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
         if max_batch < 1 or max_len < 1:
             raise ValueError(f"max_batch and max_len must be >= 1, got {max_batch}, {max_len}")
         self.model = model
         self.cfg = model.cfg
         self.backend = backend
+        self.readout = readout  # what decode / verify return: "logits", or "hidden" (the final norm's input)
         self.device = model.device
         self.dtype = model.dtype
         self.max_batch = max_batch
@@ -155,7 +164,7 @@ class DecodeExecutor:
                 "mla_pool_len": CachePool.latent_length(max_len),
                 "shared_experts_stream": self.side.stream is not None,
                 "standard_compiled_glue": opts.standard_compiled_glue,
-                "single_expert_copy": opts.single_expert_copy, "spec_tokens": spec_tokens}
+                "single_expert_copy": opts.single_expert_copy, "spec_tokens": spec_tokens, "readout": readout}
         self.trace = ExecutionTrace(trace_dir if trace_dir is not None else trace_dir_from_env(), meta)
         if self.fast:  # the routed experts' kernel weights (and W_UK / W_UV) once, here, never per step
             self._plan = ModelPlan.build(model, single_expert_copy=opts.single_expert_copy)
@@ -196,8 +205,10 @@ class DecodeExecutor:
     def _io_for(self, bucket: Any) -> StepIO:
         """A decode bucket's buffers, or (key ``("verify", Bk, T)``) a verify step's."""
         if bucket not in self._io:
-            self._io[bucket] = (verify_io(bucket[1], bucket[2], self.cfg.vocab_size, self.device)
-                                if isinstance(bucket, tuple) else StepIO.zeros(bucket, self.cfg.vocab_size, self.device))
+            hidden = (self.cfg.hidden_size, self.dtype) if self.readout == "hidden" else None
+            self._io[bucket] = (verify_io(bucket[1], bucket[2], self.cfg.vocab_size, self.device, hidden)
+                                if isinstance(bucket, tuple) else
+                                StepIO.zeros(bucket, self.cfg.vocab_size, self.device, hidden))
         return self._io[bucket]
 
     def _run(self, bucket: int) -> OpCalls:
@@ -292,6 +303,8 @@ class DecodeExecutor:
         the ``latency_specialized`` backend records it as a fallback (``PREFILL_REASON``). Otherwise (the
         ``standard`` backend, a cache from elsewhere, a model outside the envelope) the reference model's
         ``prefill`` runs the same step. One host read: the prompt's start position."""
+        if self.readout != "logits":
+            raise ValueError(f"mixed step: an executor with readout={self.readout!r} runs decode and verify steps only")
         b = int(tokens.shape[0])
         prompt = prompt.reshape(-1)
         p = int(prompt.shape[0])
@@ -359,12 +372,13 @@ class DecodeExecutor:
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: Any, active: torch.Tensor | None = None, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per active sequence -> logits ``[B, V]`` FP32 (inactive rows 0, their caches untouched).
-        ``out`` (``[>= B, V]`` FP32) receives the logits without an allocation; otherwise a new tensor."""
+        """One token per active sequence -> logits ``[B, V]`` FP32 (inactive rows 0, their caches untouched);
+        with ``readout="hidden"`` the hidden states ``[B, H]``. ``out`` (``[>= B, V]`` FP32, or ``[>= B, H]``)
+        receives them without an allocation; otherwise a new tensor."""
         b = int(tokens.shape[0])
         reason = self.step_reason(b, cache)
         if self.backend == "standard" or reason:
-            logits = self.model.decode(tokens, cache, active)
+            logits = (self.model.decode_hidden if self.readout == "hidden" else self.model.decode)(tokens, cache, active)
             if isinstance(cache, PooledCache):
                 cache.length_bound += 1
             self.trace.record(StepRecord(0, self.backend, b, None, fallback=reason))
@@ -381,9 +395,9 @@ class DecodeExecutor:
         cache.length_bound += 1
         self.trace.record(rec)
         if out is not None:
-            out[:b].copy_(io.logits[:b])
+            out[:b].copy_(io.readout[:b])
             return out[:b]
-        return io.logits[:b].clone()
+        return io.readout[:b].clone()
 
     def _replay_or_run(self, key: Any, rec: StepRecord) -> StepRecord:
         """Run the staged step of ``key`` (its graph, else eagerly) and fill ``rec`` with what it launched."""
@@ -431,7 +445,8 @@ class DecodeExecutor:
     @torch.no_grad()
     def verify(self, feed: torch.Tensor, cache: Any, active: torch.Tensor | None = None) -> torch.Tensor:
         """One fused verify step (``verify_step.py``): ``feed [B, T]`` (the last emitted token and the drafts),
-        ``active [B, T]`` (default all) -> logits ``[B, T, V]`` FP32 (inactive rows 0). Nothing is committed
+        ``active [B, T]`` (default all) -> logits ``[B, T, V]`` FP32 (inactive rows 0; ``readout="hidden"``: the
+        hidden states ``[B, T, H]``). Nothing is committed
         until ``commit_verify``. ``ValueError`` where ``verify_reason`` gives a reason."""
         b, T = (int(n) for n in feed.shape)
         reason = self.verify_reason(b, T, cache)
@@ -449,7 +464,7 @@ class DecodeExecutor:
                         self.pool.scratch_base + first * T)
             self.trace.record(self._replay_or_run(key, StepRecord(0, self.backend, n, bucket, kind="verify",
                                                                   tokens=T)))
-            out.append(io.logits[: n * T].view(n, T, -1).clone())
+            out.append(io.readout[: n * T].view(n, T, -1).clone())
         self._pending_verify = (cache.slots, T)
         return out[0] if len(out) == 1 else torch.cat(out)
 

@@ -6,7 +6,7 @@ A fast step (``fast_step.py``) never calls a kernel directly; it calls ``ops[nam
 |-----------------|----------------------------------------------------------------------------------------|
 | ``linear``      | ``(x [Bk,K] bf16, w [N,K] bf16, *, residual=None, out=None, out_dtype=None) -> [Bk,N]``  |
 | ``rmsnorm``     | ``(x [Bk,H] bf16, w [H], eps) -> [Bk,H] bf16``                                          |
-| ``attn_res``    | ``(sources [S,Bk,H] bf16, norm_w [H], proj_w [H], eps, out_w [H]) -> RMSNorm(mix)*out_w`` |
+| ``attn_res``    | ``(sources [S,Bk,H] bf16, norm_w [H], proj_w [H], eps, out_w [H] or None) -> RMSNorm(mix)*out_w`` (None: the mix) |
 | ``kda_step``    | ``kernels.kda_decode.api.kda_decode``'s signature (pools + slots, in-place update)      |
 | ``mla_attention`` | ``(q [Bk,h,nope+rope], kv [Bk,rank+rope] (kv_a output, c_kv not yet normed), kv_norm_w, eps, latent [N,L,rank+rope], scale, slot [Bk] i32, pos [Bk] i64, block_table [Bk,pages] i32, ctx_len [Bk] i32, w_uk [h,nope,rank] (FP32), w_uv [h,v,rank] bf16, softmax_scale, gate [Bk,h*v] or None) -> [Bk, h*v] bf16``: writes the new latent at (slot, pos), attends over positions 0..pos, gated |
 | ``moe_router``  | ``(x [Bk,H] bf16, gate_w [E,H], bias [E] f32, top_k, renormalize, scale) -> (ids [Bk,k], w [Bk,k] f32)`` |

@@ -13,7 +13,9 @@ bucket ``Bk``:
    (``SideStream``: event fork / join, captured into the graph) while the router, the latent down
    projection, ``moe_experts`` (+ the fused latent norm) and the latent up projection run on the main one;
    the shared down projection adds the routed output as its residual after the join;
-3. ``attn_res`` with the final norm, ``lm_head`` with FP32 output into ``io.logits``; inactive rows 0.
+3. ``attn_res`` with the final norm, ``lm_head`` with FP32 output into ``io.logits``; inactive rows 0. A
+   step that reads out hidden states (``io.hidden`` given: the vLLM route, whose engine applies the final
+   norm and lm_head itself) writes the final AttnRes mix before the norm there instead, and no logits.
 
 KDA: q, k, v, g, f_a -> f_b, beta logits are separate ``linear`` calls (``kda_decode`` takes contiguous
 [B, C] operands), then ``kda_step`` updates the slot pools in place (a verify step: from each sequence's
@@ -48,7 +50,7 @@ class StepIO:
     slot: torch.Tensor  # [Bk] int32: pool slot per row, 0 = empty (inactive / padded rows)
     pos: torch.Tensor  # [Bk] int64: the position each row's token takes (0 for empty rows)
     active: torch.Tensor  # [Bk] bool
-    logits: torch.Tensor  # [Bk, V] fp32 (written)
+    logits: torch.Tensor  # [Bk, V] fp32 (written; [Bk, 0] where ``hidden`` is the readout)
     # (block_table, ctx_len) of the MLA layers, derived from slot / pos by ``run_step`` for the step it runs
     # (None outside it; a caller that runs ``_mla`` without ``run_step`` gets them derived per layer)
     mla_index: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -58,6 +60,13 @@ class StepIO:
     kda_slot: torch.Tensor | None = None
     kda_out: torch.Tensor | None = None
     tokens_per_seq: int = 1
+    # [Bk, H] model dtype: the hidden states the final norm reads (written instead of ``logits``); None: logits
+    hidden: torch.Tensor | None = None
+
+    @property
+    def readout(self) -> torch.Tensor:
+        """What the step writes per row: ``hidden`` where given, else ``logits``."""
+        return self.logits if self.hidden is None else self.hidden
 
     def load(self, tokens: torch.Tensor, active: torch.Tensor | None, slots: torch.Tensor,
              lengths: torch.Tensor) -> None:
@@ -76,13 +85,16 @@ class StepIO:
             t[b:].zero_()
 
     @classmethod
-    def zeros(cls, bucket: int, vocab: int, device: torch.device) -> StepIO:
-        """The static buffers of one batch bucket (every row empty: slot 0, position 0, inactive)."""
+    def zeros(cls, bucket: int, vocab: int, device: torch.device,
+              hidden: tuple[int, torch.dtype] | None = None) -> StepIO:
+        """The static buffers of one batch bucket (every row empty: slot 0, position 0, inactive); ``hidden``
+        ``(H, dtype)``: a step that reads out hidden states instead of logits."""
         return cls(tokens=torch.zeros(bucket, dtype=torch.long, device=device),
                    slot=torch.zeros(bucket, dtype=torch.int32, device=device),
                    pos=torch.zeros(bucket, dtype=torch.long, device=device),
                    active=torch.zeros(bucket, dtype=torch.bool, device=device),
-                   logits=torch.zeros(bucket, vocab, dtype=torch.float32, device=device))
+                   logits=torch.zeros(bucket, 0 if hidden else vocab, dtype=torch.float32, device=device),
+                   hidden=None if hidden is None else torch.zeros(bucket, hidden[0], dtype=hidden[1], device=device))
 
 
 class OpCalls:
@@ -192,10 +204,11 @@ def _mlp(ops: OpCalls, m: MoEWeights | DenseMLPWeights, x: torch.Tensor, eps: fl
 
 
 def _mix(ops: OpCalls, src: torch.Tensor, nb: int, norm_w: torch.Tensor, proj_w: torch.Tensor,
-         out_w: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm(AttnRes mix of src[:nb+1]) * out_w; with no block yet the mix is the prefix itself."""
+         out_w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm(AttnRes mix of src[:nb+1]) * out_w (``out_w`` None: the mix); with no block yet the mix is the
+    prefix itself."""
     if nb == 0:
-        return ops("rmsnorm", src[0], out_w, eps)
+        return src[0] if out_w is None else ops("rmsnorm", src[0], out_w, eps)
     return ops("attn_res", src[: nb + 1], norm_w, proj_w, eps, out_w)
 
 
@@ -271,9 +284,14 @@ def step_sections(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetch
         s = state["src"][: nb + 1]
         if readout is not None:  # only the rows that give logits pass the final mix and lm_head
             s = s.index_select(1, readout[0])
-        x = _mix(ops, s, nb, plan.out_res_norm, plan.out_res_proj, plan.final_norm, eps)
-        ops("linear", x, plan.lm_head, out=io.logits, out_dtype=torch.float32)
-        io.logits.masked_fill_(~(io.active if readout is None else readout[1])[:, None], 0.0)
+        live = io.active if readout is None else readout[1]
+        if io.hidden is not None:  # the hidden states the final norm reads; the engine applies norm and lm_head
+            io.hidden.copy_(_mix(ops, s, nb, plan.out_res_norm, plan.out_res_proj, None, eps))
+            io.hidden.masked_fill_(~live[:, None], 0.0)
+        else:
+            x = _mix(ops, s, nb, plan.out_res_norm, plan.out_res_proj, plan.final_norm, eps)
+            ops("linear", x, plan.lm_head, out=io.logits, out_dtype=torch.float32)
+            io.logits.masked_fill_(~live[:, None], 0.0)
         if prefetcher is not None:
             prefetcher.join()
 

@@ -103,7 +103,8 @@ def rmsnorm_standard(x, w, eps):
 
 
 def attn_res_standard(sources, norm_w, proj_w, eps, out_w):
-    return attn_res_mix_ref(sources, norm_w, proj_w, eps, out_w=out_w, out_eps=eps)[1]
+    mix, normed = attn_res_mix_ref(sources, norm_w, proj_w, eps, out_w=out_w, out_eps=eps)
+    return mix if out_w is None else normed
 
 
 # ------------------------------------------------------------------------------------------ KDA

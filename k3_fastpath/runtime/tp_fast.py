@@ -80,7 +80,8 @@ def _tp_mlp(ops: Any, m: Any, x: torch.Tensor, eps: float, cfg: Any, comm: Commu
 def run_tp_step(plan: Any, ops: Any, io: Any, pool: Any, comm: Communicator, vocab_per_rank: int,
                 fronts: dict[int, FrontShard] | None = None) -> None:
     """One decode step of this rank for the bucket of ``io`` (reads tokens / slot / pos / active, updates the
-    rank's caches, writes the full-vocabulary ``io.logits``). Every rank must run it at the same time.
+    rank's caches, writes the full-vocabulary ``io.logits``, or where ``io.hidden`` is given the hidden states
+    the final norm reads, the same on every rank). Every rank must run it at the same time.
     ``fronts``: per MoE layer index, the rank's rows of its router and latent projections (split front)."""
     kda, mla = _attention_fns()
     bk = io.tokens.shape[0]
@@ -112,6 +113,13 @@ def run_tp_step(plan: Any, ops: Any, io: Any, pool: Any, comm: Communicator, voc
                                              L.post_norm, eps)
         f, addend = _tp_mlp(ops, L.mlp, h, eps, plan.cfg, comm, (fronts or {}).get(L.idx))
         prefix, x = comm.reduce_add_mix_norm(f, prefix, blocks[:nb], *pre_attention(n + 1), eps, addend=addend)
+    if io.hidden is not None:  # the final AttnRes mix before the norm (the engine applies norm and lm_head)
+        src = torch.cat([blocks[:nb], prefix[None]])
+        from .fast_step import _mix
+
+        io.hidden.copy_(_mix(ops, src, nb, plan.out_res_norm, plan.out_res_proj, None, eps))
+        io.hidden.masked_fill_(~io.active[:, None], 0.0)
+        return
     logits = comm.all_gather_last(ops("linear", x, plan.lm_head, out_dtype=torch.float32))
     io.logits.copy_(logits)
     io.logits.masked_fill_(~io.active[:, None], 0.0)
@@ -133,9 +141,9 @@ class TPFastDecoder:
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
                  kv_dtype: torch.dtype | None = None,
                  backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None,
-                 options: DecodeOptions | None = None, moe_front: str = "replicated") -> None:
+                 options: DecodeOptions | None = None, moe_front: str = "replicated", readout: str = "logits") -> None:
         from .cache_pool import CachePool
-        from .executor import STEP_BACKENDS, _buckets
+        from .executor import READOUTS, STEP_BACKENDS, _buckets
         from .fast_ops import op_table
         from .graphs import BucketGraphs
         from .standard_ops import standard_op_table
@@ -143,6 +151,9 @@ class TPFastDecoder:
 
         if backend not in STEP_BACKENDS:
             raise ValueError(f"backend must be one of {STEP_BACKENDS}, got {backend!r}")
+        if readout not in READOUTS:
+            raise ValueError(f"readout must be one of {READOUTS}, got {readout!r}")
+        self.readout = readout  # what decode returns (DecodeExecutor's readout)
 
         if model.cfg != rank_config(cfg, comm.world):
             raise ValueError(f"model config {model.cfg.name!r} is not rank_config({cfg.name!r}, {comm.world})")
@@ -215,7 +226,8 @@ class TPFastDecoder:
         from .fast_step import StepIO
 
         if bucket not in self._io:
-            self._io[bucket] = StepIO.zeros(bucket, self.cfg.vocab_size, self.device)
+            hidden = (self.cfg.hidden_size, self.model.dtype) if self.readout == "hidden" else None
+            self._io[bucket] = StepIO.zeros(bucket, self.cfg.vocab_size, self.device, hidden)
         return self._io[bucket]
 
     def _run(self, bucket: int) -> Any:
@@ -245,7 +257,8 @@ class TPFastDecoder:
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: Any, active: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per active sequence of ``cache`` (from ``new_cache``) -> full-vocabulary logits [B, V]."""
+        """One token per active sequence of ``cache`` (from ``new_cache``) -> full-vocabulary logits [B, V]
+        (``readout="hidden"``: the hidden states [B, H] the final norm reads)."""
         from .graphs import bucket_for
 
         b = int(tokens.shape[0])
@@ -269,7 +282,7 @@ class TPFastDecoder:
         self.trace.record(rec)
         cache.lengths.add_(io.active[:b])
         cache.length_bound += 1
-        return io.logits[:b].clone()
+        return io.readout[:b].clone()
 
 
 def fast_equivalence_worker(rank: int, world: int, preset_name: str, seed: int, batch: int, steps: int,

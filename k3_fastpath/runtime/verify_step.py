@@ -88,9 +88,11 @@ def verify_bucket(batch: int, tokens: int, buckets: Sequence[int], max_rows: int
     return None
 
 
-def verify_io(bucket: int, tokens: int, vocab: int, device: torch.device) -> StepIO:
-    """The static buffers of one (bucket, T) verify step: ``bucket * T`` rows, every row empty."""
-    io = StepIO.zeros(bucket * tokens, vocab, device)
+def verify_io(bucket: int, tokens: int, vocab: int, device: torch.device,
+              hidden: tuple[int, torch.dtype] | None = None) -> StepIO:
+    """The static buffers of one (bucket, T) verify step: ``bucket * T`` rows, every row empty (``hidden``:
+    ``StepIO.zeros``')."""
+    io = StepIO.zeros(bucket * tokens, vocab, device, hidden)
     io.kda_slot = torch.zeros(bucket, dtype=torch.int32, device=device)
     io.kda_out = torch.zeros(bucket * tokens, dtype=torch.int32, device=device)
     io.tokens_per_seq = tokens

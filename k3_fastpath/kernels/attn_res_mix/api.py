@@ -121,7 +121,9 @@ def _launch(sources, norm_w, proj_w, eps, out_w, out_eps, mix_out, normed_out, c
     return mix_out, (normed_out if has_norm else None)
 
 
-def step_op(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float, out_w: torch.Tensor,
-            *, pdl: bool = False) -> torch.Tensor:
-    """The fast step's ``attn_res`` op (``runtime.fast_ops``): RMSNorm(mix of ``sources``) * ``out_w``."""
-    return attn_res_mix(sources, norm_w, proj_w, eps, out_w=out_w, out_eps=eps, pdl=pdl)[1]
+def step_op(sources: torch.Tensor, norm_w: torch.Tensor, proj_w: torch.Tensor, eps: float,
+            out_w: torch.Tensor | None, *, pdl: bool = False) -> torch.Tensor:
+    """The fast step's ``attn_res`` op (``runtime.fast_ops``): RMSNorm(mix of ``sources``) * ``out_w``, or
+    with ``out_w`` None the mix itself (a step that reads out hidden states)."""
+    mix, normed = attn_res_mix(sources, norm_w, proj_w, eps, out_w=out_w, out_eps=eps, pdl=pdl)
+    return mix if out_w is None else normed
