@@ -114,6 +114,49 @@ def test_graph_replay_is_the_eager_step_bitwise(seed):
             assert torch.equal(p, q)
 
 
+def test_hidden_readout_under_graphs(seed):
+    """``readout="hidden"`` (the vLLM route) on the kernels, graph-replayed, decode and a fused verify step: the
+    final norm and lm_head of the hidden states (vLLM's K3 ``compute_logits``, the reference's modules) give
+    the logits executor's greedy tokens and logits (mean KL <= 1e-3), the caches stay bitwise the logits
+    executor's, inactive rows are 0, every kernel launches and no kernel refuses a call."""
+    model = _model("k3-tiny")
+    kw = {"max_len": 48, "max_batch": 4, "buckets": (4,), "use_graphs": True, "spec_tokens": 3}
+    hid, log = DecodeExecutor(model, readout="hidden", **kw), DecodeExecutor(model, **kw)
+    for ex in (hid, log):
+        ex.warmup_and_capture()
+    ref, ch, first = _filled(model, hid, 3, 10, seed, 48)
+    cl = log.new_cache(3, 48)
+    log.copy_cache(cl, ref)
+
+    def head(h):
+        with torch.no_grad():
+            return model.lm_head(model.model.norm(h)).float()
+
+    def check(h, want, live):
+        assert not h[~live].any() and torch.isfinite(h).all()
+        got, want = head(h[live]), want[live]
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                        reduction="none").sum(-1)
+        assert float(kl.mean()) <= 1e-3 and torch.equal(got.argmax(-1), want.argmax(-1)), f"seed {seed}"
+        for x, y in zip(ch.layers, cl.layers, strict=True):
+            pairs = zip(x.tensors(), y.tensors(), strict=True) if hasattr(x, "tensors") else [(x.latent, y.latent)]
+            for p, q in pairs:
+                assert torch.equal(p, q), f"seed {seed}"
+
+    tok = first.argmax(-1)
+    active = torch.tensor([True, False, True], device="cuda")
+    for _ in range(3):
+        want = log.decode(tok, cl, active)
+        check(hid.decode(tok, ch, active), want, active)
+        tok = want.argmax(-1)
+    feed = torch.randint(3, model.cfg.vocab_size, (3, 3), device="cuda")
+    act = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool, device="cuda")
+    check(hid.verify(feed, ch, act), log.verify(feed, cl, act), act)
+    recs = list(hid.trace.records)
+    assert all(r.graph and r.fallback is None for r in recs) and [r.kind for r in recs][-1] == "verify"
+    assert not fast_path_problems(summarize(recs)), summarize(recs)
+
+
 def test_replay_allocates_nothing_and_never_syncs(seed):
     model = _model("k3-tiny")
     ex = DecodeExecutor(model, max_len=48, max_batch=8, buckets=(8,), use_graphs=True)
