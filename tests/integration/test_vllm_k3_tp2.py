@@ -19,8 +19,9 @@ as w13 blocks of 256 rows and w2 rows of 256 channels. The views skip the paddin
 that took w3 at the unpadded offset would hold zeros). K3 itself at TP16 has 192 channels per rank.
 
 The model built is our routed class (``decode_backend: latency_specialized``, not refused at TP2): its
-``load_weights`` builds a ``TPFastDecoder`` on vLLM's TP group, whose decode step is checked against the TP
-reference.
+``load_weights`` builds a ``TPFastDecoder`` on vLLM's TP group, whose decode step's hidden states (what the
+route returns from ``forward``) go through vLLM's own ``compute_logits`` (final norm, lm_head, TP gather) and
+are checked against the TP reference's logits.
 
 No forward of vLLM's own model runs (vLLM-CPU has no MXFP4 SiTU MoE backend for K3; see
 test_vllm_k3_checkpoint.py for the stand-ins used at construction, the same here).
@@ -119,7 +120,10 @@ def _child(ckpt: str, rank: int, init: str, out: str) -> None:  # python this_fi
     ex = model.__dict__["_k3_fast"].executor  # built by load_weights over vLLM's weights, on vLLM's TP group
     tok = ids[:, 0]
     with torch.no_grad():
-        routed = ex.decode(tok, ex.new_cache(2))
+        hidden = ex.decode(tok, ex.new_cache(2))  # the final norm's input (readout="hidden"), as vLLM's forward
+        # vLLM's loader prepares each layer's quant method after load (on a CPU: the lm_head's oneDNN linear)
+        lm.lm_head.quant_method.process_weights_after_loading(lm.lm_head)
+        routed = model.compute_logits(hidden).float()  # vLLM's own: final norm, lm_head, TP gather
         tp_ref = TPModel(cfg, ex.model, ex.comm)
         want = tp_ref.decode(tok, tp_ref.new_cache(2, 64))
     rec = ex.trace.records[-1]
@@ -185,8 +189,8 @@ def test_tp2_logits_through_vllms_group_equal_our_tp2_model(ranks):
 def test_the_routed_class_builds_a_tp_decoder_on_vllms_group_at_load(ranks):
     """``decode_backend: latency_specialized`` at TP2 (no refusal): our class's ``load_weights`` builds a
     ``TPFastDecoder`` over the rank's in-place model and vLLM's TP group; its decode step (kernels served by
-    their references on a CPU, as the trace says) matches the TP reference within BF16 rounding and returns
-    the same whole-vocabulary logits on both ranks."""
+    their references on a CPU, as the trace says) returns hidden states whose logits by vLLM's own
+    ``compute_logits`` match the TP reference within BF16 rounding, the same whole vocabulary on both ranks."""
     for got in ranks:
         ex = got["res"]["executor"]
         assert ex["type"] == "TPFastDecoder" and ex["comm"] == "torch.distributed/gloo" and ex["world"] == TP
