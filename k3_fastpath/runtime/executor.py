@@ -378,14 +378,14 @@ class DecodeExecutor:
         b = int(tokens.shape[0])
         reason = self.step_reason(b, cache)
         if self.backend == "standard" or reason:
-            logits = (self.model.decode_hidden if self.readout == "hidden" else self.model.decode)(tokens, cache, active)
+            rows = (self.model.decode_hidden if self.readout == "hidden" else self.model.decode)(tokens, cache, active)
             if isinstance(cache, PooledCache):
                 cache.length_bound += 1
             self.trace.record(StepRecord(0, self.backend, b, None, fallback=reason))
             if out is not None:
-                out[:b].copy_(logits)
+                out[:b].copy_(rows)
                 return out[:b]
-            return logits
+            return rows
         bucket = bucket_for(b, self.buckets)
         self._ensure_bucket(bucket)
         io = self._io_for(bucket)
