@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from k3_fastpath.sentinel import batches as sentinel_batches
 from k3_fastpath.sentinel import heldout
 from k3_fastpath.sentinel import train as sentinel_train
 from k3_fastpath.sentinel.tokenizer import build_sentinel_tokenizer
@@ -26,7 +27,7 @@ PLAN = sentinel_train.TrainPlan(preset="k3-tiny", steps=3, batch=2, seq_len=640,
 
 def test_rows_mask_the_prompt_and_end_on_im_end():
     tok = build_sentinel_tokenizer(512)
-    rows = sentinel_train.Batches(dataclasses.replace(PLAN, pack=False), tok)  # one item a row
+    rows = sentinel_batches.Batches(dataclasses.replace(PLAN, pack=False), tok)  # one item a row
     for _ in range(12):
         ids, mask = rows.row()
         number = mask[-1]  # the answer's tokens hold its task's number
@@ -45,11 +46,11 @@ def test_each_task_takes_its_loss_share_whatever_its_answer_tokens():
     g = torch.Generator().manual_seed(3)
     logits, gold = torch.randn(2, 40, 11, generator=g), torch.randint(0, 11, (2, 40), generator=g)
     mask = torch.zeros(2, 40, dtype=torch.int8)
-    mask[0, 2:30] = sentinel_train.task_number(plan, "aime25")  # 28 AIME tokens, 3 GSM8K, 5 MRCR
-    mask[1, 5:8] = sentinel_train.task_number(plan, "gsm8k")
-    mask[1, 30:35] = sentinel_train.task_number(plan, "mrcr")
+    mask[0, 2:30] = sentinel_batches.task_number(plan, "aime25")  # 28 AIME tokens, 3 GSM8K, 5 MRCR
+    mask[1, 5:8] = sentinel_batches.task_number(plan, "gsm8k")
+    mask[1, 30:35] = sentinel_batches.task_number(plan, "mrcr")
     tok = torch.nn.functional.cross_entropy(logits.reshape(-1, 11), gold.reshape(-1), reduction="none").reshape(2, 40)
-    means = {t: tok[mask == sentinel_train.task_number(plan, t)].mean() for t in ("gsm8k", "aime25", "mrcr")}
+    means = {t: tok[mask == sentinel_batches.task_number(plan, t)].mean() for t in ("gsm8k", "aime25", "mrcr")}
     loss, per_task = sentinel_train.answer_loss(logits, gold, mask, plan)
     assert torch.allclose(loss, 0.2 * means["gsm8k"] + 0.5 * means["aime25"] + 0.3 * means["mrcr"])
     assert all(torch.allclose(per_task[t], means[t]) for t in means)
@@ -105,12 +106,12 @@ def test_items_longer_than_a_row_are_skipped_whole_and_counted():
     """An item longer than ``seq_len`` never enters a row cut (its question would be gone); it is skipped,
     counted per task, and a task whose items mostly do not fit stops the run with one line."""
     tok = build_sentinel_tokenizer(512)
-    rows = sentinel_train.Batches(PLAN, tok)
+    rows = sentinel_batches.Batches(PLAN, tok)
     got = [rows.row() for _ in range(40)]
     assert rows.too_long["aime25"] > 0  # a fifth of the worked solutions run past 640 tokens at this vocabulary
     for ids, mask in got:  # every item in a row starts with its prompt: the row's first token is the template's
         assert ids[0] == got[0][0][0] and not mask[0]
-    short = sentinel_train.Batches(dataclasses.replace(PLAN, seq_len=200), tok)
+    short = sentinel_batches.Batches(dataclasses.replace(PLAN, seq_len=200), tok)
     with pytest.raises(ValueError, match=r"seq_len 200 is too short for \w+: \d+ of \d+ items drawn do not fit "
                                          r"\(raise --seq-len"):
         for _ in range(200):
@@ -210,10 +211,10 @@ def test_a_packed_row_holds_at_most_one_mrcr_conversation(monkeypatch):
     def most_per_row(rows):
         return max(tok.decode(r[0]).count("(1 indexed)") for r in rows)
 
-    packed = sentinel_train.Batches(plan, tok)
+    packed = sentinel_batches.Batches(plan, tok)
     assert most_per_row([packed.row() for _ in range(25)]) == 1
-    monkeypatch.setattr(sentinel_train, "ONE_PER_ROW", frozenset())
-    unruled = sentinel_train.Batches(plan, tok)
+    monkeypatch.setattr(sentinel_batches, "ONE_PER_ROW", frozenset())
+    unruled = sentinel_batches.Batches(plan, tok)
     assert most_per_row([unruled.row() for _ in range(25)]) >= 2
 
 
@@ -223,8 +224,8 @@ def test_packed_rows_hold_whole_items_and_lose_none():
     items strictly in order would make them."""
     tok = build_sentinel_tokenizer(512)
     plan = dataclasses.replace(PLAN, seq_len=800)
-    packed = sentinel_train.Batches(plan, tok)
-    single = sentinel_train.Batches(dataclasses.replace(plan, pack=False), tok)
+    packed = sentinel_batches.Batches(plan, tok)
+    single = sentinel_batches.Batches(dataclasses.replace(plan, pack=False), tok)
     rows = [packed.row() for _ in range(12)]
     drawn = len(packed._waiting)  # items drawn from the stream, not yet in a row
     stream = [single.row() for _ in range(sum(r[0].count(EOS_ID) for r in rows) * 4)]
@@ -255,8 +256,8 @@ def test_packed_rows_hold_whole_items_and_lose_none():
 
 def test_batches_made_ahead_are_the_same_sequence():
     tok = build_sentinel_tokenizer(512)
-    plain = sentinel_train.Batches(PLAN, tok)
-    ahead = sentinel_train.BatchesAhead(sentinel_train.Batches(PLAN, tok))
+    plain = sentinel_batches.Batches(PLAN, tok)
+    ahead = sentinel_batches.BatchesAhead(sentinel_batches.Batches(PLAN, tok))
     for _ in range(4):
         for a, b in zip(plain.batch("cpu"), ahead.next("cpu"), strict=True):
             assert torch.equal(a, b)
@@ -267,7 +268,7 @@ def test_an_error_making_a_batch_reaches_the_training_loop():
         def batch(self, device):
             raise ValueError("no rows")
 
-    ahead = sentinel_train.BatchesAhead(Broken())
+    ahead = sentinel_batches.BatchesAhead(Broken())
     with pytest.raises(ValueError, match="no rows"):
         ahead.next("cpu")
 

@@ -26,7 +26,7 @@ def item_row(tok, item: tasks.TaskItem) -> tuple[list[int], list[int]]:
 def padded(rows: list[tuple[list[int], list[int]]], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of (ids, mask) as right-padded ``ids [B, T]``, ``lengths [B]`` and ``mask [B, T]`` (int8: each
     token's mask value, 0 off the answers; training marks answer tokens with their task's number,
-    ``train.Batches``, so ``mask != 0`` is the loss mask)."""
+    ``batches.Batches``, so ``mask != 0`` is the loss mask)."""
     t = max(len(r[0]) for r in rows)
     ids = torch.full((len(rows), t), PAD_ID, dtype=torch.long)
     mask = torch.zeros((len(rows), t), dtype=torch.int8)
