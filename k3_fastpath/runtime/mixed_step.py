@@ -52,6 +52,7 @@ class MixedIO:
     readout_active: torch.Tensor  # [Bk] bool
     logits: torch.Tensor  # [Bk, V] fp32
     mla_index: tuple[torch.Tensor, torch.Tensor] | None = None
+    hidden: None = None  # a mixed step reads out logits (``StepIO.hidden``: DecodeExecutor refuses it otherwise)
 
     @property
     def prompt_tokens(self) -> int:

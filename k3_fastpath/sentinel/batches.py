@@ -1,20 +1,18 @@
 """The training rows of the sentinel: seeded items of the plan's task mix (eval questions excluded) as rows of
-token ids and a per-task loss mask, packed whole up to ``seq_len``, and made ahead on a thread."""
+token ids and a per-task loss mask, packed whole up to ``seq_len``, and made ahead on a thread. ``plan`` is
+a ``train.TrainPlan`` (not imported: train imports this module)."""
 
 from __future__ import annotations
 
 import queue
 import random
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from . import tasks
 from .rows import item_row, padded
-
-if TYPE_CHECKING:
-    from .train import TrainPlan
 
 EVAL_SEEDS = (0,)  # the eval files' seeds the tiers use (verify/checks/evals.py)
 EVAL_EXCLUDE = {"gsm8k": 2000, "aime25": 2000, "mrcr": 200}  # eval items per file and seed kept out of
@@ -31,7 +29,7 @@ class Batches:
     """Seeded rows of (token ids, loss mask) from the training streams, eval questions excluded; the mask
     holds each answer token's task number (``task_number``), 0 elsewhere."""
 
-    def __init__(self, plan: TrainPlan, tokenizer) -> None:
+    def __init__(self, plan: Any, tokenizer) -> None:
         self.plan, self.tok = plan, tokenizer
         self._waiting: list[tuple[list[int], list[int], str]] = []  # items drawn (ids, mask, task), not yet in
         # a row (oldest first)
@@ -114,6 +112,6 @@ class BatchesAhead:
         return tuple(t.to(device) for t in item)
 
 
-def task_number(plan: TrainPlan, task: str) -> int:
+def task_number(plan: Any, task: str) -> int:
     """The mask value of ``task``'s answer tokens in a training row: 1 + its place in ``plan.mix``."""
     return 1 + [t for t, _ in plan.mix].index(task)
