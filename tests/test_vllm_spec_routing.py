@@ -203,10 +203,12 @@ def test_verify_classification_reasons():
         == "1 plain decode rows beside 2 verify rows"
 
 
-def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
-    """``vllm_model.KimiK3ForConditionalGeneration`` in route mode with an n-gram speculative config (vLLM's
-    base constructor and language model stood in for): a verify step's ``forward`` returns one hidden state per
-    token (before the final norm) and vLLM's ``compute_logits`` on vLLM's logits indices (every token of every
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed, method):
+    """``vllm_model.KimiK3ForConditionalGeneration`` in route mode with an n-gram or an MTP speculative config
+    (served alike: vLLM's MTP proposer reads the hidden states ``forward`` returns; vLLM's base constructor and
+    language model stood in for): a verify step's ``forward`` returns one hidden state per token (before the
+    final norm) and vLLM's ``compute_logits`` on vLLM's logits indices (every token of every
     verify row) returns the reference decode logits of those tokens; the next step settles the acceptance; a step with a prefill
     hands the committed state back where vLLM reads it and calls vLLM's forward."""
     from types import SimpleNamespace
@@ -220,7 +222,7 @@ def test_model_class_serves_verify_steps(models, tmp_path, monkeypatch, seed):
     vc = VllmCaches(CFG, INDICES, BLOCKS, BS, torch.float32, num_spec=K, seed=seed)
     calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size, m)
     cfg = route_vllm_config(dtype=torch.float32, max_len=MAX_LEN, max_num_seqs=4, block_size=BS, fastpath_max_batch=4,
-                            spec=SimpleNamespace(method="ngram", num_speculative_tokens=K))
+                            spec=SimpleNamespace(method=method, num_speculative_tokens=K))
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     fast = model._k3_fast
     assert fast.num_spec == K

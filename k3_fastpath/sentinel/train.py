@@ -118,9 +118,10 @@ class TrainPlan:
     # such as k3-sentinel:mtp=1): its prediction of the token after next, on the answer tokens
     kda_drop: float = 0.0  # in training, each KDA layer's output zeroed for a row with this probability (a
     # LayerDrop of the KDA layers, seeded; ``_drop_kda``): a model that cannot count on its KDA layers learns
-    # in-context copies in its MLA layers too (a sentinel trained without it does not use them: zeroing every
-    # MLA layer moved its held-out losses 0.1-3%). Outputs are not rescaled; held-out scoring and the
-    # checkpoint run every layer
+    # in-context copies in its MLA layers too, the hope (a sentinel trained without it does not use them:
+    # zeroing every MLA layer moved its held-out losses 0.1-3%; at 0.5 over 325 steps still <= 3%,
+    # bundles/runs/2026-12-07-h100-session33; a full run with it is not made yet). Outputs are not rescaled;
+    # held-out scoring and the checkpoint run every layer
     heldout_items: int = 16  # items per task scored after training by the training forward and by the written
     # checkpoint (heldout.py; 0: none)
     fla_autotune: bool = False  # fla's kernels autotuned by Triton (minutes of compiling, timing-dependent
