@@ -190,8 +190,8 @@ def vllm_language_model(cfg, state_dict: dict) -> torch.nn.Module:
 def stand_in_vllm_k3(monkeypatch, vc: VllmCaches, hidden_size: int, model=None) -> tuple[list, SimpleNamespace]:
     """Stand in for what vLLM's K3 model class builds and reads on a GPU: its base constructor builds a
     language model over ``vc``'s layers (named as vLLM names them) whose ``forward`` appends its keyword
-    arguments to ``calls`` and returns ``"vllm hidden"``, and whose ``compute_logits`` is vLLM's K3 one over
-    ``model``'s weights (the final norm, then lm_head; FP32 here) on a tensor, ``"vllm logits of <h>"`` on
+    arguments to ``calls`` and returns ``"vllm hidden"``, and whose ``compute_logits`` is ``model``'s (the
+    final norm, then lm_head, as vLLM's K3 one; FP32 here) on a tensor, ``"vllm logits of <h>"`` on
     anything else; the forward context is ``context`` (set ``context.attn_metadata`` per step). Returns
     ``(calls, context)``."""
     import vllm.forward_context as fc
@@ -214,7 +214,7 @@ def stand_in_vllm_k3(monkeypatch, vc: VllmCaches, hidden_size: int, model=None) 
             if not isinstance(hidden, torch.Tensor):
                 return f"vllm logits of {hidden}"
             with torch.no_grad():
-                return model.lm_head(model.model.norm(hidden)).float()
+                return model.compute_logits(hidden)
 
     def stand_in(self, vllm_config, prefix=""):
         torch.nn.Module.__init__(self)

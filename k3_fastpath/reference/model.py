@@ -240,12 +240,18 @@ class K3ForCausalLM(nn.Module):
         if blocks:
             x = apply_attn_res(x, blocks, self.model.output_attn_res_proj.weight,
                                self.model.output_attn_res_norm.weight, self.cfg.rms_norm_eps)
-        logits = self.lm_head(self.model.norm(x))
-        logits = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
+        logits = self.compute_logits(x)
         cache.lengths = start_pos + lengths
         zero = torch.zeros((), dtype=logits.dtype, device=dev)
         logits = torch.where(valid[..., None], logits, zero)
         return (logits, torch.where(valid[..., None], x, zero.to(x.dtype))) if hidden else logits
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and lm_head of hidden states (what ``prefill_hidden`` / ``decode_hidden`` return) ->
+        logits in FP32 (FP64 for an FP64 model): vLLM's K3 ``compute_logits``. Not under ``no_grad``: the
+        forward's own last step."""
+        logits = self.lm_head(self.model.norm(hidden))
+        return logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32)
 
     @torch.no_grad()
     def prefill_hidden(self, input_ids: torch.Tensor, lengths: torch.Tensor | None, cache: K3Cache

@@ -195,7 +195,7 @@ def _in_place(model, ckpt: str, vc) -> dict:  # in the child, on vLLM's model ho
     with torch.no_grad():
         hidden = ex.decode(tok, cache)
         routed, want = model.compute_logits(hidden).float(), ours.decode(tok, ref)
-        ours_head = ours.lm_head(ours.model.norm(hidden)).float()
+        ours_head = ours.compute_logits(hidden)
     out["route_logits_rel"] = float((routed - want).abs().max() / want.abs().max())
     out["vllm_head_rel"] = float((routed - ours_head).abs().max() / ours_head.abs().max())
     out["route_step"] = [ex.trace.records[-1].fallback, bool(ex.trace.records[-1].kernel_fallbacks)]
