@@ -6,8 +6,9 @@
    only (exactly rows_per_thread LDG.E.128 for the state plus the 4 parameter vectors, rows_per_thread
    STG.E.128 stores per token, and no narrower 32-bit global load/store that could be the state), no local
    memory (no LDL/STL, zero EIATTR_FRAME_SIZE), two barriers per token and one between tokens. The verify
-   builds (``tokens`` 4 and 8 at the TP16 rank's 6 heads) load the state once for all their tokens. The
-   counts are printed with ``-s``.
+   builds (``tokens`` 4 and 8 at the TP16 rank's 6 heads) load the state once for all their tokens; the
+   builds on vLLM's cache layout (``vllm_layout``: [V, K] state, packed conv) move the state the same way.
+   The counts are printed with ``-s``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def _cases() -> list[tuple[str, dict]]:
     for tokens in (4, 8):  # speculative verify steps (1 + 3 / 7 drafts)
         cases.append(("verify", {"dtype": "bf16", "H": 6, "D": 128,
                                  "config": k.KDADecodeConfig.from_heuristic(128, tokens=tokens)}))
+    for H, D in ((6, 128), (12, 128), (4, 32)):  # vLLM's cache layout (the route's in-place decode step)
+        cases.append(("vllm", {"dtype": "bf16", "H": H, "D": D,
+                               "config": k.KDADecodeConfig.from_heuristic(D, vllm_layout=True)}))
     return cases
 
 

@@ -82,6 +82,21 @@ def _call(k, inp, prm, slot, pools, out):
                 lower_bound=LOWER_BOUND, out=out)
 
 
+def _call_vllm(k, inp, prm, slot, pools, out):
+    """``kda_decode_vllm`` on vLLM's layout of the same caches (packed conv, [V, K] state), the results copied
+    back into ``pools`` (the executor's layout) for the checks."""
+    from k3_fastpath.kernels.kda_decode.reference import vllm_views
+
+    conv = torch.cat([pools["conv_q"], pools["conv_k"], pools["conv_v"]], dim=-1)
+    state = pools["state"].transpose(-1, -2).contiguous()
+    y = k.kda_decode_vllm(inp["q"], inp["k"], inp["v"], inp["g"], inp["a"], inp["beta_logits"], prm["conv_q_w"],
+                          prm["conv_k_w"], prm["conv_v_w"], prm["A_log"], prm["dt_bias"], prm["o_norm_w"], slot,
+                          conv, state, eps=EPS, lower_bound=LOWER_BOUND, out=out)
+    for n, view in zip(("conv_q", "conv_k", "conv_v", "state"), vllm_views(conv, state), strict=True):
+        pools[n].copy_(view)
+    return y
+
+
 def _ref(k, inp, prm, slot, pools, dtype):
     from k3_fastpath.kernels.kda_decode import kda_decode_ref_outputs
 
@@ -91,12 +106,16 @@ def _ref(k, inp, prm, slot, pools, dtype):
                                   pools["state"], eps=EPS, lower_bound=LOWER_BOUND, compute_dtype=dtype)
 
 
-def _run_and_check(B, H, D, N, seed, force_last=False):
+def _run_and_check(B, H, D, N, seed, force_last=False, vllm=False):
+    """``vllm``: the build on vLLM's cache layout (``kda_decode_vllm``), empty rows padded with -1 as vLLM pads."""
     from k3_fastpath.kernels import kda_decode as k
 
     C = H * D
     prm, inp, pools = _params(H, D), _inputs(B, H, D), _pools(N, H, D)
     slot = _slots(B, N, force_last)
+    if vllm:
+        slot[slot == 0] = -1
+    call = _call_vllm if vllm else _call
     before = {n: t.clone() for n, t in pools.items()}
     r64 = _ref(k, inp, prm, slot, before, torch.float64)
     r32 = _ref(k, inp, prm, slot, before, torch.float32)
@@ -109,7 +128,7 @@ def _run_and_check(B, H, D, N, seed, force_last=False):
                 t.copy_(before[n])
         out = torch.full((B, C), float("nan"), dtype=torch.bfloat16, device="cuda")
         snap = counters.snapshot()
-        y = _call(k, inp, prm, slot, pools, out)
+        y = call(k, inp, prm, slot, pools, out)
         after = counters.snapshot()
         assert after["fallbacks"].get(NAME, {}) == snap["fallbacks"].get(NAME, {}), \
             f"fell back: {after['fallbacks'].get(NAME)} {what}"
@@ -151,6 +170,13 @@ def _run_and_check(B, H, D, N, seed, force_last=False):
 @pytest.mark.parametrize("H", (12, 6))
 def test_kda_decode(B, H, seed):
     _run_and_check(B, H, 128, N=2 * B + 9, seed=seed)
+
+
+@pytest.mark.parametrize("B", (1, 3, 8, 64))
+@pytest.mark.parametrize("H,D", ((6, 128), (12, 128), (4, 32)))
+def test_kda_decode_vllm_layout(B, H, D, seed):
+    """vLLM's KDA cache tensors in place (the route's decode step): same contract as the executor's pools."""
+    _run_and_check(B, H, D, N=2 * B + 9, seed=seed, vllm=True)
 
 
 @pytest.mark.parametrize("B", (1, 3, 8))

@@ -68,3 +68,30 @@ def test_verify_refuses_bad_arguments():
         k.KDADecodeConfig.from_heuristic(32, tokens=9)
     s = k.is_supported(*inp, *prm, slot, *pools, slot_out=torch.arange(3, 9, dtype=torch.int32), tokens=4)
     assert not s and "shape" in s.reason, s.reason
+
+
+def test_vllm_layout_is_the_pool_step_on_views():
+    """``kda_decode_vllm`` on vLLM's packed conv window and [V, K] state (vLLM pads with -1) is the pool step:
+    y bitwise equal, each cache bitwise the pool's after conversion, padded and unused slots untouched; on a
+    CPU it is served by the reference and counted as a fallback of ``kda_decode``."""
+    from k3_fastpath._lib import counters
+    from k3_fastpath.kernels.kda_decode.reference import vllm_views
+
+    B, N = 5, 9
+    prm, inp, pools = _case(B, 1, N, seed=11)
+    slot = torch.tensor([3, -1, 7, 0, 1], dtype=torch.int32)
+    conv = torch.cat(pools[:3], dim=-1)
+    state = pools[3].transpose(-1, -2).contiguous()
+    conv0, state0 = conv.clone(), state.clone()
+    n0 = counters.fallbacks(k.NAME)
+    y_pool = _decode(inp, prm, slot, pools)
+    y = k.kda_decode_vllm(*inp, *prm, slot, conv, state, eps=1e-5, lower_bound=-5.0)
+    assert counters.fallbacks(k.NAME) == n0 + 2
+    assert torch.equal(y, y_pool)
+    assert torch.equal(y[[1, 3]], torch.zeros_like(y[[1, 3]])), "padded rows (-1, 0) not zero"
+    for got, want in zip(vllm_views(conv, state), pools, strict=True):
+        assert torch.equal(got, want)
+    live = torch.zeros(N, dtype=torch.bool)
+    live[[3, 7, 1]] = True
+    assert not torch.equal(conv[live], conv0[live]) and not torch.equal(state[live], state0[live])
+    assert torch.equal(conv[~live], conv0[~live]) and torch.equal(state[~live], state0[~live])

@@ -21,7 +21,12 @@ Layout choice: q, k, v, g, a are separate contiguous [B, C] tensors (C = H*D), `
 projection output (the decay pre-activation) and ``g`` the output-gate pre-activation. The conv pools use
 KDACache's [., W-1, C] layout (oldest input first), so a ``KDACache`` of N sequences *is* a pool.
 
-Empty slot: a sequence with ``slot[b] == 0`` leaves every cache untouched and gets y = 0 on its rows. Non-zero
+vLLM's layout: ``kda_decode_vllm(..., slot, conv, state)`` is the decode step on vLLM's own KDA cache tensors in
+place (``KimiK3DeltaAttention.kv_cache``: ``conv [N, W-1, 3C]``, the packed q|k|v window, and ``state
+[N, H, V, K]``), ``slot`` being vLLM's state indices (-1 pads); same semantics, the kernel's
+``config.vllm_layout`` build, counted as a ``kda_decode`` launch.
+
+Empty slot: a sequence with ``slot[b] <= 0`` leaves every cache untouched and gets y = 0 on its rows. Non-zero
 slots (and ``slot_out`` entries) in one call must be distinct across sequences (two sequences sharing one race). ``pdl=True`` launches the PDL build
 (``KDADecodeConfig.pdl``: parameters before griddepcontrol.wait, caches after it; see kernel.py). Outside
 the envelope (see ``is_supported``) the call is served by ``reference.py`` (same semantics) and counted
@@ -39,7 +44,7 @@ from ..._lib import compile_cache
 from ..._lib.dispatch import Support
 from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
 from .config import CONV_W, HEAD_DIMS, MAX_TOKENS, KDADecodeConfig
-from .reference import kda_decode_ref
+from .reference import kda_decode_ref, kda_decode_vllm_ref
 
 NAME = "kda_decode"
 
@@ -50,6 +55,7 @@ def compile_kda_decode(dtype: str, H: int, D: int, config: KDADecodeConfig) -> A
     if dtype != "bf16":
         raise ValueError(f"{NAME}: only bf16 activations / conv state are implemented, got {dtype}")
     key = compile_cache.CompileKey.make(NAME, dtype, (H, D), config)
+    conv_c = 3 * H * D if config.vllm_layout else H * D  # channels of a conv operand (vLLM's: packed q|k|v)
 
     def build(options: str) -> Any:
         import cutlass
@@ -65,7 +71,7 @@ def compile_kda_decode(dtype: str, H: int, D: int, config: KDADecodeConfig) -> A
                 *(fake_tensor(f32, (C, CONV_W)) for _ in range(3)),
                 fake_tensor(f32, (H,)), fake_tensor(f32, (C,)), fake_tensor(f32, (D,)),
                 fake_tensor(cutlass.Int32, (None,), align=4), fake_tensor(cutlass.Int32, (None,), align=4),
-                *(fake_tensor(bf, (None, CONV_W - 1, C)) for _ in range(3)),
+                *(fake_tensor(bf, (None, CONV_W - 1, conv_c)) for _ in range(3)),
                 fake_tensor(f32, (None, H, D, D)), fake_tensor(bf, (None, C)))
         return cute.compile(KDADecodeKernel(H, D, config), *args, cutlass.Float32(1e-5), cutlass.Float32(-5.0),
                             fake_stream(), options=options)
@@ -111,6 +117,10 @@ SUPPORT = TensorSpec(
     constants={"CONV_W": CONV_W, "HEAD_DIMS": tuple(HEAD_DIMS), "MAX_TOKENS": MAX_TOKENS, "T": 1},  # T: a call's
     dtype=_bf)  # scalar (tokens per sequence) overrides the decode step's 1
 OP = KernelOp(NAME, SUPPORT)
+VLLM_SUPPORT = TensorSpec(  # vLLM's layout: one packed conv pool, the state [N, H, V, K] (same shape), decode only
+    *(a for a in SUPPORT.args if a.name not in ("conv_q", "conv_k", "conv_v", "slot_out")),
+    Arg("conv", ("N", "CONV_W-1", "3*H*D")), rules=SUPPORT.rules, constants=SUPPORT.constants, dtype=_bf)
+VLLM_OP = KernelOp(NAME, VLLM_SUPPORT)
 
 
 def _operands(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
@@ -150,6 +160,23 @@ def kda_decode(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, 
               reference=lambda: kda_decode_ref(*args, eps=eps, lower_bound=lower_bound, slot_out=slot_out,
                                                tokens=tokens),
               outputs=(out,))
+
+
+def kda_decode_vllm(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                    conv, state, *, eps: float = 1e-5, lower_bound: float = -5.0, out: torch.Tensor | None = None,
+                    config: KDADecodeConfig | None = None, pdl: bool = False) -> torch.Tensor:
+    """One decode step of a KDA layer on vLLM's cache tensors in place (module docstring); y [B, C] bf16."""
+    ops = _operands(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                    None, None, None, state, out, None)
+    for n in ("conv_q", "conv_k", "conv_v", "slot_out"):
+        ops.pop(n)
+    ops["conv"] = conv
+    args = (q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot)
+    cfg = dataclasses.replace(config or KDADecodeConfig.from_heuristic(state.shape[-1]), vllm_layout=True)
+    return VLLM_OP(ops, launch=lambda: _launch(*args, conv, conv, conv, state, eps, lower_bound, out, cfg, pdl,
+                                               None, 1),
+                   reference=lambda: kda_decode_vllm_ref(*args, conv, state, eps=eps, lower_bound=lower_bound),
+                   outputs=(out,))
 
 
 def _launch(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,

@@ -33,10 +33,15 @@ class KDADecodeConfig:
     # speculative verify step, the recurrence run over the sequence's rows in order with the state kept in
     # registers and the state after each token stored to that token's own slot (kernel.py).
     tokens: int = 1
+    # vLLM's cache layout (decode steps only): one packed q|k|v conv pool [N, W-1, 3C] and the state stored
+    # [N, H, V, K] (kernel.py ``update_vk``); off: the executor's pools (separate conv pools, [N, H, K, V]).
+    vllm_layout: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.tokens <= MAX_TOKENS:
             raise ValueError(f"tokens per sequence must lie in 1..{MAX_TOKENS}, got {self.tokens}")
+        if self.vllm_layout and self.tokens != 1:
+            raise ValueError(f"vllm_layout serves decode steps (1 token per sequence), got tokens={self.tokens}")
         if self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
         if self.rows_per_thread < 1 or self.head_dim % self.rows_per_thread:
@@ -58,10 +63,9 @@ class KDADecodeConfig:
         return self.threads_per_row * self.row_groups
 
     @classmethod
-    def from_heuristic(cls, head_dim: int, arch: str = "sm_90a", pdl: bool = False, tokens: int = 1
-                       ) -> KDADecodeConfig:
+    def from_heuristic(cls, head_dim: int, arch: str = "sm_90a", pdl: bool = False, tokens: int = 1,
+                       vllm_layout: bool = False) -> KDADecodeConfig:
         """D = 128: 16 rows x 4 columns per thread (64 state registers, 256 threads, 8 row groups);
         smaller D: 8 row groups as well (D = 32: 4 rows per thread, 64 threads). Any ``tokens``."""
-        if head_dim == 128:
-            return cls(head_dim, ROWS_PER_THREAD_D128, pdl, tokens)
-        return cls(head_dim, head_dim // 8, pdl, tokens)
+        rows = ROWS_PER_THREAD_D128 if head_dim == 128 else head_dim // 8
+        return cls(head_dim, rows, pdl, tokens, vllm_layout)

@@ -8,7 +8,8 @@ the decode step, T > 1 a speculative verify step. Sequence b's caches are read a
 stored; the decode step passes ``slot_out = slot``, an in-place update). Slot 0 is the empty slot.
 
 Algorithm of one CTA (b, h), slot s = slot[b]:
-0. s == 0: write y = 0 for the T rows of head h, touch no cache, return (the whole CTA takes this branch).
+0. s <= 0: write y = 0 for the T rows of head h, touch no cache, return (the whole CTA takes this branch;
+   vLLM pads with -1).
 1. Issue the loads of the CTA's D x D FP32 state S = state[s, h] first (row-major [K, V]): thread t owns
    columns 4*(t % (D/4)) .. +3 of rows ``t // (D/4) + i*G`` (i < D/G), one 16-byte load per row, so the
    whole 64 KB are in flight while step 2 runs. Offsets into the pools are 64-bit (large slot indices).
@@ -45,6 +46,13 @@ issued before ``griddepcontrol.wait``; ``slot``, the projections, the conv and r
 the previous step's launch of this kernel) and the output gate are read only after it, and every global
 write comes after it. ``launch_dependents`` follows once the first token's input loads (step 2) are issued,
 or at once for an empty slot (a dependent's ``griddepcontrol.wait`` still waits for this whole grid).
+
+vLLM's layout (``config.vllm_layout``, decode steps): the caches are vLLM's own KDA cache tensors, read and
+written in place: one packed conv pool [N, W-1, 3C] (q | k | v channels; the kernel takes it as all three
+conv operands and offsets the k and v channels by C and 2C) and the state [N, H, V, K] (row-major [V, K]:
+the owned rows are V rows, ``update_vk`` replaces steps 4-5 with per-row butterflies over the row group's
+lanes, and o reaches step 6 through shared memory). Same loads and stores (16-byte state vectors, whole
+rows per warp), same barriers.
 
 Constraints: D in (32, 64, 128); W = 4; q, k, v, g, a [B, C] BF16, beta_logits [B, H] BF16, conv weights
 [C, 4] / A_log [H] / dt_bias [C] / o_norm_w [D] FP32; conv pools [N, 3, C] BF16; state pool [N, H, D, D]
@@ -83,6 +91,8 @@ class KDADecodeKernel:
         self.task_iters = -(-2 * D // self.T)
         self.task_pred = self.task_iters * self.T != 2 * D
         self.L2_PER_LANE = D // 32
+        self.vk = config.vllm_layout  # state [V, K] per head; conv one packed [N, W-1, 3C] tensor (q|k|v)
+        self.off_k, self.off_v = (self.C, 2 * self.C) if self.vk else (0, 0)  # channel offsets in the conv pools
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mA: cute.Tensor,
@@ -101,9 +111,11 @@ class KDADecodeKernel:
             win[j] = mConv[slot, j, c]
 
     @cute.jit
-    def conv_channel(self, mX: cute.Tensor, rw: cute.Tensor, win: cute.Tensor, mConv: cute.Tensor, row, out, c):
+    def conv_channel(self, mX: cute.Tensor, rw: cute.Tensor, win: cute.Tensor, mConv: cute.Tensor, row, out, c,
+                     cc):
         """silu(sum_j w[c, j] * in_j) over in = (window, x[row, c]) with the channel's weights ``rw``
-        (registers, loaded up front); shifts the window and stores it at conv[out, 0..2, c] (out != 0)."""
+        (registers, loaded up front); shifts the window and stores it at conv[out, 0..2, cc] (out != 0; ``cc``
+        the channel's column in its conv pool: c, or c offset into the packed q|k|v pool)."""
         x = mX[row, c]
         acc = rw[0] * win[0].to(Float32)
         acc = acc + rw[1] * win[1].to(Float32)
@@ -114,8 +126,47 @@ class KDADecodeKernel:
         win[2] = x
         if out != 0:
             for j in cutlass.range_constexpr(CONV_W - 1):
-                mConv[out, j, c] = win[j]
+                mConv[out, j, cc] = win[j]
         return acc * sigmoid(acc)
+
+    @cute.jit
+    def update_vk(self, rS: cute.Tensor, s_k: cute.Tensor, s_q: cute.Tensor, s_v: cute.Tensor, s_al: cute.Tensor,
+                  s_o: cute.Tensor, o: cute.Tensor, rk, rq, kq, beta, cg, rg, mS: cute.Tensor, out64, h):
+        """Steps 4-5 on a [V, K] state (vLLM's layout): the owned rows are V rows, the 4 columns K columns.
+        Per row v: decay by alpha of the 4 columns, (S^T k)[v] and (S^T q)[v] summed over the row group's
+        threads (a butterfly over TPR lanes, no shared memory), v'[v], the rank-1 update; o[v] goes to
+        shared memory by V row, and after one barrier each thread reads o of its 4 columns for step 6."""
+        G, RPT, TPR = self.G, self.RPT, self.TPR
+        vec32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
+        kc = cute.make_rmem_tensor((VEC,), Float32)
+        qc = cute.make_rmem_tensor((VEC,), Float32)
+        ac = cute.make_rmem_tensor((VEC,), Float32)
+        for j in cutlass.range_constexpr(VEC):
+            kc[j] = s_k[cg * VEC + j] * rk
+            qc[j] = s_q[cg * VEC + j] * rq
+            ac[j] = s_al[cg * VEC + j]
+        for i in cutlass.range_constexpr(RPT):
+            pk = Float32(0.0)
+            pq = Float32(0.0)
+            for j in cutlass.range_constexpr(VEC):
+                sv = rS[j, i] * ac[j]
+                rS[j, i] = sv
+                pk = pk + kc[j] * sv
+                pq = pq + qc[j] * sv
+            pk = cute.arch.warp_reduction_sum(pk, threads_in_group=TPR)
+            pq = cute.arch.warp_reduction_sum(pq, threads_in_group=TPR)
+            r = rg + G * i
+            vr = beta * (s_v[r] - pk)
+            for j in cutlass.range_constexpr(VEC):
+                rS[j, i] = rS[j, i] + kc[j] * vr
+            if cg == 0:
+                s_o[r] = pq + vr * kq
+        if out64 != 0:
+            for i in cutlass.range_constexpr(RPT):
+                cute.copy(vec32, rS[None, i], cute.local_tile(mS[out64, h, rg + G * i, None], (VEC,), (cg,)))
+        cute.arch.sync_threads()
+        for j in cutlass.range_constexpr(VEC):
+            o[j] = s_o[cg * VEC + j]
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mG: cute.Tensor, mA: cute.Tensor,
@@ -137,6 +188,7 @@ class KDADecodeKernel:
         s_al = smem.allocate_tensor(Float32, cute.make_layout((D,)), byte_alignment=16)
         # partial sums: (4 columns, column group, k|q, row group); a thread's 4 columns are one 16-byte vector
         s_red = smem.allocate_tensor(Float32, cute.make_layout((VEC, TPR, 2, G)), byte_alignment=16)
+        s_o = smem.allocate_tensor(Float32, cute.make_layout((D,)), byte_alignment=16)  # o by V row (VK layout)
 
         vec32 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), Float32, num_bits_per_copy=128)
         vec16 = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), BFloat16, num_bits_per_copy=64)
@@ -172,7 +224,7 @@ class KDADecodeKernel:
         order.wait()  # the predecessor's writes (inputs, caches) are visible after this
 
         slot = mSlot[b]
-        if slot == 0:
+        if slot <= 0:
             # 0. empty slot: output zeros, no cache touched
             order.launch_dependents()
             if rg == 0:
@@ -194,9 +246,9 @@ class KDADecodeKernel:
                 if task < 2 * D:
                     if task < D:
                         self.load_window(mCq, slot64, hD + task, win_a)
-                        self.load_window(mCk, slot64, hD + task, win_b)
+                        self.load_window(mCk, slot64, self.off_k + hD + task, win_b)
                     else:
-                        self.load_window(mCv, slot64, hD + task - D, win_a)
+                        self.load_window(mCv, slot64, self.off_v + hD + task - D, win_a)
                 wina.append(win_a)
                 winb.append(win_b)
 
@@ -213,12 +265,14 @@ class KDADecodeKernel:
                     if task < 2 * D:
                         if task < D:
                             c = hD + task
-                            s_q[task] = self.conv_channel(mQ, rwa[it], wina[it], mCq, row, out64, c)
-                            s_k[task] = self.conv_channel(mK, rwb[it], winb[it], mCk, row, out64, c)
+                            s_q[task] = self.conv_channel(mQ, rwa[it], wina[it], mCq, row, out64, c, c)
+                            s_k[task] = self.conv_channel(mK, rwb[it], winb[it], mCk, row, out64, c,
+                                                          self.off_k + c)
                         else:
                             j = task - D
                             c = hD + j
-                            s_v[j] = self.conv_channel(mV, rwa[it], wina[it], mCv, row, out64, c)
+                            s_v[j] = self.conv_channel(mV, rwa[it], wina[it], mCv, row, out64, c,
+                                                       self.off_v + c)
                             rate = cute.math.exp(a_log)
                             glog = lower_bound * sigmoid(rate * (mA[row, c].to(Float32) + rdt[it]))
                             s_al[j] = cute.math.exp(glog)
@@ -244,52 +298,55 @@ class KDADecodeKernel:
                 rk = cute.math.rsqrt(skk + Float32(L2_EPS))
                 kq = sqk * rq * rk
 
-                # 4. decay the owned rows; partial S^T k and S^T q of the 4 columns
-                pk = cute.make_rmem_tensor((VEC,), Float32)
-                pq = cute.make_rmem_tensor((VEC,), Float32)
-                pk.fill(0.0)
-                pq.fill(0.0)
-                for i in cutlass.range_constexpr(RPT):
-                    r = rg + G * i
-                    al = s_al[r]
-                    kr = s_k[r] * rk
-                    qr = s_q[r] * rq
-                    for j in cutlass.range_constexpr(VEC):
-                        sv = rS[j, i] * al
-                        rS[j, i] = sv
-                        pk[j] = pk[j] + kr * sv
-                        pq[j] = pq[j] + qr * sv
-                cute.copy(vec32, pk, s_red[None, cg, 0, rg])
-                cute.copy(vec32, pq, s_red[None, cg, 1, rg])
-                cute.arch.sync_threads()
-
-                # 5. totals (fixed order), v', o, state update and store
-                vn = cute.make_rmem_tensor((VEC,), Float32)
-                o = cute.make_rmem_tensor((VEC,), Float32)
-                tk = cute.make_rmem_tensor((VEC,), Float32)
-                tq = cute.make_rmem_tensor((VEC,), Float32)
-                tk.fill(0.0)
-                tq.fill(0.0)
-                for gi in cutlass.range_constexpr(G):
-                    cute.copy(vec32, s_red[None, cg, 0, gi], pk)
-                    cute.copy(vec32, s_red[None, cg, 1, gi], pq)
-                    for j in cutlass.range_constexpr(VEC):
-                        tk[j] = tk[j] + pk[j]
-                        tq[j] = tq[j] + pq[j]
-                for j in cutlass.range_constexpr(VEC):
-                    vj = beta * (s_v[cg * VEC + j] - tk[j])
-                    vn[j] = vj
-                    o[j] = tq[j] + vj * kq
-                for i in cutlass.range_constexpr(RPT):
-                    kr = s_k[rg + G * i] * rk
-                    for j in cutlass.range_constexpr(VEC):
-                        rS[j, i] = rS[j, i] + kr * vn[j]
-                if out64 != 0:
+                o = cute.make_rmem_tensor((VEC,), Float32)  # o of the 4 columns of step 6
+                if cutlass.const_expr(self.vk):
+                    self.update_vk(rS, s_k, s_q, s_v, s_al, s_o, o, rk, rq, kq, beta, cg, rg, mS, out64, h)
+                else:
+                    # 4. decay the owned rows; partial S^T k and S^T q of the 4 columns
+                    pk = cute.make_rmem_tensor((VEC,), Float32)
+                    pq = cute.make_rmem_tensor((VEC,), Float32)
+                    pk.fill(0.0)
+                    pq.fill(0.0)
                     for i in cutlass.range_constexpr(RPT):
-                        cute.copy(vec32, rS[None, i],
-                                  cute.local_tile(mS[out64, h, rg + G * i, None], (VEC,), (cg,)))
+                        r = rg + G * i
+                        al = s_al[r]
+                        kr = s_k[r] * rk
+                        qr = s_q[r] * rq
+                        for j in cutlass.range_constexpr(VEC):
+                            sv = rS[j, i] * al
+                            rS[j, i] = sv
+                            pk[j] = pk[j] + kr * sv
+                            pq[j] = pq[j] + qr * sv
+                    cute.copy(vec32, pk, s_red[None, cg, 0, rg])
+                    cute.copy(vec32, pq, s_red[None, cg, 1, rg])
+                    cute.arch.sync_threads()
 
-                # 6. gated RMSNorm over the head (the TPR threads of a row group hold all D columns)
+                    # 5. totals (fixed order), v', o, state update and store
+                    vn = cute.make_rmem_tensor((VEC,), Float32)
+                    tk = cute.make_rmem_tensor((VEC,), Float32)
+                    tq = cute.make_rmem_tensor((VEC,), Float32)
+                    tk.fill(0.0)
+                    tq.fill(0.0)
+                    for gi in cutlass.range_constexpr(G):
+                        cute.copy(vec32, s_red[None, cg, 0, gi], pk)
+                        cute.copy(vec32, s_red[None, cg, 1, gi], pq)
+                        for j in cutlass.range_constexpr(VEC):
+                            tk[j] = tk[j] + pk[j]
+                            tq[j] = tq[j] + pq[j]
+                    for j in cutlass.range_constexpr(VEC):
+                        vj = beta * (s_v[cg * VEC + j] - tk[j])
+                        vn[j] = vj
+                        o[j] = tq[j] + vj * kq
+                    for i in cutlass.range_constexpr(RPT):
+                        kr = s_k[rg + G * i] * rk
+                        for j in cutlass.range_constexpr(VEC):
+                            rS[j, i] = rS[j, i] + kr * vn[j]
+                    if out64 != 0:
+                        for i in cutlass.range_constexpr(RPT):
+                            cute.copy(vec32, rS[None, i],
+                                      cute.local_tile(mS[out64, h, rg + G * i, None], (VEC,), (cg,)))
+
+                                # 6. gated RMSNorm over the head (the TPR threads of a row group hold all D columns)
                 ss = Float32(0.0)
                 for j in cutlass.range_constexpr(VEC):
                     ss = ss + o[j] * o[j]

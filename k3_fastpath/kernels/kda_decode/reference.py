@@ -8,11 +8,13 @@ For every sequence b with ``slot[b] = s != 0`` (C = H*D, W = 4):
     o, S' = kda_recurrent_step(q, k, v, g_log, beta, state[s])                  ; state[s] <- S'
     y[b] = bf16(rms_norm(o, o_norm_w, eps) * sigmoid(g[b]))
 
-Sequences with ``slot[b] == 0`` touch no cache and get y[b] = 0. ``kda_decode_ref_outputs`` computes the
+Sequences with ``slot[b] <= 0`` touch no cache and get y[b] = 0. ``kda_decode_ref_outputs`` computes the
 new values of one token per sequence without writing anything (in ``compute_dtype``: tests use FP64);
 ``kda_decode_ref`` is the op (same signature as ``api.kda_decode``): T = 1 writes the pools in place; a
 verify step (``tokens`` T, ``slot_out``) runs the T tokens of each sequence in order on a copy of its
 caches and writes the state after token t at ``slot_out[b*T + t]`` (0: not written), never at ``slot[b]``.
+``kda_decode_vllm_ref`` is the decode step on vLLM's layout (``api.kda_decode_vllm``): the same op on views of
+the packed conv pool and of the transposed state.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ def kda_decode_ref_outputs(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_
     _, H, D, _ = state.shape
     B, C = q.shape
     cdt = compute_dtype
-    active = slot.to(torch.long) != 0
+    active = slot.to(torch.long) > 0
     idx = slot.to(torch.long)[active]
     n = int(idx.numel())
     out = {"active": active, "idx": idx, "y": torch.zeros(B, C, dtype=cdt, device=q.device)}
@@ -53,7 +55,7 @@ def kda_decode_ref_outputs(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_
     kn = l2_normalize(kc)
     g_log = kda_gate(aa.reshape(n, H, D), A_log.to(cdt), dt_bias.to(cdt), lower_bound)
     beta = torch.sigmoid(ba)
-    o, s_new = kda_recurrent_step(qn, kn, vc, g_log, beta, state[idx].to(cdt))
+    o, s_new = kda_recurrent_step(qn, kn, vc, g_log, beta, state[idx].to(cdt).contiguous())  # [K, V] either layout
     y = rms_norm(o, o_norm_w.to(cdt), eps) * torch.sigmoid(ga.reshape(n, H, D))
     out["y"][active] = y.reshape(n, C)
     out["state"] = s_new
@@ -94,7 +96,7 @@ def _verify_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log,
         raise ValueError(f"kda_decode verify: {q.shape[0]} rows / {slot_out.shape[0]} slot_out entries for "
                          f"{B} sequences x {T} tokens")
     src = slot.long()
-    live = src != 0
+    live = src > 0
     work_slot = torch.where(live, torch.arange(1, B + 1, device=slot.device), 0).to(torch.int32)
     pools = [torch.zeros((B + 1, *p.shape[1:]), dtype=p.dtype, device=p.device)
              for p in (conv_q, conv_k, conv_v, state)]
@@ -114,4 +116,19 @@ def _verify_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log,
     return y
 
 
-__all__ = ["kda_decode_ref", "kda_decode_ref_outputs"]
+def vllm_views(conv: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """vLLM's packed conv pool [N, W-1, 3C] and state [N, H, V, K] as the executor's pools: (conv_q, conv_k,
+    conv_v) [N, W-1, C] and state [N, H, K, V], views (writes through them land in vLLM's tensors)."""
+    C = conv.shape[-1] // 3
+    return conv[..., :C], conv[..., C:2 * C], conv[..., 2 * C:], state.transpose(-1, -2)
+
+
+def kda_decode_vllm_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                        conv, state, *, eps: float = 1e-5, lower_bound: float = -5.0,
+                        out: torch.Tensor | None = None, config=None) -> torch.Tensor:
+    """The decode step on vLLM's layout in FP32 torch (``kda_decode_ref`` on ``vllm_views``)."""
+    return kda_decode_ref(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
+                          *vllm_views(conv, state), eps=eps, lower_bound=lower_bound, out=out)
+
+
+__all__ = ["kda_decode_ref", "kda_decode_ref_outputs", "kda_decode_vllm_ref", "vllm_views"]
