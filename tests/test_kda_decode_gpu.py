@@ -25,6 +25,7 @@ import random
 
 import pytest
 import torch
+from vllm_layout import kda_pages
 
 from k3_fastpath._lib import counters
 
@@ -83,12 +84,12 @@ def _call(k, inp, prm, slot, pools, out):
 
 
 def _call_vllm(k, inp, prm, slot, pools, out):
-    """``kda_decode_vllm`` on vLLM's layout of the same caches (packed conv, [V, K] state), the results copied
-    back into ``pools`` (the executor's layout) for the checks."""
+    """``kda_decode_vllm`` on vLLM's layout of the same caches (packed conv, [V, K] state, in shared padded
+    pages), the results copied back into ``pools`` (the executor's layout) for the checks."""
     from k3_fastpath.kernels.kda_decode.reference import vllm_views
 
-    conv = torch.cat([pools["conv_q"], pools["conv_k"], pools["conv_v"]], dim=-1)
-    state = pools["state"].transpose(-1, -2).contiguous()
+    conv, state = kda_pages(torch.cat([pools["conv_q"], pools["conv_k"], pools["conv_v"]], dim=-1),
+                              pools["state"].transpose(-1, -2))
     y = k.kda_decode_vllm(inp["q"], inp["k"], inp["v"], inp["g"], inp["a"], inp["beta_logits"], prm["conv_q_w"],
                           prm["conv_k_w"], prm["conv_v_w"], prm["A_log"], prm["dt_bias"], prm["o_norm_w"], slot,
                           conv, state, eps=EPS, lower_bound=LOWER_BOUND, out=out)

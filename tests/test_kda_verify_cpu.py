@@ -74,14 +74,15 @@ def test_vllm_layout_is_the_pool_step_on_views():
     """``kda_decode_vllm`` on vLLM's packed conv window and [V, K] state (vLLM pads with -1) is the pool step:
     y bitwise equal, each cache bitwise the pool's after conversion, padded and unused slots untouched; on a
     CPU it is served by the reference and counted as a fallback of ``kda_decode``."""
+    from vllm_layout import kda_pages
+
     from k3_fastpath._lib import counters
     from k3_fastpath.kernels.kda_decode.reference import vllm_views
 
     B, N = 5, 9
     prm, inp, pools = _case(B, 1, N, seed=11)
     slot = torch.tensor([3, -1, 7, 0, 1], dtype=torch.int32)
-    conv = torch.cat(pools[:3], dim=-1)
-    state = pools[3].transpose(-1, -2).contiguous()
+    conv, state = kda_pages(torch.cat(pools[:3], dim=-1), pools[3].transpose(-1, -2))  # vLLM's padded pages
     conv0, state0 = conv.clone(), state.clone()
     n0 = counters.fallbacks(k.NAME)
     y_pool = _decode(inp, prm, slot, pools)

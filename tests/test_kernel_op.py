@@ -153,3 +153,27 @@ def test_every_kernel_api_declares_its_envelope_with_a_kernel_op():
         src = (root / name / "api.py").read_text()
         assert "KernelOp(" in src, name
         assert "count_fallback" not in src and "count_launch" not in src, name
+
+
+def test_strided_rows_accept_padded_pages_only(monkeypatch):
+    """An operand declared ``strided_rows`` (the kernel takes its dim-0 stride: vLLM's padded or interleaved
+    cache pages) passes the contiguity check as its first index when each index is contiguous and the stride
+    keeps the alignment; anything else reaches the check as it is and is refused as not contiguous."""
+    seen = {}
+
+    def check(tensors, dtype, align=16):
+        seen.update(tensors)
+        return OK
+    monkeypatch.setattr(kernel_op, "check_tensors", check)
+    spec = TensorSpec(Arg("pool", ("N", "W", "C"), strided_rows=True), Arg("x", ("N2", "C")), dtype=BF)
+    buf = torch.randn(6, 5, 16).to(BF)
+    padded = buf[:, :3]  # 5 rows apart, 3 used: 5 * 16 * 2 bytes between indices
+    assert not padded.is_contiguous()
+    assert spec.check_devices({"pool": padded, "x": bf(2, 16)})
+    assert seen["pool"].is_contiguous() and seen["pool"].shape == (1, 3, 16)
+    assert seen["pool"].data_ptr() == padded.data_ptr()
+    assert kernel_op.rows_view(buf) is buf  # contiguous: itself
+    odd = torch.randn(6, 3 * 16 + 1).to(BF)[:, :48].view(6, 3, 16)  # stride 49 elements: 98 bytes, not 16-aligned
+    assert kernel_op.rows_view(odd) is odd
+    inner_strided = buf.transpose(1, 2)  # an index is not contiguous itself
+    assert kernel_op.rows_view(inner_strided) is inner_strided

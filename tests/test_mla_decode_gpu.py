@@ -41,15 +41,18 @@ K3_DIMS = (512, 64, 128)
 TINY_DIMS = (32, 16, 32)
 
 
-def _pool(n_pages: int, D: int, fp8: bool) -> torch.Tensor:
+def _pool(n_pages: int, D: int, fp8: bool, gap: int = 0) -> torch.Tensor:
+    """NaN-poisoned pages; ``gap`` > 0: each page followed by ``gap`` pages' worth of other memory (poisoned too),
+    as vLLM's block-major cache layouts interleave the layers' pages (the pool is then a strided view)."""
+    shape = (n_pages, PAGE * (1 + gap), D)
     if fp8:
-        p = torch.empty((n_pages, PAGE, D), dtype=torch.uint8, device="cuda")
+        p = torch.empty(shape, dtype=torch.uint8, device="cuda")
         p.fill_(0x7F)  # e4m3 NaN
-        return p.view(FP8)
-    return torch.full((n_pages, PAGE, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+        return p[:, :PAGE].view(FP8)
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device="cuda")[:, :PAGE]
 
 
-def _case(B, H, lens, dims=K3_DIMS, fp8=False, high=False, gate=True, cache_scale=0.5):
+def _case(B, H, lens, dims=K3_DIMS, fp8=False, high=False, gate=True, cache_scale=0.5, gap=0):
     R, P, V = dims
     D = R + P
     need = [math.ceil(n / PAGE) for n in lens]
@@ -57,7 +60,7 @@ def _case(B, H, lens, dims=K3_DIMS, fp8=False, high=False, gate=True, cache_scal
     elem = 1 if fp8 else 2
     low = (2**31 // (PAGE * D * elem) + 1) if high else 0  # pages at or past 2^31 bytes
     n_pages = low + total + 5
-    pool = _pool(n_pages, D, fp8)
+    pool = _pool(n_pages, D, fp8, gap)
     ids = (torch.randperm(total + 5, device="cuda")[:total] + low).to(torch.int32)
     table = torch.full((B, max(max(need), 1) + 2), -1, dtype=torch.int32, device="cuda")
     scale_t = torch.tensor([cache_scale if fp8 else 1.0], dtype=torch.float32, device="cuda")
@@ -156,6 +159,18 @@ def test_mla_decode_tiny(B, fp8, seed):
     lens = _lens(B, top=300)
     c = _case(B, 4, lens, dims=TINY_DIMS, fp8=fp8)
     what = f"tiny B={B} fp8={fp8} lens={lens} seed={seed}"
+    _check_y(_run_checked(c, what), c, what)
+
+
+@pytest.mark.parametrize("fp8", (False, True), ids=("bf16", "fp8"))
+def test_mla_decode_strided_pages(fp8, seed):
+    """vLLM's block-major layouts: a layer's pages 3 pages apart (the other two poisoned); the kernel reads
+    through the page stride and never touches the memory between."""
+    B, H = 8, 6
+    lens = _lens(B)
+    c = _case(B, H, lens, fp8=fp8, gap=2)
+    assert not c["cache"].is_contiguous()
+    what = f"strided pages B={B} H={H} fp8={fp8} lens={lens} seed={seed}"
     _check_y(_run_checked(c, what), c, what)
 
 

@@ -118,14 +118,14 @@ def _attn_res(S: int):
     return build
 
 
-def _kda(tokens: int):
-    """The decode build (``tokens`` 1) or a speculative verify build."""
+def _kda(tokens: int, vllm_layout: bool = False):
+    """The decode build (``tokens`` 1), a speculative verify build, or the decode build on vLLM's cache layout."""
     def build(pdl: bool):
         from k3_fastpath.kernels.kda_decode import KDADecodeConfig, compile_kda_decode
 
         p = _tp8()
         H, D = p.shapes.kda_heads, p.config.linear_attn_config.head_dim
-        cfg = KDADecodeConfig.from_heuristic(D, pdl=pdl, tokens=tokens)
+        cfg = KDADecodeConfig.from_heuristic(D, pdl=pdl, tokens=tokens, vllm_layout=vllm_layout)
         compile_kda_decode("bf16", H, D, cfg)
         return compile_cache.CompileKey.make("kda_decode", "bf16", (H, D), cfg)
     return build
@@ -223,17 +223,20 @@ CASES = [
     Case("attn_res_mix-S9-reload", _attn_res(9),
          ("sources", "norm_w", "proj_w", "mix", "out_w", "normed", "eps", "out_eps"),
          frozenset({"norm_w", "proj_w", "out_w"}), True),
-    *(Case(name, _kda(tokens), ("q", "k", "v", "g", "a", "beta", "conv_q_w", "conv_k_w", "conv_v_w", "A_log",
-                                "dt_bias", "o_norm_w", "slot", "slot_out", "conv_q", "conv_k", "conv_v", "state", "out",
-                                "eps", "lower_bound"),
+    *(Case(name, _kda(tokens, vllm), ("q", "k", "v", "g", "a", "beta", "conv_q_w", "conv_k_w", "conv_v_w", "A_log",
+                                      "dt_bias", "o_norm_w", "slot", "slot_out", "conv_q", "conv_k", "conv_v", "state",
+                                      "out", "eps", "lower_bound", "conv_stride", "state_stride"),
            frozenset({"conv_q_w", "conv_k_w", "conv_v_w", "A_log", "dt_bias", "o_norm_w"}), True)
-      for name, tokens in (("kda_decode", 1), ("kda_decode-verify-T8", 8))),
+      for name, tokens, vllm in (("kda_decode", 1, False), ("kda_decode-verify-T8", 8, False),
+                                 ("kda_decode-vllm-layout", 1, True))),
     Case("moe_router", _router, ("logits", "bias", "ids", "weights", "scale"), frozenset({"bias"}), True),
     Case("mla_decode-attention-bf16", _mla_attention("bf16"),
-         ("q_lat", "q_pe", "cache", "block_table", "ctx_len", "cache_scale", "o_part", "lse", "scale_log2", "chunk"),
+         ("q_lat", "q_pe", "cache", "block_table", "ctx_len", "cache_scale", "o_part", "lse", "scale_log2", "chunk",
+          "page_stride"),
          frozenset(), False),
     Case("mla_decode-attention-fp8", _mla_attention("fp8"),
-         ("q_lat", "q_pe", "cache", "block_table", "ctx_len", "cache_scale", "o_part", "lse", "scale_log2", "chunk"),
+         ("q_lat", "q_pe", "cache", "block_table", "ctx_len", "cache_scale", "o_part", "lse", "scale_log2", "chunk",
+          "page_stride"),
          frozenset(), False),
     Case("mla_decode-combine-final", _mla_combine(True), ("o_part", "lse", "w_uv", "gate", "out"),
          frozenset({"w_uv"}), True),

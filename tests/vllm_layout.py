@@ -3,7 +3,8 @@
 ``VllmCaches`` allocates per-layer caches the way vLLM 0.32 does for K3 (shapes and dtypes from vLLM's own
 ``MambaStateShapeCalculator.kda_state_shape`` / ``MambaStateDtypeCalculator.kda_state_dtype``; MLA as a
 paged ``[num_blocks, block_size, rank + rope]`` cache), and ``store`` / ``load`` move a reference ``K3Cache``
-row into / out of them position by position, written independently of ``k3_fastpath.integrations.
+row into / out of them position by position (``kda_pages``: one KDA layer's tensors in vLLM's shared padded
+pages), written independently of ``k3_fastpath.integrations.
 vllm_state`` (per-position loops over the block table, explicit q|k|v packing), so the tests compare the
 router's conversions against a second implementation. ``decode_metadata`` / ``prefill_metadata`` build the
 per-layer metadata dict vLLM's forward context holds, from vLLM's real metadata classes.
@@ -17,6 +18,21 @@ import torch
 
 from k3_fastpath.reference.kda import KDACache
 from k3_fastpath.reference.mla import MLACache
+
+
+def kda_pages(conv: torch.Tensor, state: torch.Tensor, pad: int = 48) -> tuple[torch.Tensor, torch.Tensor]:
+    """Copies of ``conv`` [N, W-1, 3C] and ``state`` [N, H, V, K] laid out as vLLM lays a KDA layer's cache: one
+    raw page per state index holding the conv window, then the recurrent state, then ``pad`` bytes (vLLM pads
+    hybrid pages to a common size), so both are strided views (index stride = the page, not their size)."""
+    N = conv.shape[0]
+    cb, sb = conv[0].numel() * conv.element_size(), state[0].numel() * state.element_size()
+    page = cb + sb + pad
+    raw = torch.full((N * page,), 0xFF, dtype=torch.uint8, device=conv.device)  # NaN bytes between
+    c = raw.view(conv.dtype).as_strided(conv.shape, (page // 2, *conv.contiguous().stride()[1:]))
+    st = raw.view(torch.float32).as_strided(state.shape, (page // 4, *state.contiguous().stride()[1:]), cb // 4)
+    c.copy_(conv)
+    st.copy_(state)
+    return c, st
 
 
 class VllmCaches:

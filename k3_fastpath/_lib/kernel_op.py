@@ -81,13 +81,29 @@ class Arg:
     """One tensor operand: ``shape`` in symbols (a new name binds at its first tensor), expressions over
     bound symbols and constants, or ints (``None``: any shape); ``dtype`` overrides the spec's: one dtype,
     a tuple of the allowed ones, or the name of a scalar that holds it; ``optional``: may be ``None``;
-    ``align``: bytes its data pointer must be aligned to (or the name of a scalar that holds them)."""
+    ``align``: bytes its data pointer must be aligned to (or the name of a scalar that holds them);
+    ``strided_rows``: the kernel takes the stride of dim 0 as a parameter, so only each index of dim 0 must be
+    contiguous, that stride at least an index's size and a multiple of ``align`` bytes (``rows_view``)."""
 
     name: str
     shape: tuple[str | int, ...] | None
     dtype: Any = None
     optional: bool = False
     align: int | str = 16
+    strided_rows: bool = False
+
+
+def rows_view(t: Any, align: int = 16) -> Any:
+    """A tensor whose indices along dim 0 lie ``t.stride(0)`` elements apart (vLLM's padded cache pages) as the
+    contiguous tensor of its first index, ``[1, ...]`` (what a kernel taking that stride as a parameter is
+    handed for its base pointer); ``t`` itself when it is contiguous or does not qualify (the contiguity
+    check then names it)."""
+    if t.is_contiguous() or t.dim() < 1 or t.shape[0] < 1:
+        return t
+    inner = t[0]
+    if not inner.is_contiguous() or t.stride(0) < inner.numel() or (t.stride(0) * t.element_size()) % align:
+        return t
+    return inner.unsqueeze(0)
 
 
 @dataclass(frozen=True)
@@ -186,6 +202,8 @@ class TensorSpec:
                 want = t.dtype
             dtypes[a.name] = want
         aligns = self.aligns(scalars)
+        tensors = {**tensors, **{a.name: rows_view(tensors[a.name], aligns[a.name]) for a in self.args
+                                 if a.strided_rows and tensors.get(a.name) is not None}}
         for align in sorted(set(aligns.values()), reverse=True):
             group = {a.name: tensors.get(a.name) for a in self.args if aligns[a.name] == align}
             s = check_tensors(group, {k: dtypes[k] for k in group}, align=align)
@@ -214,7 +232,7 @@ def _value(sym: str | int, constants: Mapping[str, Any], dims: Mapping[str, int]
 
 def signature(tensors: Mapping[str, Any], scalars: Mapping[str, Any] | None = None,
               aligns: Mapping[str, int] | None = None) -> tuple[Any, ...]:
-    """What a support verdict depends on: per operand its shape, dtype, device, contiguity and whether its
+    """What a support verdict depends on: per operand its shape, strides, dtype, device, contiguity and whether its
     data pointer is aligned; the scalars; the current CUDA device."""
     import torch
 
@@ -224,7 +242,8 @@ def signature(tensors: Mapping[str, Any], scalars: Mapping[str, Any] | None = No
             parts.append((name, None))
         else:
             a = (aligns or {}).get(name, 16)
-            parts.append((name, tuple(t.shape), t.dtype, t.device, t.is_contiguous(), t.data_ptr() % a == 0))
+            parts.append((name, tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.is_contiguous(),
+                          t.data_ptr() % a == 0))
     cur = torch.cuda.current_device() if torch.cuda.is_initialized() else None
     return (*parts, tuple(sorted((scalars or {}).items())), cur)
 

@@ -71,10 +71,10 @@ def compile_kda_decode(dtype: str, H: int, D: int, config: KDADecodeConfig) -> A
                 *(fake_tensor(f32, (C, CONV_W)) for _ in range(3)),
                 fake_tensor(f32, (H,)), fake_tensor(f32, (C,)), fake_tensor(f32, (D,)),
                 fake_tensor(cutlass.Int32, (None,), align=4), fake_tensor(cutlass.Int32, (None,), align=4),
-                *(fake_tensor(bf, (None, CONV_W - 1, conv_c)) for _ in range(3)),
+                *(fake_tensor(bf, (None, CONV_W - 1, conv_c), align=2) for _ in range(3)),
                 fake_tensor(f32, (None, H, D, D)), fake_tensor(bf, (None, C)))
         return cute.compile(KDADecodeKernel(H, D, config), *args, cutlass.Float32(1e-5), cutlass.Float32(-5.0),
-                            fake_stream(), options=options)
+                            cutlass.Int64(3 * conv_c), cutlass.Int64(H * D * D), fake_stream(), options=options)
 
     return compile_cache.get_or_compile(key, build)
 
@@ -104,12 +104,12 @@ def _conv_w(w: torch.Tensor) -> torch.Tensor:
 
 _bf, _f32 = torch.bfloat16, torch.float32
 SUPPORT = TensorSpec(
-    Arg("state", ("N", "H", "D", "D"), _f32), Arg("slot", ("B",), torch.int32, align=4),
+    Arg("state", ("N", "H", "D", "D"), _f32, strided_rows=True), Arg("slot", ("B",), torch.int32, align=4),
     *(Arg(n, ("B*T", "H*D")) for n in ("q", "k", "v", "g", "a")), Arg("beta_logits", ("B*T", "H")),
     *(Arg(n, ("H*D", "CONV_W"), _f32) for n in ("conv_q_w", "conv_k_w", "conv_v_w")),
     Arg("A_log", ("NA",), _f32, align=4), Arg("dt_bias", ("H*D",), _f32), Arg("o_norm_w", ("D",), _f32),
     Arg("slot_out", ("B*T",), torch.int32, align=4),
-    *(Arg(n, ("N", "CONV_W-1", "H*D")) for n in ("conv_q", "conv_k", "conv_v")),
+    *(Arg(n, ("N", "CONV_W-1", "H*D"), align=2, strided_rows=True) for n in ("conv_q", "conv_k", "conv_v")),
     Arg("out", ("B*T", "H*D"), optional=True),
     rules=(Rule("D in HEAD_DIMS", "head dim {D} not in {HEAD_DIMS}"), Rule("B > 0", "B=0"),
            Rule("B <= 65535", "B={B} > 65535 (grid limit)"), Rule("NA >= H", "A_log needs >= H entries"),
@@ -119,7 +119,7 @@ SUPPORT = TensorSpec(
 OP = KernelOp(NAME, SUPPORT)
 VLLM_SUPPORT = TensorSpec(  # vLLM's layout: one packed conv pool, the state [N, H, V, K] (same shape), decode only
     *(a for a in SUPPORT.args if a.name not in ("conv_q", "conv_k", "conv_v", "slot_out")),
-    Arg("conv", ("N", "CONV_W-1", "3*H*D")), rules=SUPPORT.rules, constants=SUPPORT.constants, dtype=_bf)
+    Arg("conv", ("N", "CONV_W-1", "3*H*D"), align=2, strided_rows=True), rules=SUPPORT.rules, constants=SUPPORT.constants, dtype=_bf)
 VLLM_OP = KernelOp(NAME, VLLM_SUPPORT)
 
 
@@ -181,6 +181,7 @@ def kda_decode_vllm(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_
 
 def _launch(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_bias, o_norm_w, slot,
             conv_q, conv_k, conv_v, state, eps, lower_bound, out, config, pdl, slot_out, tokens):
+    from ..._lib.kernel_op import rows_view
     from ..._lib.tensor import current_stream, to_cute
 
     _, H, D, _ = state.shape
@@ -197,8 +198,9 @@ def _launch(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_
        to_cute(_conv_w(conv_q_w), dynamic_dims=static), to_cute(_conv_w(conv_k_w), dynamic_dims=static),
        to_cute(_conv_w(conv_v_w), dynamic_dims=static), to_cute(A_log[:H], align=4, dynamic_dims=static),
        to_cute(dt_bias.reshape(-1), dynamic_dims=static), to_cute(o_norm_w, dynamic_dims=static),
-       to_cute(slot, align=4), to_cute(slot if slot_out is None else slot_out, align=4), to_cute(conv_q), to_cute(conv_k), to_cute(conv_v), to_cute(state), to_cute(out),
-       float(eps), float(lower_bound), current_stream(q.device))
+       to_cute(slot, align=4), to_cute(slot if slot_out is None else slot_out, align=4),
+       *(to_cute(rows_view(c, 2), align=2) for c in (conv_q, conv_k, conv_v)), to_cute(rows_view(state)), to_cute(out),
+       float(eps), float(lower_bound), conv_q.stride(0), state.stride(0), current_stream(q.device))
     return out
 
 

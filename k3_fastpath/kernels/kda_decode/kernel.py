@@ -99,10 +99,23 @@ class KDADecodeKernel:
                  mBeta: cute.Tensor, mWq: cute.Tensor, mWk: cute.Tensor, mWv: cute.Tensor, mAlog: cute.Tensor,
                  mDt: cute.Tensor, mNw: cute.Tensor, mSlot: cute.Tensor, mSlotOut: cute.Tensor, mCq: cute.Tensor,
                  mCk: cute.Tensor, mCv: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, eps: Float32,
-                 lower_bound: Float32, stream: cuda.CUstream):
+                 lower_bound: Float32, conv_stride: Int64, state_stride: Int64, stream: cuda.CUstream):
         self.kernel(mQ, mK, mV, mG, mA, mBeta, mWq, mWk, mWv, mAlog, mDt, mNw, mSlot, mSlotOut, mCq, mCk, mCv,
-                    mS, mO, eps, lower_bound).launch(grid=[mSlot.shape[0], self.H, 1], block=[self.T, 1, 1],
+                    mS, mO, eps, lower_bound, conv_stride, state_stride).launch(grid=[mSlot.shape[0], self.H, 1], block=[self.T, 1, 1],
                                                      stream=stream, min_blocks_per_mp=1, use_pdl=self.cfg.pdl)
+
+    @cute.jit
+    def rows(self, m: cute.Tensor, stride: Int64, divby: int) -> cute.Tensor:
+        """``m`` (compact, passed for its base pointer) re-laid with ``stride`` elements between slot indices
+        (a multiple of ``divby``: the 16-byte state vectors stay aligned), the inner modes compact."""
+        inner = m.shape[1:]
+        inner_stride = []
+        acc = 1
+        for n in reversed(inner):
+            inner_stride.insert(0, acc)
+            acc = acc * n
+        return cute.make_tensor(m.iterator, cute.make_layout((m.shape[0], *inner),
+                                                             stride=(cute.assume(stride, divby=divby), *inner_stride)))
 
     @cute.jit
     def load_window(self, mConv: cute.Tensor, slot, c, win: cute.Tensor):
@@ -173,7 +186,7 @@ class KDADecodeKernel:
                mBeta: cute.Tensor, mWq: cute.Tensor, mWk: cute.Tensor, mWv: cute.Tensor, mAlog: cute.Tensor,
                mDt: cute.Tensor, mNw: cute.Tensor, mSlot: cute.Tensor, mSlotOut: cute.Tensor, mCq: cute.Tensor,
                mCk: cute.Tensor, mCv: cute.Tensor, mS: cute.Tensor, mO: cute.Tensor, eps: Float32,
-               lower_bound: Float32):
+               lower_bound: Float32, conv_stride: Int64, state_stride: Int64):
         D, G, RPT, TPR, NT = self.D, self.G, self.RPT, self.TPR, self.tokens
         tidx, _, _ = cute.arch.thread_idx()
         b, h, _ = cute.arch.block_idx()
@@ -196,6 +209,10 @@ class KDADecodeKernel:
         rY = cute.make_rmem_tensor((VEC,), BFloat16)
         order = PdlOrder(self.cfg.pdl)
         mWq, mWk, mWv, mAlog, mDt, mNw = (order.weight(t) for t in (mWq, mWk, mWv, mAlog, mDt, mNw))
+        # the pools as indexed: slot index -> ``*_stride`` elements (vLLM's pages may be padded), the rest compact (address
+        # arithmetic: nothing read before the wait)
+        mCq, mCk, mCv = (self.rows(m, conv_stride, 1) for m in (mCq, mCk, mCv))
+        mS = self.rows(mS, state_stride, VEC)
         mQ, mK, mV, mG, mA, mBeta, mSlot, mSlotOut, mCq, mCk, mCv, mS, mO = order.after_wait(
             mQ, mK, mV, mG, mA, mBeta, mSlot, mSlotOut, mCq, mCk, mCv, mS, mO)
 

@@ -35,7 +35,7 @@ import torch
 
 from ..._lib import compile_cache
 from ..._lib.dispatch import OK, Support, no
-from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec
+from ..._lib.kernel_op import Arg, KernelOp, Rule, TensorSpec, rows_view
 from ...reference.common import rms_norm
 from ...reference.mla import FP8_MAX
 from .config import MAX_SPLITS, TILE, MLADecodeConfig, choose_splits
@@ -69,7 +69,7 @@ def compile_mla_attention(dtype: str, H: int, R: int, P: int, page_size: int, co
                 fake_tensor(i32, (None,), align=4), fake_tensor(f32, (1,), align=4),
                 fake_tensor(f32, (None, None, H, R)), fake_tensor(f32, (None, None, H), align=4))
         return cute.compile(MLAAttentionKernel(H, R, P, page_size, config), *args, f32(1.0), i32(TILE),
-                            fake_stream(), options=options)
+                            cutlass.Int64(page_size * row_bytes), fake_stream(), options=options)
 
     return compile_cache.get_or_compile(key, build)
 
@@ -174,7 +174,7 @@ def _splits(B: int, groups: int, max_ctx: int) -> tuple[int, int]:
 _COMBINE_R = "R % 16 == 0 and R >= 16 and 128 % (R // 4) == 0"  # R/4 FP32 vectors per combine row divide 128
 _ATTENTION_ARGS = (
     Arg("q_lat", ("B", "H", "R")), Arg("q_pe", ("B", "H", "P")),
-    Arg("cache", ("pages", "page_size", "R+P"), (torch.bfloat16, FP8)),
+    Arg("cache", ("pages", "page_size", "R+P"), (torch.bfloat16, FP8), strided_rows=True),
     Arg("block_table", ("B", "max_pages"), torch.int32, align=4), Arg("ctx_len", ("B",), torch.int32, align=4),
     Arg("cache_scale", None, torch.float32, optional=True, align=4))
 _ATTENTION_RULES = (
@@ -249,10 +249,11 @@ def _attention(q_lat, q_pe, cache, block_table, ctx_len, cache_scale, softmax_sc
     o_part = torch.empty((splits, B, H, R), dtype=torch.float32, device=q_lat.device)
     lse = torch.empty((splits, B, H), dtype=torch.float32, device=q_lat.device)
     scale_t = cache_scale.reshape(1) if cache_scale is not None else _unit_scale(q_lat.device)
-    fn(to_cute(q_lat), to_cute(q_pe), to_cute(cache.view(torch.uint8)), to_cute(block_table, align=4, dynamic_dims=(0, 1)),
+    pages = rows_view(cache)  # vLLM's pages may lie further apart than one page: the stride is a parameter
+    fn(to_cute(q_lat), to_cute(q_pe), to_cute(pages.view(torch.uint8)), to_cute(block_table, align=4, dynamic_dims=(0, 1)),
        to_cute(ctx_len, align=4), to_cute(scale_t, align=4, dynamic_dims=()),
        to_cute(o_part, dynamic_dims=(0, 1)), to_cute(lse, align=4, dynamic_dims=(0, 1)),
-       float(softmax_scale * LOG2E), per * TILE, current_stream(q_lat.device))
+       float(softmax_scale * LOG2E), per * TILE, cache.stride(0) * cache.element_size(), current_stream(q_lat.device))
     return o_part, lse, cfg
 
 

@@ -8,8 +8,9 @@ tile never straddles a page). D = R + P = 512 + 64 latent columns, 8 warps.
 1. Q = [q_lat | q_pe] of the group's heads -> shared memory (BF16 rows of D + 8, zero rows for padding).
 2. Tiles of 64 positions stream through ``stages`` shared-memory buffers with cp.async (16-byte chunks,
    ``.cg``; positions past ctx_len are zero-filled, never read: the pool may hold anything there). A tile
-   is 64 consecutive rows of one page: base = cache + (page * page_size + t0 % page_size) * row_bytes with
-   page = block_table[b, t0 / page_size], all in 64-bit. FP8 caches land as raw e4m3 bytes and every
+   is 64 consecutive rows of one page: base = cache + page * page_stride + (t0 % page_size) * row_bytes with
+   page = block_table[b, t0 / page_size], all in 64-bit (``page_stride``, in bytes, a launch parameter:
+   page_size * row_bytes for a compact cache, more for vLLM's layouts that interleave layers by block). FP8 caches land as raw e4m3 bytes and every
    thread converts 16-byte chunks into the BF16 tile: bf16(e4m3 * scale), bitwise the reference's
    ``(latent.float() * scale).to(bfloat16)``.
 3. Scores S^T[t, h] = sum_d C[t, d] Q[h, d] with mma.sync m16n8k16 (cache tile = A via ldmatrix, Q = B via
@@ -120,19 +121,19 @@ class MLAAttentionKernel:
     @cute.jit
     def __call__(self, mQl: cute.Tensor, mQp: cute.Tensor, mCache: cute.Tensor, mBT: cute.Tensor,
                  mLen: cute.Tensor, mScale: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
-                 scale_log2: Float32, chunk: Int32, stream: cuda.CUstream):
+                 scale_log2: Float32, chunk: Int32, page_stride: Int64, stream: cuda.CUstream):
         groups = (self.H + self.HG - 1) // self.HG
-        self.kernel(mQl, mQp, mCache, mBT, mLen, mScale, mO, mLse, scale_log2, chunk).launch(
+        self.kernel(mQl, mQp, mCache, mBT, mLen, mScale, mO, mLse, scale_log2, chunk, page_stride).launch(
             grid=[mO.shape[0], mQl.shape[0], groups], block=[THREADS, 1, 1], stream=stream, min_blocks_per_mp=1,
             use_pdl=self.cfg.pdl)
 
     # ------------------------------------------------------------------------------------------ copies
     @cute.jit
-    def issue_tile(self, mCache: cute.Tensor, mBT: cute.Tensor, b, t0, end, buf: Int32, tidx):
+    def issue_tile(self, mCache: cute.Tensor, mBT: cute.Tensor, b, t0, end, buf: Int32, tidx, page_stride):
         """cp.async of positions t0 .. t0+63 (rows past ``end`` zero-filled) into the buffer at ``buf``."""
         page = mBT[b, t0 // self.PS]
-        row0 = Int64(page) * Int64(self.PS) + Int64(t0 % self.PS)
-        base = mCache.iterator.toint() + row0 * Int64(self.ROWB)
+        base = (mCache.iterator.toint() + Int64(page) * page_stride
+                + Int64(t0 % self.PS) * Int64(self.ROWB))
         nvalid = end - t0
         for i in cutlass.range_constexpr(self.copy_iters):
             c = tidx + THREADS * i
@@ -180,7 +181,7 @@ class MLAAttentionKernel:
     @cute.kernel
     def kernel(self, mQl: cute.Tensor, mQp: cute.Tensor, mCache: cute.Tensor, mBT: cute.Tensor,
                mLen: cute.Tensor, mScale: cute.Tensor, mO: cute.Tensor, mLse: cute.Tensor,
-               scale_log2: Float32, chunk: Int32):
+               scale_log2: Float32, chunk: Int32, page_stride: Int64):
         HG, D, R = self.HG, self.D, self.R
         tidx, _, _ = cute.arch.thread_idx()
         split, b, grp = cute.arch.block_idx()
@@ -236,7 +237,8 @@ class MLAAttentionKernel:
             # 2. prologue: the first stages - 1 tiles in flight
             for j in cutlass.range_constexpr(self.ST - 1):
                 if j < n_tiles:
-                    self.issue_tile(mCache, mBT, b, start + j * TILE, end, a_stage + j * self.STAGE_B, tidx)
+                    self.issue_tile(mCache, mBT, b, start + j * TILE, end, a_stage + j * self.STAGE_B, tidx,
+                                    page_stride)
                 cute.arch.cp_async_commit_group()
             # 1. queries of the group (zero rows for padded heads)
             rq = cute.make_rmem_tensor((8,), BFloat16)
@@ -271,7 +273,7 @@ class MLAAttentionKernel:
                 nxt = it + self.ST - 1
                 if nxt < n_tiles:
                     self.issue_tile(mCache, mBT, b, start + nxt * TILE, end,
-                                    a_stage + (nxt % self.ST) * self.STAGE_B, tidx)
+                                    a_stage + (nxt % self.ST) * self.STAGE_B, tidx, page_stride)
                 cute.arch.cp_async_commit_group()
                 a_cur = a_stage + (it % self.ST) * self.STAGE_B
                 if cutlass.const_expr(self.fp8):
