@@ -110,9 +110,11 @@ class VllmCaches:
 
 
 def decode_metadata(kda_name: str, mla_name: str, state_indices, seq_lens, block_table: torch.Tensor, *,
-                    num_prefills: int = 0, num_spec: int = 0) -> dict:
+                    num_prefills: int = 0, num_spec: int = 0, block_size: int | None = None) -> dict:
     """The forward context's ``attn_metadata`` of a decode step (plus ``num_prefills`` prefill requests of one
-    token each, or ``num_spec`` speculative requests), built from vLLM's metadata classes."""
+    token each, or ``num_spec`` speculative requests), built from vLLM's metadata classes. ``block_size``: the
+    slot mapping is vLLM's (each new token's ``block * block_size + offset``, -1 for a state index <= 0, a
+    padded row), else zeros."""
     from vllm.model_executor.layers.attention.mla_attention import MLACommonDecodeMetadata, MLACommonMetadata
     from vllm.models.kimi_k3.nvidia.kda_metadata import KimiK3KDAMetadata
 
@@ -122,8 +124,14 @@ def decode_metadata(kda_name: str, mla_name: str, state_indices, seq_lens, block
     kda = KimiK3KDAMetadata(num_prefills=num_prefills, num_prefill_tokens=num_prefills, num_decodes=b,
                             num_decode_tokens=b, num_spec_decodes=num_spec, num_spec_decode_tokens=2 * num_spec,
                             num_actual_tokens=n, non_spec_state_indices_tensor=torch.as_tensor(state_indices))
+    slots = torch.zeros(n, dtype=torch.long)
+    if block_size is not None:
+        for r in range(b):
+            p = int(seq[r]) - 1
+            real = int(state_indices[r]) > 0
+            slots[r] = int(block_table[r, p // block_size]) * block_size + p % block_size if real else -1
     mla = MLACommonMetadata(num_reqs=n, max_query_len=1, max_seq_len=int(seq.max()), num_actual_tokens=n,
-                            query_start_loc=torch.arange(n + 1, dtype=torch.int32), slot_mapping=torch.zeros(n),
+                            query_start_loc=torch.arange(n + 1, dtype=torch.int32), slot_mapping=slots,
                             num_decodes=b, num_decode_tokens=b, num_prefills=num_prefills,
                             decode=MLACommonDecodeMetadata(block_table=block_table, seq_lens=seq,
                                                            dcp_tot_seq_lens=None))

@@ -399,6 +399,27 @@ class DecodeExecutor:
             return out[:b]
         return io.readout[:b].clone()
 
+    @torch.no_grad()
+    def decode_in_place(self, io: StepIO, caches: Any) -> torch.Tensor:
+        """One fast decode step over caches the executor does not own (``caches.layers``: vLLM's own tensors,
+        ``integrations/vllm_inplace.py``), from index tensors already staged in ``io`` (``io.paged_mla`` set):
+        no host read, no graph of the executor's own, so an engine may capture it into its graph. Returns
+        ``io.readout``. Traced with what it launched (``graph``: it ran inside a capture)."""
+        if not self.fast:
+            raise RuntimeError(f"decode_in_place needs the fast step ({self.model_reason or self.backend})")
+        if io.paged_mla is None:
+            raise ValueError("decode_in_place: io.paged_mla (the engine's block table, seq_lens, slot mapping) unset")
+        before = counters.snapshot()
+        calls = OpCalls(self.ops)
+        run_step(self._plan_or_build(), calls, io, caches, self.prefetcher if self.prefetcher.enabled else None,
+                 self.side)
+        kernels, fallbacks = counter_delta(before, counters.snapshot())
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self.trace.record(StepRecord(0, self.backend, int(io.tokens.shape[0]), None, kernels=kernels,
+                                     standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks,
+                                     graph=capturing))
+        return io.readout
+
     def _replay_or_run(self, key: Any, rec: StepRecord) -> StepRecord:
         """Run the staged step of ``key`` (its graph, else eagerly) and fill ``rec`` with what it launched."""
         if self.graphs is not None and key in self.graphs:

@@ -204,7 +204,11 @@ def _launch(q, k, v, g, a, beta_logits, conv_q_w, conv_k_w, conv_v_w, A_log, dt_
     return out
 
 
-def step_op(*args: Any, pdl: bool = False, **kwargs: Any) -> torch.Tensor:
+def step_op(*args: Any, pdl: bool = False, vllm_layout: bool = False, **kwargs: Any) -> torch.Tensor:
     """The fast step's ``kda_step`` op (``runtime.fast_ops``): ``kda_decode`` itself (a verify step passes
-    ``slot_out`` and ``tokens``)."""
+    ``slot_out`` and ``tokens``); ``vllm_layout``: ``kda_decode_vllm`` on vLLM's caches in place, its packed
+    conv window in the ``conv_q`` position (``conv_k`` / ``conv_v`` None)."""
+    if vllm_layout:
+        *head, conv, _, _, state = args
+        return kda_decode_vllm(*head, conv, state, pdl=pdl, **kwargs)
     return kda_decode(*args, pdl=pdl, **kwargs)

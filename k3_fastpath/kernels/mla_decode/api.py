@@ -345,19 +345,24 @@ def write_latent(kv: torch.Tensor, kv_norm_w: torch.Tensor, eps: float, latent: 
 
 
 def step_op(q, kv, kv_norm_w, eps, latent, scale, slot, pos, block_table, ctx_len, w_uk, w_uv, softmax_scale,
-            gate=None, *, pdl: bool = False) -> torch.Tensor:
+            gate=None, *, pdl: bool = False, paged: bool = False) -> torch.Tensor:
     """The fast step's ``mla_attention`` op (``runtime.fast_ops``): absorbed gated-MLA decode over the slot
     pool (``reference.mla`` semantics). Writes the new latent at ``(slot, pos)`` (``write_latent``), absorbs
     ``q_nope`` through W_UK (``absorb_q``: FP32 accumulate, rounded), then one ``mla_decode`` over the pool
     viewed as pages of ``block_table``'s page size: positions ``0 .. ctx_len - 1 = pos`` of each row's slot,
     W_UV and the output gate fused into the combine. ``max_ctx`` is the pool length (static: one graph per
-    bucket)."""
+    bucket). ``paged``: ``latent`` is a paged cache ``[pages, page_size, D]`` (vLLM's, in place), ``(slot,
+    pos)`` the (page, offset) of each row's new latent, ``block_table`` / ``ctx_len`` the engine's; ``max_ctx``
+    is then the table's width in positions."""
     write_latent(kv, kv_norm_w, eps, latent, scale, slot, pos)
     nope = w_uk.shape[1]
     q_lat = absorb_q(q[..., :nope], w_uk).contiguous()
     q_pe = q[..., nope:].contiguous()
-    n, length, width = latent.shape
-    page = length // (block_table.shape[1])
-    paged = latent.view(n * length // page, page, width)
-    return mla_decode(q_lat, q_pe, paged, block_table, ctx_len, w_uv, gate, softmax_scale=softmax_scale,
-                      cache_scale=scale if latent.dtype == FP8 else None, max_ctx=length, pdl=pdl)
+    if paged:  # the latent is vLLM's paged cache itself, the block table vLLM's
+        pages, max_ctx = latent, block_table.shape[1] * latent.shape[1]
+    else:
+        n, length, width = latent.shape
+        page = length // (block_table.shape[1])
+        pages, max_ctx = latent.view(n * length // page, page, width), length
+    return mla_decode(q_lat, q_pe, pages, block_table, ctx_len, w_uv, gate, softmax_scale=softmax_scale,
+                      cache_scale=scale if latent.dtype == FP8 else None, max_ctx=max_ctx, pdl=pdl)

@@ -1,0 +1,215 @@
+"""The vLLM route's decode step on vLLM's own caches, in place: no executor pool, no import / export.
+
+A routed decode step (``InPlaceRouter.run``) is the executor's fast step (``DecodeExecutor.decode_in_place``)
+over vLLM's per-layer cache tensors themselves, every per-request index being vLLM's own device tensor:
+
+- KDA: ``kernels/kda_decode`` on vLLM's packed conv window ``[N, W-1, 3C]`` and ``[N, h, V, K]`` recurrent state
+  (``kda_decode_vllm``), at vLLM's state indices (``non_spec_state_indices_tensor``; -1 pads a row);
+- MLA: the new latent written at vLLM's slot mapping (``slot_mapping``: page ``s // block_size``, offset
+  ``s % block_size``; -1, a padded row, writes into vLLM's null block 0), ``kernels/mla_decode`` over vLLM's
+  paged cache with vLLM's block table and ``seq_lens``.
+
+Both kernels take the stride between state indices / pages as a launch parameter, so vLLM's hybrid layouts
+(a KDA layer's conv window and state sharing one padded page; MLA pages interleaved by block) are read where
+they lie. Nothing in the step reads a device value on the host, so vLLM can capture it in its FULL decode
+CUDA graph: the decision to route is made from the metadata's host-side counts (``classify_in_place``) when
+vLLM captures the graph for a batch size, and baked in; a replay runs the captured step on the new indices.
+Rows past the real requests (vLLM's padding) carry index -1 and write only the null block.
+
+What this serves: plain decode steps (no speculative decoding: vLLM's verify steps keep a conv window of
+``W-1+k`` inputs shifted by ``num_accepted_tokens``, which ``kda_decode_vllm`` does not implement; the route
+keeps the import / export router for them, ``vllm_routing.VllmDecodeRouter``), at the layouts
+``in_place_reason`` accepts. vLLM's caches are always current, so a fallback step needs no sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..reference.mla import FP8
+from ..runtime.envelope import PREFILL_REASON
+from ..runtime.fast_step import StepIO
+from ..runtime.trace import StepRecord
+from .vllm_state import VllmLayout, _as_kv, kda_tensors, layout_reason, mla_tensor
+
+MLA_PAGE = 64  # kernels/mla_decode serves pages of a multiple of 64 positions
+
+
+@dataclass
+class VllmKdaLayer:
+    """One KDA layer's vLLM cache as the fast step reads it in place."""
+
+    conv: torch.Tensor  # [N, W-1, 3C] packed q|k|v window
+    state: torch.Tensor  # [N, h, V, K] FP32
+    vllm_layout = True
+
+
+@dataclass
+class VllmMlaLayer:
+    """One MLA layer's vLLM paged latent cache ``[pages, block_size, rank + rope]`` (FP8 as e4m3)."""
+
+    latent: torch.Tensor
+    scale: torch.Tensor | None
+
+
+@dataclass
+class VllmCacheView:
+    """vLLM's caches of every layer, in the executor's step's ``pool.layers`` order."""
+
+    layers: list[Any]
+
+
+def cache_view(cfg: Any, vllm_caches: list[Any], kv_dtype: torch.dtype, kv_scale: float | None,
+               device: torch.device) -> VllmCacheView:
+    scale = torch.tensor([kv_scale if kv_scale is not None else 1.0], dtype=torch.float32, device=device)
+    layers: list[Any] = []
+    for i, kv in enumerate(vllm_caches):
+        if cfg.is_kda_layer(i):
+            conv, rec, _ = kda_tensors(kv)
+            layers.append(VllmKdaLayer(conv, rec))
+        else:
+            layers.append(VllmMlaLayer(_as_kv(mla_tensor(kv), kv_dtype), scale if kv_dtype == FP8 else None))
+    return VllmCacheView(layers)
+
+
+def in_place_reason(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, *, conv_dtype: torch.dtype,
+                    kv_dtype: torch.dtype) -> str | None:
+    """Why the fast step cannot run on vLLM's caches in place (None: it can): what ``layout_reason`` says,
+    speculative decoding, a block size the MLA kernel does not page by, strides that break the kernels'
+    16-byte state vectors or page copies. One line."""
+    why = layout_reason(cfg, vllm_caches, layout, conv_dtype=conv_dtype, kv_dtype=kv_dtype)
+    if why:
+        return why
+    if layout.num_spec:
+        return f"speculative decoding ({layout.num_spec} tokens): vLLM's verify-step conv window is not read in place"
+    if layout.block_size % MLA_PAGE:
+        return f"MLA block size {layout.block_size} is not a multiple of {MLA_PAGE} (mla_decode's page)"
+    for i, kv in enumerate(vllm_caches):
+        if cfg.is_kda_layer(i):
+            conv, rec, _ = kda_tensors(kv)
+            if not (conv[0].is_contiguous() and rec[0].is_contiguous()) or (rec.stride(0) * 4) % 16:
+                return f"layer {i}: KDA state index stride {rec.stride(0)} (or a non-compact index) breaks 16-byte access"
+        else:
+            lat = mla_tensor(kv)
+            if not lat[0].is_contiguous() or (lat.stride(0) * lat.element_size()) % 16:
+                return f"layer {i}: MLA page stride {lat.stride(0)} elements breaks 16-byte copies"
+    return None
+
+
+def classify_in_place(attn_metadata: Any, kda_layer: str, mla_layer: str, *, max_batch: int,
+                      num_tokens: int) -> tuple[str | None, int]:
+    """(fallback reason or None, batch) of one forward call, from the metadata's host-side counts only (no
+    device read: vLLM may be capturing this call into a CUDA graph)."""
+    if attn_metadata is None:
+        return "no attention metadata (vLLM profile / dummy run)", 0
+    if isinstance(attn_metadata, list):
+        return "micro-batched step (dual batch overlap)", 0
+    kda, mla = attn_metadata.get(kda_layer), attn_metadata.get(mla_layer)
+    if kda is None or mla is None:
+        return f"no metadata for layer {kda_layer if kda is None else mla_layer}", 0
+    b = int(kda.num_decodes)
+    if kda.num_prefills or mla.num_prefills:
+        return PREFILL_REASON, b + int(kda.num_prefills)
+    if kda.num_spec_decodes:
+        return f"speculative decoding ({kda.num_spec_decode_tokens} tokens of {kda.num_spec_decodes} requests)", b
+    if b == 0:
+        return "no decode tokens in step", 0
+    if not (kda.num_decode_tokens == b == mla.num_decodes == mla.num_decode_tokens):
+        return (f"not one token per request (KDA {kda.num_decode_tokens} tokens / {b} requests, MLA "
+                f"{mla.num_decode_tokens} / {mla.num_decodes})"), b
+    if b > max_batch:
+        return f"batch {b} > {max_batch} (the executor's max_batch)", b
+    if mla.decode is None or kda.non_spec_state_indices_tensor is None or mla.slot_mapping is None:
+        return "decode metadata missing (MLA decode / slot mapping / KDA state indices)", b
+    short = [n for n, t in (("KDA state indices", kda.non_spec_state_indices_tensor),
+                            ("MLA block table", mla.decode.block_table), ("MLA seq_lens", mla.decode.seq_lens),
+                            ("MLA slot mapping", mla.slot_mapping)) if t.shape[0] < b]
+    if short or num_tokens < b:
+        return f"metadata shorter than the batch of {b}: {', '.join(short) or 'token ids'}", b
+    return None, b
+
+
+def step_io(attn_metadata: Any, kda_layer: str, mla_layer: str, batch: int, input_ids: torch.Tensor,
+            positions: torch.Tensor, hidden: torch.Tensor, block_size: int) -> StepIO:
+    """The step's inputs as views of (or device ops on) vLLM's own tensors: no host read, capturable."""
+    kda, mla = attn_metadata[kda_layer], attn_metadata[mla_layer]
+    slot = kda.non_spec_state_indices_tensor[:batch].to(torch.int32)
+    sm = mla.slot_mapping[:batch].long()
+    pad = sm < 0
+    page = torch.where(pad, 0, torch.div(sm, block_size, rounding_mode="floor"))
+    off = torch.where(pad, 0, sm % block_size)
+    return StepIO(tokens=input_ids[:batch].long(), slot=slot, pos=positions[:batch].long(), active=slot > 0,
+                  logits=hidden.new_empty(batch, 0, dtype=torch.float32), hidden=hidden[:batch],
+                  paged_mla=(mla.decode.block_table[:batch].to(torch.int32), mla.decode.seq_lens[:batch].to(torch.int32),
+                             page, off))
+
+
+@dataclass(frozen=True)
+class InPlacePlan:
+    reason: str | None
+    batch: int = 0
+
+    @property
+    def route(self) -> bool:
+        return self.reason is None
+
+
+class InPlaceRouter:
+    """The route's side of a vLLM K3 model whose decode steps run on vLLM's caches in place (module docstring).
+    ``vllm_layers[i]``: vLLM's layer ``i`` attention module (its ``kv_cache`` read at every step)."""
+
+    def __init__(self, executor: Any, vllm_layers: list[Any], layout: VllmLayout, names: tuple[str, str]) -> None:
+        self.ex = executor
+        self.cfg = executor.model.cfg
+        self.layers = vllm_layers
+        self.layout = layout
+        self.kda_name, self.mla_name = names
+        self._checked: tuple[int, ...] | None = None
+        self._reason: str | None = None
+        self._view: VllmCacheView | None = None
+
+    def caches(self) -> list[Any]:
+        return [layer.kv_cache for layer in self.layers]
+
+    def layout_problem(self) -> str | None:
+        caches = self.caches()
+        key = tuple(id(t) for kv in caches for t in (kv if isinstance(kv, (tuple, list)) else (kv,)))
+        if key != self._checked:
+            self._reason = in_place_reason(self.cfg, caches, self.layout, conv_dtype=self.ex.dtype,
+                                           kv_dtype=self.ex.kv_dtype)
+            self._view = None if self._reason else cache_view(self.cfg, caches, self.ex.kv_dtype, self.ex.kv_scale,
+                                                              self.ex.device)
+            self._checked = key
+        return self._reason
+
+    def plan(self, attn_metadata: Any, num_tokens: int) -> InPlacePlan:
+        why, b = classify_in_place(attn_metadata, self.kda_name, self.mla_name, max_batch=self.ex.max_batch,
+                                   num_tokens=num_tokens)
+        if why is None:
+            layout = self.layout_problem()
+            why = f"cache layout: {layout}" if layout else None
+        return InPlacePlan(why, b)
+
+    def run(self, plan: InPlacePlan, attn_metadata: Any, input_ids: torch.Tensor,
+            positions: torch.Tensor) -> torch.Tensor:
+        """One routed decode step; returns ``[num_tokens, hidden]`` (rows past the batch 0), what vLLM's K3
+        ``forward`` returns."""
+        n = int(input_ids.shape[0])
+        hidden = torch.zeros(n, self.cfg.hidden_size, dtype=self.ex.dtype, device=input_ids.device)
+        io = step_io(attn_metadata, self.kda_name, self.mla_name, plan.batch, input_ids, positions, hidden,
+                     self.layout.block_size)
+        self.ex.decode_in_place(io, self._view)
+        return hidden
+
+    def sync_back(self, plan: Any = None) -> int:
+        """Nothing to hand back: vLLM's caches are the step's own."""
+        return 0
+
+    def record_fallback(self, plan: InPlacePlan) -> None:
+        from .vllm_routing import VLLM_PATH
+
+        self.ex.trace.record(StepRecord(0, self.ex.backend, plan.batch, None, fallback=f"{VLLM_PATH}: {plan.reason}",
+                                        kind="prefill" if plan.reason == PREFILL_REASON else "decode"))

@@ -1,0 +1,158 @@
+"""The vLLM route's decode step on vLLM's caches in place (k3_fastpath.integrations.vllm_inplace), on a CPU.
+
+- the same steps through the import / export router (``VllmDecodeRouter``) and in place (``InPlaceRouter``),
+  both over the emulated fast step (``Envelope(emulate=True)``: every kernel served by its reference) on copies
+  of the same vLLM-layout caches (vLLM's own shape / dtype calculators, KDA windows and states in shared
+  padded pages as vLLM's hybrid allocator lays them, paged MLA latents behind random block tables) and vLLM's
+  own metadata classes with a real slot mapping: bitwise the same hidden states (a slot mapping read one
+  position off fails it by 20% of scale), and vLLM's caches after three steps bitwise the caches the import /
+  export router writes back; a row vLLM pads (state index -1, slot -1) reads out 0; the trace records the
+  in-place steps' kernel calls;
+- classification from host-side counts only, every fallback reason; layouts refused in place.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3_fastpath.integrations.vllm_inplace import InPlaceRouter, classify_in_place, in_place_reason
+from k3_fastpath.integrations.vllm_routing import VllmDecodeRouter
+from k3_fastpath.integrations.vllm_state import VllmLayout
+from k3_fastpath.presets import preset
+from k3_fastpath.reference.model import load_reference
+from k3_fastpath.runtime.envelope import PREFILL_REASON, Envelope
+from k3_fastpath.runtime.executor import DecodeExecutor
+from k3_fastpath.synthetic import synthetic_state_dict
+
+pytest.importorskip("vllm", reason="needs vLLM (scripts/bootstrap --vllm)")
+from vllm_layout import VllmCaches, decode_metadata, kda_pages  # noqa: E402
+
+CFG = preset("k3-tiny").config
+KDA, MLA = "language_model.model.layers.1.self_attn", "language_model.model.layers.3.self_attn"
+BS = 64  # vLLM's MLA block size (mla_decode pages by multiples of 64)
+MAX_LEN = 256
+BLOCKS = 24
+
+
+@pytest.fixture(scope="module")
+def m16():
+    return load_reference(CFG, synthetic_state_dict(CFG, 0, conditioning="stable"), dtype=torch.bfloat16)
+
+
+def _paged(vc: VllmCaches) -> None:
+    """vLLM's hybrid layout: each KDA layer's conv window and state in one padded page per index (strided
+    views), each MLA layer's pages interleaved with another layer's (page stride twice a page)."""
+    for i, layer in enumerate(vc.layers):
+        if CFG.is_kda_layer(i):
+            layer.kv_cache = kda_pages(*layer.kv_cache)
+        else:
+            lat = layer.kv_cache
+            buf = torch.full((lat.shape[0], 2 * lat.shape[1], lat.shape[2]), float("nan"), dtype=lat.dtype)
+            buf[:, : lat.shape[1]] = lat
+            layer.kv_cache = buf[:, : lat.shape[1]]
+
+
+def _clone(vc: VllmCaches) -> VllmCaches:
+    out = VllmCaches.__new__(VllmCaches)
+    out.__dict__.update(vc.__dict__)
+    from types import SimpleNamespace
+
+    def copy(kv):
+        if isinstance(kv, tuple):
+            return kda_pages(*kv) if not kv[0].is_contiguous() else tuple(t.clone() for t in kv)
+        c = kv.clone() if kv.is_contiguous() else None
+        if c is None:
+            buf = torch.full((kv.shape[0], 2 * kv.shape[1], kv.shape[2]), float("nan"), dtype=kv.dtype)
+            buf[:, : kv.shape[1]] = kv
+            c = buf[:, : kv.shape[1]]
+        return c
+    out.layers = [SimpleNamespace(kv_cache=copy(layer.kv_cache)) for layer in vc.layers]
+    return out
+
+
+def _setup(m16, seed, lens, idx):
+    g = torch.Generator().manual_seed(seed)
+    vc = VllmCaches(CFG, 9, BLOCKS, BS, torch.bfloat16, seed=seed)
+    _paged(vc)
+    ids = torch.randint(3, CFG.vocab_size, (len(lens), max(lens)), generator=g)
+    ref = m16.new_cache(len(lens), MAX_LEN)
+    m16.prefill(ids, torch.tensor(lens), ref)
+    per = MAX_LEN // BS
+    bts = torch.randperm(BLOCKS - 1, generator=g)[: len(lens) * per].add(1).reshape(len(lens), per).to(torch.int32)
+    for r, i in enumerate(idx):
+        vc.store(ref, r, i, bts[r])
+    return g, vc, bts
+
+
+def _equal_caches(a: VllmCaches, b: VllmCaches, rows: list[int], bts, seq) -> None:
+    for i, (la, lb) in enumerate(zip(a.layers, b.layers, strict=True)):
+        if CFG.is_kda_layer(i):
+            for x, y in zip(la.kv_cache, lb.kv_cache, strict=True):
+                assert torch.equal(x, y), f"layer {i}: KDA cache differs"
+        else:
+            for r, n in zip(rows, seq, strict=True):
+                for p in range(int(n)):
+                    blk, off = int(bts[r, p // BS]), p % BS
+                    assert torch.equal(la.kv_cache[blk, off], lb.kv_cache[blk, off]), f"layer {i} row {r} pos {p}"
+
+
+def test_in_place_steps_are_the_import_export_route(m16, seed):
+    lens, idx = [70, 5, 130], [5, 2, 7]
+    g, vc, bts = _setup(m16, seed, lens, idx)
+    other = _clone(vc)
+    layout = VllmLayout(False, BS)
+    ex = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True), readout="hidden")
+    pooled = VllmDecodeRouter(ex, other.layers, layout, (KDA, MLA))
+    inplace = InPlaceRouter(ex, vc.layers, layout, (KDA, MLA))
+    seq = torch.tensor(lens)
+    for step in range(3):
+        seq = seq + 1
+        tok = torch.randint(3, CFG.vocab_size, (4,), generator=g)
+        # vLLM pads the batch to its graph's size: a fourth row with state index -1 and slot -1
+        meta = decode_metadata(KDA, MLA, idx + [-1], seq.tolist() + [1], torch.cat([bts, bts[:1] * 0]),
+                               block_size=BS)
+        meta[KDA].num_decodes = meta[KDA].num_decode_tokens = 4
+        plan = inplace.plan(meta, num_tokens=4)
+        assert plan.route and plan.batch == 4, plan.reason
+        got = inplace.run(plan, meta, tok, torch.cat([seq - 1, torch.zeros(1, dtype=torch.long)]))
+        rec = ex.trace.records[-1]
+        assert rec.fallback is None and rec.batch == 4 and rec.kernels == {} and rec.kernel_fallbacks  # CPU
+        assert set(rec.kernel_fallbacks) >= {"kda_decode", "mla_decode"}
+        p_meta = decode_metadata(KDA, MLA, idx, seq.tolist(), bts)
+        p_plan = pooled.plan(p_meta, positions=seq - 1)
+        want = pooled.run(p_plan, tok[:3])
+        assert got.shape == (4, CFG.hidden_size) and torch.equal(got[3], torch.zeros_like(got[3]))
+        d = float((got[:3].float() - want.float()).abs().max())  # the same reference ops on the same rows
+        assert torch.equal(got[:3], want), f"step {step}: hidden differs by {d} seed={seed}"
+    pooled.sync_back()
+    _equal_caches(vc, other, [0, 1, 2], bts, seq)
+
+
+def test_classification_reads_host_counts_only():
+    meta = decode_metadata(KDA, MLA, [4, 1, 7], [5, 9, 2], torch.zeros(3, 4, dtype=torch.int32), block_size=BS)
+    assert classify_in_place(meta, KDA, MLA, max_batch=4, num_tokens=3) == (None, 3)
+    assert classify_in_place(meta, KDA, MLA, max_batch=2, num_tokens=3) == ("batch 3 > 2 (the executor's max_batch)", 3)
+    assert classify_in_place(None, KDA, MLA, max_batch=4, num_tokens=3)[0].startswith("no attention metadata")
+    pre = decode_metadata(KDA, MLA, [4, 1], [5, 9], torch.zeros(2, 4, dtype=torch.int32), num_prefills=1)
+    assert classify_in_place(pre, KDA, MLA, max_batch=4, num_tokens=3)[0] == PREFILL_REASON
+    spec = decode_metadata(KDA, MLA, [4], [5], torch.zeros(1, 4, dtype=torch.int32), num_spec=2)
+    assert classify_in_place(spec, KDA, MLA, max_batch=4, num_tokens=5)[0].startswith("speculative decoding")
+    assert "shorter than the batch" in classify_in_place(meta, KDA, MLA, max_batch=4, num_tokens=2)[0]
+
+
+def test_layouts_refused_in_place(m16):
+    vc = VllmCaches(CFG, 5, 4, BS, torch.bfloat16)
+    assert in_place_reason(CFG, vc.caches(), VllmLayout(False, BS), conv_dtype=torch.bfloat16,
+                           kv_dtype=torch.bfloat16) is None
+    assert "not a multiple of 64" in in_place_reason(CFG, VllmCaches(CFG, 5, 4, 16, torch.bfloat16).caches(),
+                                                     VllmLayout(False, 16), conv_dtype=torch.bfloat16,
+                                                     kv_dtype=torch.bfloat16)
+    spec = VllmCaches(CFG, 5, 4, BS, torch.bfloat16, num_spec=2)
+    assert "speculative decoding" in in_place_reason(CFG, spec.caches(), VllmLayout(False, BS, num_spec=2),
+                                                     conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+    kda = next(i for i in range(CFG.num_hidden_layers) if CFG.is_kda_layer(i))
+    conv, rec = vc.layers[kda].kv_cache
+    vc.layers[kda].kv_cache = kda_pages(conv, rec, pad=4)  # a page stride that breaks 16-byte state rows
+    assert "breaks 16-byte access" in in_place_reason(CFG, vc.caches(), VllmLayout(False, BS),
+                                                      conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
