@@ -113,9 +113,9 @@ def test_in_place_steps_are_the_import_export_route(m16, seed):
         meta = decode_metadata(KDA, MLA, idx + [-1], seq.tolist() + [1], torch.cat([bts, bts[:1] * 0]),
                                block_size=BS)
         meta[KDA].num_decodes = meta[KDA].num_decode_tokens = 4
-        plan = inplace.plan(meta, num_tokens=4)
+        plan = inplace.plan(meta, torch.cat([seq - 1, torch.zeros(1, dtype=torch.long)]))
         assert plan.route and plan.batch == 4, plan.reason
-        got = inplace.run(plan, meta, tok, torch.cat([seq - 1, torch.zeros(1, dtype=torch.long)]))
+        got = inplace.run(plan, tok)
         rec = ex.trace.records[-1]
         assert rec.fallback is None and rec.batch == 4 and rec.kernels == {} and rec.kernel_fallbacks  # CPU
         assert set(rec.kernel_fallbacks) >= {"kda_decode", "mla_decode"}

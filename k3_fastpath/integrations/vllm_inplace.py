@@ -149,8 +149,13 @@ def step_io(attn_metadata: Any, kda_layer: str, mla_layer: str, batch: int, inpu
 
 @dataclass(frozen=True)
 class InPlacePlan:
+    """One forward call: routed (``reason`` None) or not, with what a routed step reads."""
+
     reason: str | None
     batch: int = 0
+    kind: str = "decode"  # "decode" | "prefill" | "profile"
+    attn_metadata: Any = None
+    positions: torch.Tensor | None = None
 
     @property
     def route(self) -> bool:
@@ -185,31 +190,30 @@ class InPlaceRouter:
             self._checked = key
         return self._reason
 
-    def plan(self, attn_metadata: Any, num_tokens: int) -> InPlacePlan:
+    def plan(self, attn_metadata: Any, positions: torch.Tensor) -> InPlacePlan:
         why, b = classify_in_place(attn_metadata, self.kda_name, self.mla_name, max_batch=self.ex.max_batch,
-                                   num_tokens=num_tokens)
+                                   num_tokens=int(positions.shape[-1]))
         if why is None:
             layout = self.layout_problem()
             why = f"cache layout: {layout}" if layout else None
-        return InPlacePlan(why, b)
+        kind = "prefill" if why == PREFILL_REASON else "profile" if attn_metadata is None else "decode"
+        return InPlacePlan(why, b, kind, attn_metadata if why is None else None, positions if why is None else None)
 
-    def run(self, plan: InPlacePlan, attn_metadata: Any, input_ids: torch.Tensor,
-            positions: torch.Tensor) -> torch.Tensor:
-        """One routed decode step; returns ``[num_tokens, hidden]`` (rows past the batch 0), what vLLM's K3
-        ``forward`` returns."""
-        n = int(input_ids.shape[0])
-        hidden = torch.zeros(n, self.cfg.hidden_size, dtype=self.ex.dtype, device=input_ids.device)
-        io = step_io(attn_metadata, self.kda_name, self.mla_name, plan.batch, input_ids, positions, hidden,
-                     self.layout.block_size)
-        self.ex.decode_in_place(io, self._view)
-        return hidden
+    def run(self, plan: InPlacePlan, input_ids: torch.Tensor) -> torch.Tensor:
+        """One routed decode step on vLLM's caches; returns each request's hidden state ``[batch, hidden]``
+        (what vLLM's K3 ``forward`` returns for those tokens)."""
+        hidden = torch.empty(plan.batch, self.cfg.hidden_size, dtype=self.ex.dtype, device=input_ids.device)
+        io = step_io(plan.attn_metadata, self.kda_name, self.mla_name, plan.batch, input_ids, plan.positions,
+                     hidden, self.layout.block_size)
+        return self.ex.decode_in_place(io, self._view)
 
     def sync_back(self, plan: Any = None) -> int:
         """Nothing to hand back: vLLM's caches are the step's own."""
         return 0
 
-    def record_fallback(self, plan: InPlacePlan) -> None:
+    def record_fallback(self, plan: Any) -> None:
+        """Trace a step vLLM's own forward ran (``fallback: "vllm standard path: <reason>"``)."""
         from .vllm_routing import VLLM_PATH
 
         self.ex.trace.record(StepRecord(0, self.ex.backend, plan.batch, None, fallback=f"{VLLM_PATH}: {plan.reason}",
-                                        kind="prefill" if plan.reason == PREFILL_REASON else "decode"))
+                                        kind=plan.kind))

@@ -17,26 +17,33 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
     ``vllm_tp_comm``; every rank classifies the same steps, so the collectives line up) built
     with ``fastpath_max_batch`` (default min(max_num_seqs, 64)) / ``fastpath_max_len`` (default
     min(max_model_len, 4096)) / ``fastpath_spec_all_rows`` (default false: scratch for verify steps of at
-    most 64 rows, ``DecodeExecutor(spec_all_rows=...)``) from ``additional_config``, and its CUDA graphs
-    captured. The trace's meta
+    most 64 rows, ``DecodeExecutor(spec_all_rows=...)``) from ``additional_config``, and (steps not in
+    place) its cache pool and CUDA graphs built. The trace's meta
     records what is shared (``weights_in_place``). At the first forward the views are checked to still alias
     vLLM's parameters (``InPlaceWeights.aliasing_problem``: a post-load re-layout would leave a copy) and a
     later ``load_weights`` (a weight update) cannot reach the executor's expert layouts: either makes every
     step fall back from then on, with that reason;
   * ``forward``: at the first call with metadata the router binds vLLM's per-layer caches; each call is
-    classified (``VllmDecodeRouter.plan``). A routed step (a decode step, or with a speculative config a
-    verify step: the executor then holds verify scratch for ``1 + num_speculative_tokens`` tokens) runs on
-    the executor (built with ``readout="hidden"``) and ``forward`` returns what vLLM's own K3 ``forward``
-    returns: ``[num_tokens, hidden]``, each token's hidden state before the final norm (padded tokens 0).
-    ``compute_logits`` is vLLM's throughout (final norm, lm_head, its TP gather), and a drafter that reads
-    the target's final hidden states (K3's MTP layer) reads real ones. Any other step
-    settles the last verify step and exports the routed requests' state to vLLM (``sync_back``), runs
-    vLLM's forward and is traced as ``fallback: "vllm standard path: <reason>"``;
+    classified. At TP 1 without speculative decoding (``vllm_routing.runs_in_place``) the router is
+    ``vllm_inplace.InPlaceRouter``: a pure decode step of at most ``fastpath_max_batch`` requests runs the
+    executor's fast step on vLLM's own KDA and MLA caches in place (``DecodeExecutor.decode_in_place``: vLLM's
+    state indices, block table, seq_lens and slot mapping as device tensors, nothing read on the host), so
+    vLLM may capture it into its FULL decode CUDA graph (the routing decision made when vLLM captures a batch
+    size, baked in; padded rows carry index -1); the executor holds no cache pool and no graphs of its own.
+    Otherwise (TP > 1, or a speculative config: every decode row a verify row) it is
+    ``vllm_routing.VllmDecodeRouter``: a decode or verify step runs on the executor's own pool, state imported
+    per request and exported before a fallback step (``sync_back``), on the executor's own graphs, which needs
+    ``enforce_eager`` (checked above). Either way a routed step runs on the executor (built with
+    ``readout="hidden"``) and ``forward`` returns what vLLM's own K3 ``forward`` returns: ``[num_tokens,
+    hidden]``, each token's hidden state before the final norm (padded tokens 0). ``compute_logits`` is vLLM's
+    throughout (final norm, lm_head, its TP gather), and a drafter that reads the target's final hidden states
+    (K3's MTP layer) reads real ones. Any other step runs vLLM's forward and is traced as ``fallback: "vllm
+    standard path: <reason>"``;
   * the runner passes token ids beside the multimodal embeddings (``requires_raw_input_tokens``, set on the
     instance in route mode only), since the executor embeds tokens itself.
 
-CUDA graphs: vLLM's own graphs are not used with the switch on (``enforce_eager`` is required, checked
-above); the executor replays its own per-bucket graphs inside a routed step.
+Tracing under vLLM's FULL graphs: a replay does not call ``forward``, so the trace holds the steps vLLM ran
+eagerly (warm-up, fallbacks) and the captures (``graph: true``), not one record per replayed step.
 
 vLLM imports this module itself (lazy ``"module:Class"`` registration), only for K3 checkpoints. Nothing
 here has run inside a vLLM server on a GPU (the GPU host has no vLLM); see tests/test_vllm_routing.py for
@@ -106,6 +113,9 @@ class FastPathState:
         spec = vllm_config.speculative_config  # a method the route serves (``config_refusal`` checked it)
         self.num_spec = int(spec.num_speculative_tokens) if spec is not None else 0
         self.spec_all_rows = bool(get("fastpath_spec_all_rows", False))  # DecodeExecutor(spec_all_rows=...)
+        from k3_fastpath.integrations.vllm_routing import runs_in_place
+
+        self.in_place = runs_in_place(vllm_config)  # steps on vLLM's caches in place (vllm_inplace.py)
         self.executor: Any = None
         self.router: Any = None
         self.stale: str | None = None  # set when vLLM's weights change under the executor
@@ -160,8 +170,9 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
         model, weights = executor_model_in_place(self.language_model, cfg, mc.dtype, tp=tp)
         experts = weights.routed_experts_copied * (2 if device.type == "cuda" else 1)  # stacks (+ fragments)
         spec_tokens = fast.num_spec + 1 if fast.num_spec else 0
-        check_device_memory(device, pool_bytes(model.cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype,
-                                               spec_tokens, fast.spec_all_rows) + weights.prepared_bytes + experts)
+        pool = 0 if fast.in_place else pool_bytes(model.cfg, fast.max_batch, fast.max_len, mc.dtype, kv_dtype,
+                                                  spec_tokens, fast.spec_all_rows)
+        check_device_memory(device, pool + weights.prepared_bytes + experts)
         if tp > 1:  # this rank's share, its partial sums meeting over vLLM's own TP group (an FP8 cache is refused)
             from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
@@ -174,10 +185,11 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
                 kv_scale = float(mla._k_scale)
             ex = DecodeExecutor(model, max_batch=fast.max_batch, max_len=fast.max_len, kv_dtype=kv_dtype,
                                 kv_scale=kv_scale, spec_tokens=spec_tokens, spec_all_rows=fast.spec_all_rows,
-                                readout="hidden")
-        ex.trace.set_meta(weights_in_place=weights.summary())
+                                readout="hidden", use_graphs=not fast.in_place)
+        ex.trace.set_meta(weights_in_place=weights.summary(), caches_in_place=fast.in_place)
         fast.weights = weights
-        ex.warmup_and_capture()
+        if not fast.in_place:  # in place: no pool, no graphs of its own (vLLM's warm-up runs compile the kernels)
+            ex.warmup_and_capture()
         return ex
 
     def _vllm_layers(self) -> list[Any]:
@@ -197,9 +209,12 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
             cfg = fast.executor.cfg
             kda = next(a.prefix for i, a in enumerate(attn) if cfg.is_kda_layer(i))
             mla = next(a.layer_name for i, a in enumerate(attn) if not cfg.is_kda_layer(i))
+            from k3_fastpath.integrations.vllm_inplace import InPlaceRouter
+
             layout = VllmLayout(conv_dim_first=is_conv_state_dim_first(),
                                 block_size=int(fast.vllm_config.cache_config.block_size), num_spec=fast.num_spec)
-            fast.router = VllmDecodeRouter(fast.executor, attn, layout, (kda, mla))
+            kind = InPlaceRouter if fast.in_place else VllmDecodeRouter
+            fast.router = kind(fast.executor, attn, layout, (kda, mla))
             if fast.weights is not None and fast.stale is None:  # vLLM's post-load step may re-lay a weight out
                 fast.stale = fast.weights.aliasing_problem(self.language_model)
         return fast.router

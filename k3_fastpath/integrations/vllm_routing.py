@@ -487,12 +487,14 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
     """Every setting of this vLLM configuration under which no K3 decode step can be routed (or one would be
     served wrongly), one short line each, in a fixed order (empty: it can be routed). The rules follow
     upstream's specialized decode (``nvidia/specialized_decode/runtime/__init__.py``, ``unsupported``) where our
-    route has the same limit, plus its own (``enforce_eager``; at TP > 1 a BF16 MLA cache)."""
+    route has the same limit, plus its own (``enforce_eager`` where steps do not run in place, ``runs_in_place``;
+    at TP > 1 a BF16 MLA cache)."""
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     out = []
-    if not getattr(mc, "enforce_eager", False):
-        out.append("needs enforce_eager (--enforce-eager): a routed step decides on the host per step (classify, "
-                   "import state) and replays the executor's own CUDA graphs; vLLM's graphs would freeze one path")
+    if not getattr(mc, "enforce_eager", False) and not runs_in_place(vllm_config):
+        out.append("needs enforce_eager (--enforce-eager) at tensor parallel size > 1 or with speculative decoding: "
+                   "those routed steps decide on the host per step (classify, import state) and replay the "
+                   "executor's own CUDA graphs; vLLM's graphs would freeze one path")
     if pc.pipeline_parallel_size != 1:
         out.append(f"pipeline parallel size {pc.pipeline_parallel_size}: the executor runs every layer of its "
                    "rank (PP=1)")
@@ -533,6 +535,13 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
     if cc.cache_dtype not in ("auto", "bfloat16", "fp8", "fp8_e4m3"):
         out.append(f"kv cache dtype {cc.cache_dtype}: the executor maps bf16 or plain fp8 e4m3 MLA caches")
     return out
+
+
+def runs_in_place(vllm_config: Any) -> bool:
+    """Whether routed steps run on vLLM's caches in place (``vllm_inplace.py``: capturable in vLLM's FULL decode
+    graphs, no ``enforce_eager``): one GPU (TP 1) and no speculative decoding. Otherwise the import / export
+    router (``VllmDecodeRouter``) serves them."""
+    return int(vllm_config.parallel_config.tensor_parallel_size) == 1 and vllm_config.speculative_config is None
 
 
 def config_refusal(vllm_config: Any) -> str | None:

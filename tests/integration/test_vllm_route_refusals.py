@@ -25,7 +25,7 @@ pytestmark = [
 
 # rule -> (what the child sets on the real config, a phrase its reason must hold)
 RULES = {
-    "eager": ("model_config.enforce_eager = False", "needs enforce_eager"),
+    "eager": ("model_config.enforce_eager = False; parallel_config.tensor_parallel_size = 2", "needs enforce_eager"),
     "tp_fp8": ("parallel_config.tensor_parallel_size = 2; cache_config.cache_dtype = 'fp8'",
                "kv cache dtype fp8 at tensor parallel size 2"),
     "pp": ("parallel_config.pipeline_parallel_size = 2", "pipeline parallel size 2"),
