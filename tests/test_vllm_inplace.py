@@ -156,3 +156,52 @@ def test_layouts_refused_in_place(m16):
     vc.layers[kda].kv_cache = kda_pages(conv, rec, pad=4)  # a page stride that breaks 16-byte state rows
     assert "breaks 16-byte access" in in_place_reason(CFG, vc.caches(), VllmLayout(False, BS),
                                                       conv_dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
+
+
+def test_model_class_runs_decode_steps_in_place(m16, tmp_path, monkeypatch, seed):
+    """``vllm_model.KimiK3ForConditionalGeneration`` in route mode at TP 1 without a drafter, its vLLM base
+    stood in for (tests/vllm_layout.py): no ``enforce_eager`` needed, the in-place router; a decode step's
+    ``forward`` returns the import / export router's hidden states bitwise (padded tokens 0) without calling
+    vLLM's forward; a prefill step calls vLLM's forward with nothing to hand back; an executor without its
+    fast step makes every step fall back, naming why; all traced."""
+    from vllm_layout import route_vllm_config, stand_in_vllm_k3
+
+    from k3_fastpath.integrations import vllm_model
+    from k3_fastpath.integrations.vllm_routing import VLLM_PATH
+    from k3_fastpath.runtime.trace import read_trace
+
+    lens, idx = [70, 5], [5, 2]
+    g, vc, bts = _setup(m16, seed, lens, idx)
+    other = _clone(vc)
+    calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size, m16)
+    names = (vc.layers[0].prefix, vc.layers[3].prefix)
+    monkeypatch.setenv("K3_FASTPATH_TRACE", str(tmp_path))
+    cfg = route_vllm_config(dtype=torch.bfloat16, max_len=MAX_LEN, max_num_seqs=16, block_size=BS, fastpath_max_batch=4)
+    cfg.model_config.enforce_eager = False  # in place: vLLM may capture its FULL decode graphs
+    model = vllm_model.KimiK3ForConditionalGeneration(cfg)
+    fast = model._k3_fast
+    assert fast.in_place
+    fast.executor = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True),
+                                   readout="hidden")  # what load_weights builds (emulated kernels on a CPU)
+    seq = torch.tensor(lens) + 1
+    tok = torch.randint(3, CFG.vocab_size, (2,), generator=g)
+    context.attn_metadata = decode_metadata(*names, idx, seq.tolist(), bts, block_size=BS)
+    hidden = model.forward(torch.cat([tok, torch.zeros(2, dtype=torch.long)]),
+                           torch.cat([seq - 1, torch.zeros(2, dtype=torch.long)]))
+    assert isinstance(fast.router, InPlaceRouter) and not calls
+    assert hidden.shape == (4, CFG.hidden_size) and not hidden[2:].any()
+    ex2 = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True), readout="hidden",
+                         trace_dir=str(tmp_path / "pooled"))
+    pooled = VllmDecodeRouter(ex2, other.layers, VllmLayout(False, BS), (KDA, MLA))
+    want = pooled.run(pooled.plan(decode_metadata(KDA, MLA, idx, seq.tolist(), bts), positions=seq - 1), tok)
+    assert torch.equal(hidden[:2], want), f"seed {seed}"
+    context.attn_metadata = decode_metadata(*names, idx, (seq + 1).tolist(), bts, num_prefills=1, block_size=BS)
+    assert model.forward(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)) == "vllm hidden"
+    assert len(calls) == 1
+    fast.executor, fast.router = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, readout="hidden"), None
+    context.attn_metadata = decode_metadata(*names, idx, (seq + 1).tolist(), bts, block_size=BS)
+    assert model.forward(tok, seq) == "vllm hidden" and len(calls) == 2
+    _, steps = read_trace(tmp_path)
+    assert [(s["kind"], s["fallback"]) for s in steps] == [
+        ("decode", None), ("prefill", f"{VLLM_PATH}: {PREFILL_REASON}"),
+        ("decode", f"{VLLM_PATH}: executor: device cpu is not sm_90")]

@@ -334,10 +334,11 @@ def test_model_class_routes_forward_and_compute_logits(m16, tmp_path, monkeypatc
     ref, logits, bts = _prefill(m16, vc, g, lens, idx)
     calls, context = stand_in_vllm_k3(monkeypatch, vc, CFG.hidden_size, m16)
     monkeypatch.setenv("K3_FASTPATH_TRACE", str(tmp_path))
-    cfg = route_vllm_config(dtype=torch.bfloat16, max_len=MAX_LEN, max_num_seqs=16, block_size=BS, fastpath_max_batch=4)
+    cfg = route_vllm_config(dtype=torch.bfloat16, max_len=MAX_LEN, max_num_seqs=16, block_size=BS, fastpath_max_batch=4,
+                            fastpath_in_place=False)  # the import / export router (in place: test_vllm_inplace.py)
     model = vllm_model.KimiK3ForConditionalGeneration(cfg)
     fast = model._k3_fast
-    assert fast.max_batch == 4 and fast.max_len == MAX_LEN and model.requires_raw_input_tokens
+    assert fast.max_batch == 4 and fast.max_len == MAX_LEN and model.requires_raw_input_tokens and not fast.in_place
     fast.executor = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, readout="hidden")  # what load_weights builds
 
     seq = torch.tensor(lens) + 1

@@ -193,6 +193,8 @@ class InPlaceRouter:
     def plan(self, attn_metadata: Any, positions: torch.Tensor) -> InPlacePlan:
         why, b = classify_in_place(attn_metadata, self.kda_name, self.mla_name, max_batch=self.ex.max_batch,
                                    num_tokens=int(positions.shape[-1]))
+        if why is None and not self.ex.fast:
+            why = f"executor: {self.ex.model_reason or self.ex.backend}"
         if why is None:
             layout = self.layout_problem()
             why = f"cache layout: {layout}" if layout else None

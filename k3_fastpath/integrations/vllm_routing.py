@@ -539,9 +539,13 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
 
 def runs_in_place(vllm_config: Any) -> bool:
     """Whether routed steps run on vLLM's caches in place (``vllm_inplace.py``: capturable in vLLM's FULL decode
-    graphs, no ``enforce_eager``): one GPU (TP 1) and no speculative decoding. Otherwise the import / export
-    router (``VllmDecodeRouter``) serves them."""
-    return int(vllm_config.parallel_config.tensor_parallel_size) == 1 and vllm_config.speculative_config is None
+    graphs, no ``enforce_eager``): one GPU (TP 1), no speculative decoding, and ``additional_config``
+    ``fastpath_in_place`` not false (the switch that keeps the import / export router, for comparisons).
+    Otherwise the import / export router (``VllmDecodeRouter``) serves them."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    wanted = extra.get("fastpath_in_place", True) if hasattr(extra, "get") else True
+    return (bool(wanted) and int(vllm_config.parallel_config.tensor_parallel_size) == 1
+            and vllm_config.speculative_config is None)
 
 
 def config_refusal(vllm_config: Any) -> str | None:
