@@ -4,8 +4,8 @@
   both over the emulated fast step (``Envelope(emulate=True)``: every kernel served by its reference) on copies
   of the same vLLM-layout caches (vLLM's own shape / dtype calculators, KDA windows and states in shared
   padded pages as vLLM's hybrid allocator lays them, paged MLA latents behind random block tables) and vLLM's
-  own metadata classes with a real slot mapping: bitwise the same hidden states (a slot mapping read one
-  position off fails it by 20% of scale), and vLLM's caches after three steps bitwise the caches the import /
+  own metadata classes: bitwise the same hidden states (the new latent written one
+  position off fails it), and vLLM's caches after three steps bitwise the caches the import /
   export router writes back; a row vLLM pads (state index -1, slot -1) reads out 0; the trace records the
   in-place steps' kernel calls;
 - classification from host-side counts only, every fallback reason; layouts refused in place.

@@ -62,21 +62,18 @@ def _vllm_caches(model, cache, idx, bts):
 
 
 def _meta(idx, seq, bts):
-    """The fields ``step_io`` reads, as vLLM's persistent device buffers would hold them (row 3 padded)."""
-    b = len(idx)
+    """The fields ``step_io`` reads, as vLLM's persistent device buffers would hold them (the last row padded:
+    index -1, seq_len 0)."""
     slot = torch.tensor(list(idx) + [-1], dtype=torch.int32, device="cuda")
     seq_t = torch.tensor(list(seq) + [0], dtype=torch.int32, device="cuda")
     table = torch.cat([bts, torch.zeros(1, bts.shape[1], dtype=torch.int32, device="cuda")])
-    sm = [int(bts[r, (seq[r] - 1) // BS]) * BS + (seq[r] - 1) % BS for r in range(b)] + [-1]
     kda = SimpleNamespace(non_spec_state_indices_tensor=slot)
-    mla = SimpleNamespace(slot_mapping=torch.tensor(sm, dtype=torch.long, device="cuda"),
-                          decode=SimpleNamespace(block_table=table, seq_lens=seq_t))
+    mla = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=seq_t))
     return {"kda": kda, "mla": mla}
 
 
 def _copy_into(dst: dict, src: dict) -> None:
     dst["kda"].non_spec_state_indices_tensor.copy_(src["kda"].non_spec_state_indices_tensor)
-    dst["mla"].slot_mapping.copy_(src["mla"].slot_mapping)
     dst["mla"].decode.block_table.copy_(src["mla"].decode.block_table)
     dst["mla"].decode.seq_lens.copy_(src["mla"].decode.seq_lens)
 

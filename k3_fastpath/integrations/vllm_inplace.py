@@ -5,9 +5,11 @@ over vLLM's per-layer cache tensors themselves, every per-request index being vL
 
 - KDA: ``kernels/kda_decode`` on vLLM's packed conv window ``[N, W-1, 3C]`` and ``[N, h, V, K]`` recurrent state
   (``kda_decode_vllm``), at vLLM's state indices (``non_spec_state_indices_tensor``; -1 pads a row);
-- MLA: the new latent written at vLLM's slot mapping (``slot_mapping``: page ``s // block_size``, offset
-  ``s % block_size``; -1, a padded row, writes into vLLM's null block 0), ``kernels/mla_decode`` over vLLM's
-  paged cache with vLLM's block table and ``seq_lens``.
+- MLA: the new latent written at position ``seq_len - 1`` through vLLM's block table (a padded row writes
+  into vLLM's null block 0), ``kernels/mla_decode`` over vLLM's paged cache with that block table and
+  ``seq_lens``. vLLM splits a hybrid model's large cache blocks into the MLA backend's kernel blocks (64) and
+  binds that view to the layer, its metadata's block table in the same units: the page size is the bound
+  cache's (``InPlaceRouter`` reads it there), not ``cache_config.block_size``.
 
 Both kernels take the stride between state indices / pages as a launch parameter, so vLLM's hybrid layouts
 (a KDA layer's conv window and state sharing one padded page; MLA pages interleaved by block) are read where
@@ -24,7 +26,7 @@ keeps the import / export router for them, ``vllm_routing.VllmDecodeRouter``), a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -122,29 +124,34 @@ def classify_in_place(attn_metadata: Any, kda_layer: str, mla_layer: str, *, max
                 f"{mla.num_decode_tokens} / {mla.num_decodes})"), b
     if b > max_batch:
         return f"batch {b} > {max_batch} (the executor's max_batch)", b
-    if mla.decode is None or kda.non_spec_state_indices_tensor is None or mla.slot_mapping is None:
-        return "decode metadata missing (MLA decode / slot mapping / KDA state indices)", b
+    if mla.decode is None or kda.non_spec_state_indices_tensor is None:
+        return "decode metadata missing (MLA decode / KDA state indices)", b
     short = [n for n, t in (("KDA state indices", kda.non_spec_state_indices_tensor),
-                            ("MLA block table", mla.decode.block_table), ("MLA seq_lens", mla.decode.seq_lens),
-                            ("MLA slot mapping", mla.slot_mapping)) if t.shape[0] < b]
+                            ("MLA block table", mla.decode.block_table), ("MLA seq_lens", mla.decode.seq_lens))
+             if t.shape[0] < b]
     if short or num_tokens < b:
         return f"metadata shorter than the batch of {b}: {', '.join(short) or 'token ids'}", b
     return None, b
 
 
 def step_io(attn_metadata: Any, kda_layer: str, mla_layer: str, batch: int, input_ids: torch.Tensor,
-            positions: torch.Tensor, hidden: torch.Tensor, block_size: int) -> StepIO:
-    """The step's inputs as views of (or device ops on) vLLM's own tensors: no host read, capturable."""
+            positions: torch.Tensor, hidden: torch.Tensor, page_size: int) -> StepIO:
+    """The step's inputs as views of (or device ops on) vLLM's own tensors: no host read, capturable. Each
+    row's new latent goes where vLLM's MLA decode will read it: page ``block_table[b, p // page_size]``, offset
+    ``p % page_size``, p = ``seq_len - 1`` (the table in the units of the bound cache's pages: vLLM splits its
+    cache blocks into the backend's kernel blocks and binds that view); a padded row writes the null page 0."""
     kda, mla = attn_metadata[kda_layer], attn_metadata[mla_layer]
     slot = kda.non_spec_state_indices_tensor[:batch].to(torch.int32)
-    sm = mla.slot_mapping[:batch].long()
-    pad = sm < 0
-    page = torch.where(pad, 0, torch.div(sm, block_size, rounding_mode="floor"))
-    off = torch.where(pad, 0, sm % block_size)
-    return StepIO(tokens=input_ids[:batch].long(), slot=slot, pos=positions[:batch].long(), active=slot > 0,
+    table = mla.decode.block_table[:batch].to(torch.int32)
+    ctx = mla.decode.seq_lens[:batch].to(torch.int32)
+    live = slot > 0
+    p = (ctx.long() - 1).clamp_(min=0)
+    page = table.gather(1, torch.div(p, page_size, rounding_mode="floor")[:, None])[:, 0].long()
+    page = torch.where(live, page, 0)
+    off = torch.where(live, p % page_size, 0)
+    return StepIO(tokens=input_ids[:batch].long(), slot=slot, pos=positions[:batch].long(), active=live,
                   logits=hidden.new_empty(batch, 0, dtype=torch.float32), hidden=hidden[:batch],
-                  paged_mla=(mla.decode.block_table[:batch].to(torch.int32), mla.decode.seq_lens[:batch].to(torch.int32),
-                             page, off))
+                  paged_mla=(table, ctx, page, off))
 
 
 @dataclass(frozen=True)
@@ -183,6 +190,9 @@ class InPlaceRouter:
         caches = self.caches()
         key = tuple(id(t) for kv in caches for t in (kv if isinstance(kv, (tuple, list)) else (kv,)))
         if key != self._checked:
+            mla = next((kv for i, kv in enumerate(caches) if not self.cfg.is_kda_layer(i)), None)
+            if isinstance(mla, torch.Tensor) and mla.dim() in (3, 4):  # the bound view's page: vLLM's kernel block
+                self.layout = replace(self.layout, block_size=int(mla_tensor(mla).shape[1]))
             self._reason = in_place_reason(self.cfg, caches, self.layout, conv_dtype=self.ex.dtype,
                                            kv_dtype=self.ex.kv_dtype)
             self._view = None if self._reason else cache_view(self.cfg, caches, self.ex.kv_dtype, self.ex.kv_scale,
