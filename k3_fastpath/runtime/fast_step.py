@@ -62,10 +62,6 @@ class StepIO:
     tokens_per_seq: int = 1
     # [Bk, H] model dtype: the hidden states the final norm reads (written instead of ``logits``); None: logits
     hidden: torch.Tensor | None = None
-    # vLLM's caches in place (``integrations/vllm_inplace.py``; its KDA rows at ``slot``, vLLM's state indices):
-    # the MLA layers' (block_table, ctx_len) and each row's new latent at (page, offset) of vLLM's slot
-    # mapping, all given by the engine per step; None: derived from slot / pos over the executor's pools
-    paged_mla: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def readout(self) -> torch.Tensor:
@@ -125,13 +121,13 @@ def _kda(ops: OpCalls, a: KDAWeights, x: torch.Tensor, io: StepIO, cache: Any, e
     if beta.shape[1] != a.heads:  # zero-padded rows of the beta projection (glue: a [Bk, heads] copy)
         beta = beta[:, : a.heads].contiguous()
     verify = {} if io.kda_out is None else {"slot_out": io.kda_out, "tokens": io.tokens_per_seq}
-    if getattr(cache, "vllm_layout", False):  # vLLM's packed conv window and [V, K] state, in place
-        pools, verify = (cache.conv, None, None, cache.state), {"vllm_layout": True}
+    slot = io.slot if io.kda_slot is None else io.kda_slot
+    if getattr(cache, "vllm_layout", False):  # vLLM's packed conv window and [V, K] state in place, its indices
+        pools, verify, slot = (cache.conv, None, None, cache.state), {"vllm_layout": True}, cache.slot
     else:
         pools = (cache.conv_q, cache.conv_k, cache.conv_v, cache.state)
     y = ops("kda_step", q, k, v, g, decay, beta, a.conv_q, a.conv_k, a.conv_v, a.A_log, a.dt_bias,
-            a.o_norm, io.slot if io.kda_slot is None else io.kda_slot, *pools, eps=eps, lower_bound=a.lower_bound,
-            **verify)
+            a.o_norm, slot, *pools, eps=eps, lower_bound=a.lower_bound, **verify)
     ops("linear", y, a.o, residual=residual, out=out)
 
 
@@ -141,9 +137,11 @@ def _mla(ops: OpCalls, a: MLAWeights, x: torch.Tensor, io: StepIO, cache: Any, e
     q = ops("linear", ops("rmsnorm", ops("linear", x, a.q_a), a.q_a_norm, eps), a.q_b)
     kv = ops("linear", x, a.kv_a)
     gate = ops("linear", x, a.g) if a.g is not None else None  # the output gate: fused into mla_decode
-    table, ctx_len = io.mla_index or mla_step_index(io.slot, io.pos, cache.latent.shape[1])
-    paged = {} if io.paged_mla is None else {"paged": True}  # vLLM's paged cache: write at (page, offset)
-    wslot, wpos = (io.slot, io.pos) if io.paged_mla is None else io.paged_mla[2:]
+    if getattr(cache, "paged", None) is not None:  # vLLM's paged cache in place: its table, the new latent's page
+        (table, ctx_len, wslot, wpos), paged = cache.paged, {"paged": True}
+    else:
+        table, ctx_len = io.mla_index or mla_step_index(io.slot, io.pos, cache.latent.shape[1])
+        wslot, wpos, paged = io.slot, io.pos, {}
     o = ops("mla_attention", q.view(bk, a.heads, a.q_head_dim), kv, a.kv_norm, eps, cache.latent,
             cache.scale, wslot, wpos, table, ctx_len, a.w_uk, a.w_uv, a.softmax_scale, gate, **paged)
     ops("linear", o, a.o, residual=residual, out=out)
@@ -269,11 +267,8 @@ def step_sections(plan: ModelPlan, ops: OpCalls, io: StepIO, pool: Any, prefetch
     attend = attend or decode_attend
 
     def head_in() -> None:
-        mla = [c for c in pool.layers if hasattr(c, "latent")]
-        if io.paged_mla is not None:
-            io.mla_index = io.paged_mla[:2]
-        else:
-            io.mla_index = mla_step_index(io.slot, io.pos, mla[0].latent.shape[1]) if mla else None
+        mla = [c for c in pool.layers if hasattr(c, "latent") and getattr(c, "paged", None) is None]
+        io.mla_index = mla_step_index(io.slot, io.pos, mla[0].latent.shape[1]) if mla else None
         if state["src"] is None:
             state["src"] = torch.empty(plan.num_sources, bk, embed.shape[1], dtype=embed.dtype, device=embed.device)
         s = state["src"]
