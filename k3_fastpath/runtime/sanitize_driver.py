@@ -20,7 +20,7 @@ import torch
 def main() -> int:
     from k3_fastpath._lib import counters
     from k3_fastpath.kernels.attn_res_mix.api import attn_res_mix
-    from k3_fastpath.kernels.kda_decode.api import kda_decode
+    from k3_fastpath.kernels.kda_decode.api import kda_decode, kda_decode_vllm
     from k3_fastpath.kernels.kda_decode.bench import _ORDER, _case
     from k3_fastpath.kernels.mla_decode.api import mla_decode, mla_decode_partial, mla_merge
     from k3_fastpath.kernels.mla_decode.bench import make_case
@@ -54,6 +54,21 @@ def main() -> int:
         c = _case(B, H, N=B + 2)
         c["slot"][0] = 0  # an empty slot: its caches must stay untouched (initcheck/memcheck see the skip path)
         kda_decode(*(c[n] for n in _ORDER))
+        # vLLM's layout (the route in place): packed window and [V, K] state in shared pages padded by 48 bytes,
+        # the padded row -1 as vLLM pads; the kernel must touch nothing between the pages
+        conv = torch.cat([c["conv_q"], c["conv_k"], c["conv_v"]], dim=-1)
+        state = c["state"].transpose(-1, -2)
+        cb, sb = conv[0].numel() * 2, state[0].numel() * 4
+        page = cb + sb + 48
+        raw = torch.zeros(conv.shape[0] * page, dtype=torch.uint8, device=dev)
+        pconv = raw.view(bf).as_strided(conv.shape, (page // 2, *conv.contiguous().stride()[1:]))
+        pstate = raw.view(torch.float32).as_strided(state.shape, (page // 4, *state.contiguous().stride()[1:]), cb // 4)
+        pconv.copy_(conv)
+        pstate.copy_(state)
+        slot = c["slot"].clone()
+        slot[0] = -1
+        head = [c[n] for n in _ORDER[:12]]
+        kda_decode_vllm(*head, slot, pconv, pstate)
     for M, E, H, k in ((1, 896, 7168, 16), (3, 16, 128, 4)):  # K3 router, k3-tiny's
         moe_router(torch.randn(M, H, device=dev).to(bf), (torch.randn(E, H, device=dev) / H**0.5).to(bf),
                    0.1 * torch.randn(E, device=dev), k)
@@ -61,6 +76,11 @@ def main() -> int:
     for H, dims, fp8 in ((6, (512, 64, 128), False), (12, (512, 64, 128), True), (4, (32, 16, 32), False)):
         c = make_case(3, H, [130, 1, 0], dims, fp8)  # ragged, context 1, an empty sequence (zero partials)
         mla_decode(**c, num_splits=2)  # two splits: the LSE combine and an empty split
+        cache = c["cache"]  # the same pages two pages apart (vLLM's layouts interleave layers by block)
+        spread = torch.zeros(cache.shape[0], 3 * cache.shape[1], cache.shape[2], dtype=cache.dtype,
+                             device=dev)[:, : cache.shape[1]]
+        spread.copy_(cache)
+        mla_decode(**{**c, "cache": spread})
         kw = {n: c[n] for n in ("q_lat", "q_pe", "cache", "block_table", "ctx_len", "cache_scale", "softmax_scale")}
         o, lse = mla_decode_partial(**kw)
         mla_merge(torch.stack([o, o]), torch.stack([lse, lse]), c["w_uv"], c["gate"])
