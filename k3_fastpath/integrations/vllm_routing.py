@@ -493,7 +493,7 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
     mc, pc, cc = vllm_config.model_config, vllm_config.parallel_config, vllm_config.cache_config
     out = []
     if not getattr(mc, "enforce_eager", False) and not runs_in_place(vllm_config):
-        out.append("needs enforce_eager (--enforce-eager) at tensor parallel size > 1 or with speculative decoding: "
+        out.append("needs enforce_eager (--enforce-eager) with speculative decoding (or fastpath_in_place false): "
                    "those routed steps decide on the host per step (classify, import state) and replay the "
                    "executor's own CUDA graphs; vLLM's graphs would freeze one path")
     if pc.pipeline_parallel_size != 1:
@@ -540,13 +540,12 @@ def unsupported_settings(vllm_config: Any) -> list[str]:
 
 def runs_in_place(vllm_config: Any) -> bool:
     """Whether routed steps run on vLLM's caches in place (``vllm_inplace.py``: capturable in vLLM's FULL decode
-    graphs, no ``enforce_eager``): one GPU (TP 1), no speculative decoding, and ``additional_config``
-    ``fastpath_in_place`` not false (the switch that keeps the import / export router, for comparisons).
-    Otherwise the import / export router (``VllmDecodeRouter``) serves them."""
+    graphs, no ``enforce_eager``; at TP > 1 each rank's ``TPFastDecoder`` on its own caches): no speculative
+    decoding, and ``additional_config`` ``fastpath_in_place`` not false (the switch that keeps the import /
+    export router, for comparisons). Otherwise the import / export router (``VllmDecodeRouter``) serves them."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     wanted = extra.get("fastpath_in_place", True) if hasattr(extra, "get") else True
-    return (bool(wanted) and int(vllm_config.parallel_config.tensor_parallel_size) == 1
-            and vllm_config.speculative_config is None)
+    return bool(wanted) and vllm_config.speculative_config is None
 
 
 def config_refusal(vllm_config: Any) -> str | None:

@@ -141,7 +141,8 @@ class TPFastDecoder:
                  buckets: Sequence[int] = (1, 2, 4, 8, 16, 32, 64), use_graphs: bool = True,
                  kv_dtype: torch.dtype | None = None,
                  backend: str = "latency_specialized", pool_from: TPFastDecoder | None = None,
-                 options: DecodeOptions | None = None, moe_front: str = "replicated", readout: str = "logits") -> None:
+                 options: DecodeOptions | None = None, moe_front: str = "replicated", readout: str = "logits",
+                 in_place: bool = False) -> None:
         from .cache_pool import CachePool
         from .executor import READOUTS, STEP_BACKENDS, _buckets
         from .fast_ops import op_table
@@ -175,6 +176,9 @@ class TPFastDecoder:
                 raise ValueError("pool_from must be a decoder over the same rank model with the same max_len and "
                                  "kv_dtype and at least as many slots")
             self.pool = pool_from.pool
+        elif in_place:  # steps only on caches the engine owns (decode_in_place): no pool, no graphs of its own
+            self.pool = None
+            use_graphs = False
         else:
             self.pool = CachePool(model.cfg, max_batch + 1, max_len, model.dtype, self.device,
                                   kv_dtype=self.kv_dtype)
@@ -192,9 +196,29 @@ class TPFastDecoder:
         # steps counted by equivalence.vllm_route)
         self.trace = ExecutionTrace(trace_dir_from_env(), {"tp": comm.world, "rank": comm.rank, "comm": comm.name})
 
+    fast = True  # its step is always the fast step's structure (on a CPU the kernels serve their references)
+    model_reason = None
+    kv_scale = None  # the TP decoder keeps its MLA latents in the model dtype
+
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
+
+    @torch.no_grad()
+    def decode_in_place(self, io: Any, caches: Any) -> torch.Tensor:
+        """``DecodeExecutor.decode_in_place`` for this rank: one step over the engine's caches of this rank
+        (each layer carrying its indices), every rank at the same time; capturable by the engine's graph
+        (the collectives included, over NCCL). Returns ``io.readout``."""
+        from .fast_step import OpCalls
+
+        before = counters.snapshot()
+        calls = OpCalls(self.ops)
+        run_tp_step(self.plan, calls, io, caches, self.comm, self.vocab_per_rank, self.fronts)
+        kernels, fallbacks = counter_delta(before, counters.snapshot())
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        self.trace.record(StepRecord(0, self.backend, int(io.tokens.shape[0]), None, kernels=kernels,
+                                     standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks, graph=capturing))
+        return io.readout
 
     @property
     def dtype(self) -> torch.dtype:
@@ -203,8 +227,8 @@ class TPFastDecoder:
     def step_reason(self, batch: int, cache: Any) -> str | None:
         """Why this decoder cannot run a decode step of ``batch`` sequences on ``cache`` (None: it can); it has
         no other path, so a caller with a reason runs its own (``DecodeExecutor.step_reason``'s contract)."""
-        if not self.pool.owns(cache):
-            return "cache not allocated by this decoder (use TPFastDecoder.new_cache)"
+        if self.pool is None or not self.pool.owns(cache):
+            return "cache not allocated by this decoder (use TPFastDecoder.new_cache; in_place: decode_in_place)"
         if batch > self.max_batch:
             return f"batch {batch} > the decoder's largest bucket {self.max_batch}"
         if cache.length_bound + 1 > self.max_len:
@@ -214,6 +238,9 @@ class TPFastDecoder:
         return None
 
     def new_cache(self, batch: int, max_len: int | None = None) -> Any:
+        if self.pool is None:
+            raise ValueError("an in_place TPFastDecoder holds no cache pool: it steps on the engine's caches "
+                             "(decode_in_place)")
         return self.pool.allocate(batch, self.max_len if max_len is None else max_len)
 
     def warmup_and_capture(self) -> None:
@@ -263,7 +290,7 @@ class TPFastDecoder:
 
         b = int(tokens.shape[0])
         bucket = bucket_for(b, self.buckets)
-        if bucket is None or not self.pool.owns(cache):
+        if bucket is None or self.pool is None or not self.pool.owns(cache):
             raise ValueError(f"batch {b} outside the buckets {self.buckets}, or a cache not from new_cache()")
         self._ensure_bucket(bucket)
         io = self._io_for(bucket)

@@ -25,7 +25,8 @@ pytestmark = [
 
 # rule -> (what the child sets on the real config, a phrase its reason must hold)
 RULES = {
-    "eager": ("model_config.enforce_eager = False; parallel_config.tensor_parallel_size = 2", "needs enforce_eager"),
+    "spec_eager": ("speculative_config = <EngineArgs(speculative_config=ngram, 3 tokens)>; "
+                   "model_config.enforce_eager = False", "needs enforce_eager"),
     "tp_fp8": ("parallel_config.tensor_parallel_size = 2; cache_config.cache_dtype = 'fp8'",
                "kv cache dtype fp8 at tensor parallel size 2"),
     "pp": ("parallel_config.pipeline_parallel_size = 2", "pipeline parallel size 2"),
@@ -77,7 +78,8 @@ def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT
         res["spec_served"] = unsupported_settings(with_spec)
         with_spec.speculative_config = ngram(3, "mtp")
         res["mtp_served"] = unsupported_settings(with_spec)
-        spec = {"spec_tokens": ngram(9), "spec_method": ngram(3, "eagle3"), "everything": ngram(9, "eagle3")}
+        spec = {"spec_tokens": ngram(9), "spec_method": ngram(3, "eagle3"), "spec_eager": ngram(3),
+                "everything": ngram(9, "eagle3")}
     except Exception as e:  # noqa: BLE001 (recorded: the test says why the rules ran without it)
         spec, res["spec_error"] = None, f"{type(e).__name__}: {e}"
     everything = copy.deepcopy(base)
@@ -89,6 +91,10 @@ def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT
             elif rule.startswith("spec"):
                 if spec is not None:
                     target.speculative_config = spec[rule if target is vc else "everything"]
+                    for assignment in RULES[rule][0].split("; ")[1:]:  # besides the speculative config
+                        path, value = assignment.split(" = ")
+                        obj, field = path.split(".")
+                        setattr(getattr(target, obj), field, eval(value))  # noqa: S307 (the table above)
             else:
                 for assignment in RULES[rule][0].split("; "):
                     path, value = assignment.split(" = ")
@@ -128,7 +134,8 @@ def test_each_rule_is_refused_with_its_own_one_line_reason(got, rule):
 
 def test_every_unsupported_setting_is_named_in_one_line(got):
     why, lines = got["everything"], got["everything_lines"]
-    assert why.startswith(f"{len(lines)} unsupported settings: (1) needs enforce_eager") and "\n" not in why, why
+    first = "" if "spec_error" in got else "needs enforce_eager"  # only a speculative config needs eager mode
+    assert why.startswith(f"{len(lines)} unsupported settings: (1) {first}") and "\n" not in why, why
     for rule, (_, phrase) in RULES.items():
         if rule.startswith("spec") and "spec_error" in got:
             continue
@@ -136,7 +143,7 @@ def test_every_unsupported_setting_is_named_in_one_line(got):
             phrase = "kv cache dtype fp8_ds_mla at tensor parallel size 2"
         assert phrase in why, f"{rule}: {why}"
     shared = 2  # one line each for recoverssm + replayssm, the two KDA cache dtypes
-    assert len(lines) == len(RULES) - shared - 2 * int("spec_error" in got), lines
+    assert len(lines) == len(RULES) - shared - 3 * int("spec_error" in got), lines
 
 
 def test_the_model_class_raises_it_as_one_value_error():
