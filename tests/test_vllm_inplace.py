@@ -285,3 +285,34 @@ def test_tp2_in_place_steps_are_the_import_export_route(seed):
     out = run_threads(world, rank_work)
     assert all(all(o["same"]) for o in out), [o["same"] for o in out]
     assert all(torch.equal(a, b) for a, b in zip(out[0]["hidden"], out[1]["hidden"], strict=True))
+
+
+def test_steps_replayed_by_vllms_graphs_are_counted_on_the_device(m16, seed, monkeypatch):
+    """Under vLLM's FULL graphs ``forward`` runs once per captured batch size: the eager warm-up step is traced
+    (count 1), the capture too (count 0: it ran nothing, its kernels are the graph's), and each replay bumps a
+    device counter the captured step holds; ``flush`` (at the next step vLLM runs itself) traces them as one
+    record of that count, so the trace's step total is what ran. Capture is simulated on a CPU (every op
+    runs), replays by bumping the counter."""
+    import k3_fastpath.integrations.vllm_inplace as vi
+    import k3_fastpath.runtime.executor as exm
+    from k3_fastpath.runtime.trace import summarize
+
+    lens, idx = [70, 5, 130], [5, 2, 7]
+    g, vc, bts = _setup(m16, seed, lens, idx)
+    ex = DecodeExecutor(m16, max_batch=4, max_len=MAX_LEN, envelope=Envelope(emulate=True), readout="hidden")
+    router = InPlaceRouter(ex, vc.layers, VllmLayout(False, BS), NAMES)
+    seq = torch.tensor(lens) + 1
+    meta = every_layer(decode_metadata(KDA, MLA, idx, seq.tolist(), bts), CFG, NAMES)
+    tok = torch.randint(3, CFG.vocab_size, (3,), generator=g)
+    router.run(router.plan(meta, seq - 1), tok)  # vLLM's eager warm-up
+    for mod in (vi, exm):
+        monkeypatch.setattr(mod, "capturing", lambda device: True)
+    router.run(router.plan(meta, seq - 1), tok)  # the capture
+    assert router.flush() == 0  # never read the counter while capturing
+    router._ran.add_(4)  # four replays (plus the simulated capture, which ran here)
+    for mod in (vi, exm):
+        monkeypatch.setattr(mod, "capturing", lambda device: False)
+    assert router.sync_back() == 0 and router.flush() == 0  # sync_back flushed the 5
+    recs = list(ex.trace.records)
+    assert [(r.graph, r.count) for r in recs] == [(False, 1), (True, 0), (True, 5)]
+    assert recs[1].kernel_fallbacks and summarize(recs)["steps"] == 6 and summarize(recs)["fast_steps"] == 6

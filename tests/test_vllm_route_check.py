@@ -51,8 +51,11 @@ def test_trace_counts_routed_decode_steps_from_an_executor_trace(tmp_path):
                          kind="prefill"))
     tr.record(StepRecord(0, "latency_specialized", 80, None, fallback="vllm standard path: batch 80 > 64",
                          kind="decode"))
+    # under vLLM's FULL graphs (the in-place router): a capture runs nothing, replays are counted on the device
+    tr.record(StepRecord(0, "latency_specialized", 4, None, kind="decode", graph=True, count=0))
+    tr.record(StepRecord(0, "latency_specialized", 0, None, kind="decode", graph=True, count=7))
     got = trace_counts(str(tmp_path))
-    assert (got["decode_steps"], got["routed_steps"], got["steps"]) == (4, 3, 5)
+    assert (got["decode_steps"], got["routed_steps"], got["steps"]) == (11, 10, 12)
     assert got["fallbacks"] == {"vllm standard path: prefill tokens in the step": 1, "vllm standard path: batch 80 > 64": 1}
 
 

@@ -19,7 +19,10 @@ Both kernels take the stride between state indices / pages as a launch parameter
 they lie. Nothing in the step reads a device value on the host, so vLLM can capture it in its FULL decode
 CUDA graph: the decision to route is made from the metadata's host-side counts (``classify_in_place``) when
 vLLM captures the graph for a batch size, and baked in; a replay runs the captured step on the new indices.
-Rows past the real requests (vLLM's padding) carry index -1 and write only the null block.
+Rows past the real requests (vLLM's padding) carry index -1 and write only the null block. A replay does not
+call ``forward``: the captured step increments a device counter, and ``flush`` (before every step vLLM's own
+forward runs) traces the replayed steps as one record of that ``count``; the capture itself is traced with
+``count`` 0 and the kernels the graph holds.
 
 What this serves: plain decode steps (no speculative decoding: vLLM's verify steps keep a conv window of
 ``W-1+k`` inputs shifted by ``num_accepted_tokens``, which ``kda_decode_vllm`` does not implement; the route
@@ -37,6 +40,7 @@ import torch
 from ..reference.mla import FP8
 from ..runtime.envelope import PREFILL_REASON
 from ..runtime.fast_step import StepIO
+from ..runtime.graphs import capturing
 from ..runtime.trace import StepRecord
 from .vllm_state import VllmLayout, _as_kv, kda_tensors, layout_reason, mla_tensor
 
@@ -214,6 +218,8 @@ class InPlaceRouter:
         self._checked: tuple[int, ...] | None = None
         self._reason: str | None = None
         self._view: VllmCacheView | None = None
+        self._ran: torch.Tensor | None = None  # steps run by replays of vLLM's graphs, counted on the device
+        self._flushed = 0
 
     def caches(self) -> list[Any]:
         return [layer.kv_cache for layer in self.layers]
@@ -252,10 +258,31 @@ class InPlaceRouter:
         hidden = torch.empty(plan.batch, self.cfg.hidden_size, dtype=self.ex.dtype, device=input_ids.device)
         io, view = step_inputs(plan.attn_metadata, self.names, self._view, plan.batch, input_ids, plan.positions,
                                hidden)
-        return self.ex.decode_in_place(io, view)
+        out = self.ex.decode_in_place(io, view)  # traced: once if it ran, with count 0 if captured
+        if capturing(self.ex.device):  # each replay of vLLM's graph counts itself here, on the device
+            if self._ran is None:
+                raise RuntimeError("in-place step captured before any eager run: vLLM warms up before capturing")
+            self._ran.add_(1)
+        elif self._ran is None:
+            self._ran = torch.zeros((), dtype=torch.int64, device=self.ex.device)
+        return out
+
+    def flush(self) -> int:
+        """Trace the steps replays of vLLM's graphs ran since the last flush (one record, ``count`` of them, read
+        from the device counter the captured steps increment); nothing while a capture is under way. Returns
+        how many."""
+        if self._ran is None or capturing(self.ex.device):
+            return 0
+        n = int(self._ran.item()) - self._flushed
+        if n:
+            self._flushed += n
+            self.ex.trace.record(StepRecord(0, self.ex.backend, 0, None, graph=True, count=n))
+        return n
 
     def sync_back(self, plan: Any = None) -> int:
-        """Nothing to hand back: vLLM's caches are the step's own."""
+        """Nothing to hand back (vLLM's caches are the step's own); before vLLM's forward runs a step, the
+        replayed steps so far are traced (``flush``)."""
+        self.flush()
         return 0
 
     def record_fallback(self, plan: Any) -> None:

@@ -55,7 +55,7 @@ from .cache_pool import CachePool, PooledCache, copy_cache
 from .envelope import PREFILL_REASON, Envelope
 from .fast_ops import GLUE_OPS, OpImpl, op_table
 from .fast_step import OpCalls, SideStream, StepIO, run_step
-from .graphs import BucketGraphs, bucket_for, counter_delta
+from .graphs import BucketGraphs, bucket_for, capturing, counter_delta
 from .mixed_step import MixedCapture, MixedStepRunner
 from .options import DecodeOptions
 from .options import resolve as resolve_options
@@ -416,10 +416,10 @@ class DecodeExecutor:
         run_step(self._plan_or_build(), calls, io, caches, self.prefetcher if self.prefetcher.enabled else None,
                  self.side)
         kernels, fallbacks = counter_delta(before, counters.snapshot())
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        cap = capturing(self.device)  # captured into the engine's graph: it ran nothing yet (count 0)
         self.trace.record(StepRecord(0, self.backend, int(io.tokens.shape[0]), None, kernels=kernels,
-                                     standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks,
-                                     graph=capturing))
+                                     standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks, graph=cap,
+                                     count=0 if cap else 1))
         return io.readout
 
     def _replay_or_run(self, key: Any, rec: StepRecord) -> StepRecord:

@@ -22,6 +22,11 @@ import torch
 from .._lib import compile_cache, counters
 
 
+def capturing(device: Any) -> bool:
+    """Whether the current stream of ``device`` is capturing a CUDA graph (an engine capturing our step)."""
+    return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket holding ``batch`` rows, or None when it exceeds every bucket."""
     for b in sorted(buckets):

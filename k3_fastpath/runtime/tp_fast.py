@@ -34,7 +34,7 @@ import torch
 
 from .._lib import counters
 from ..reference.common import rms_norm
-from .graphs import counter_delta
+from .graphs import capturing, counter_delta
 from .options import DecodeOptions
 from .options import resolve as resolve_options
 from .tp import rank_config
@@ -215,9 +215,10 @@ class TPFastDecoder:
         calls = OpCalls(self.ops)
         run_tp_step(self.plan, calls, io, caches, self.comm, self.vocab_per_rank, self.fronts)
         kernels, fallbacks = counter_delta(before, counters.snapshot())
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        cap = capturing(self.device)  # captured into the engine's graph: it ran nothing yet (count 0)
         self.trace.record(StepRecord(0, self.backend, int(io.tokens.shape[0]), None, kernels=kernels,
-                                     standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks, graph=capturing))
+                                     standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks, graph=cap,
+                                     count=0 if cap else 1))
         return io.readout
 
     @property

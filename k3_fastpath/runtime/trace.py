@@ -47,6 +47,10 @@ class StepRecord:
     graph: bool = False
     kind: str = "decode"  # "decode" | "prefill" | "mixed" | "verify" (a fused speculative verify step)
     tokens: int = 1  # rows per sequence (a verify step's 1 + drafts)
+    # steps this record stands for: 1 for a step that ran; 0 for a step captured into an engine's CUDA graph
+    # (it ran nothing; its kernels are the graph's); n for n replays of such graphs counted on the device
+    # (the vLLM route in place, ``vllm_inplace.InPlaceRouter.flush``)
+    count: int = 1
 
     def to_dict(self, executor: str) -> dict[str, Any]:
         return {"type": "step", "executor": executor, **asdict(self)}
@@ -171,8 +175,8 @@ def read_trace(path: str | os.PathLike) -> tuple[list[dict[str, Any]], list[dict
 
 
 def summarize(steps: list[dict[str, Any]] | list[StepRecord], decode_only: bool = True) -> dict[str, Any]:
-    """What a check asks of a trace: step counts, fallback reasons, kernel launches, standard ops and kernel
-    fallbacks, over ``steps`` (dicts from ``read_trace`` or ``StepRecord``s). ``decode_only`` keeps the
+    """What a check asks of a trace: step counts (each record's ``count``), fallback reasons, kernel launches,
+    standard ops and kernel fallbacks, over ``steps`` (dicts from ``read_trace`` or ``StepRecord``s). ``decode_only`` keeps the
     decode and verify steps (prefill and mixed steps run the standard path by design)."""
     rows = [asdict(s) if isinstance(s, StepRecord) else s for s in steps]
     if decode_only:
@@ -183,17 +187,18 @@ def summarize(steps: list[dict[str, Any]] | list[StepRecord], decode_only: bool 
     kfb: Counter = Counter()
     fast = 0
     for r in rows:
+        n = int(r.get("count", 1))
         if r.get("fallback"):
-            fallbacks[r["fallback"]] += 1
+            fallbacks[r["fallback"]] += n
         elif r.get("backend") == "latency_specialized":  # "standard" / "standard_graph" are never the fast path
-            fast += 1
+            fast += n
         kernels.update(r.get("kernels") or {})
         for op in r.get("standard_ops") or []:
             std[f"{op['op']}: {op['reason']}"] += 1
         for op, reasons in (r.get("kernel_fallbacks") or {}).items():
             for reason, n in reasons.items():
                 kfb[f"{op}: {reason}"] += n
-    return {"steps": len(rows), "fast_steps": fast, "fallback_steps": sum(fallbacks.values()),
+    return {"steps": sum(int(r.get("count", 1)) for r in rows), "fast_steps": fast, "fallback_steps": sum(fallbacks.values()),
             "fallbacks": dict(fallbacks), "kernels": dict(kernels), "standard_ops": dict(std),
             "kernel_fallbacks": dict(kfb)}
 

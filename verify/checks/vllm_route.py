@@ -41,14 +41,22 @@ def _prompts(seed: int, n: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def trace_counts(trace_dir: str) -> dict[str, Any]:
-    """Routed decode steps and fallback reasons of every step record in a plugin trace directory."""
+    """Routed decode steps and fallback reasons of every step record in a plugin trace directory, each record
+    counted ``count`` times (a step captured into vLLM's CUDA graph 0 times, its replays as counted on the
+    device by the in-place router)."""
     from k3_fastpath.runtime.trace import read_trace
 
     _, steps = read_trace(trace_dir)
+
+    def n(s: dict[str, Any]) -> int:
+        return int(s.get("count", 1))
     decode = [s for s in steps if s.get("kind", "decode") == "decode"]
-    routed = [s for s in decode if not s.get("fallback")]
-    return {"steps": len(steps), "decode_steps": len(decode), "routed_steps": len(routed),
-            "fallbacks": dict(Counter(str(s.get("fallback")) for s in steps if s.get("fallback")))}
+    fallbacks: Counter = Counter()
+    for s in steps:
+        if s.get("fallback"):
+            fallbacks[str(s["fallback"])] += n(s)
+    return {"steps": sum(map(n, steps)), "decode_steps": sum(map(n, decode)),
+            "routed_steps": sum(n(s) for s in decode if not s.get("fallback")), "fallbacks": dict(fallbacks)}
 
 
 @check("equivalence.vllm_route",
