@@ -294,7 +294,7 @@ def test_steps_replayed_by_vllms_graphs_are_counted_on_the_device(m16, seed, mon
     record of that count, so the trace's step total is what ran. Capture is simulated on a CPU (every op
     runs), replays by bumping the counter."""
     import k3_fastpath.integrations.vllm_inplace as vi
-    import k3_fastpath.runtime.executor as exm
+    import k3_fastpath.runtime.graphs as exm
     from k3_fastpath.runtime.trace import summarize
 
     lens, idx = [70, 5, 130], [5, 2, 7]

@@ -43,7 +43,7 @@ from ..runtime.envelope import PREFILL_REASON
 from ..runtime.fast_step import StepIO
 from ..runtime.graphs import capturing
 from ..runtime.trace import StepRecord
-from .vllm_state import VllmLayout, _as_kv, kda_tensors, layout_reason, mla_tensor
+from .vllm_state import VllmLayout, _as_kv, bound_key, kda_tensors, layout_reason, mla_tensor
 
 
 @dataclass
@@ -227,7 +227,7 @@ class InPlaceRouter:
 
     def layout_problem(self) -> str | None:
         caches = self.caches()
-        key = tuple(id(t) for kv in caches for t in (kv if isinstance(kv, (tuple, list)) else (kv,)))
+        key = bound_key(caches)
         if key != self._checked:
             mla = next((kv for i, kv in enumerate(caches) if not self.cfg.is_kda_layer(i)), None)
             if isinstance(mla, torch.Tensor) and mla.dim() in (3, 4):  # the bound view's page: vLLM's kernel block

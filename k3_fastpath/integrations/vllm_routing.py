@@ -85,6 +85,7 @@ from ..runtime.trace import StepRecord
 from .vllm_state import (
     KdaSlot,
     VllmLayout,
+    bound_key,
     cache_groups_problem,
     export_kda,
     export_request,
@@ -274,7 +275,7 @@ class VllmDecodeRouter:
 
     def layout_problem(self) -> str | None:
         caches = self.caches()
-        key = tuple(id(t) for kv in caches for t in (kv if isinstance(kv, (tuple, list)) else (kv,)))
+        key = bound_key(caches)
         if key != self._layout_checked:
             self._layout_reason = layout_reason(self.cfg, caches, self.layout, conv_dtype=self.ex.dtype,
                                                 kv_dtype=self.ex.kv_dtype)

@@ -92,6 +92,11 @@ def kda_tensors(kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
     return conv, rec, len(extra)
 
 
+def bound_key(vllm_caches: list[Any]) -> tuple[int, ...]:
+    """The identity of the tensors bound to the layers (a re-bound cache changes it: its layout is re-checked)."""
+    return tuple(id(t) for kv in vllm_caches for t in (kv if isinstance(kv, (tuple, list)) else (kv,)))
+
+
 def mla_tensor(kv_cache: torch.Tensor) -> torch.Tensor:
     """vLLM's MLA cache as ``[num_blocks, block_size, D]`` (``bind_kv_cache`` squeezes the head dim; a cache
     handed over unbound still has it)."""

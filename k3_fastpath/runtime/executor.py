@@ -55,7 +55,7 @@ from .cache_pool import CachePool, PooledCache, copy_cache
 from .envelope import PREFILL_REASON, Envelope
 from .fast_ops import GLUE_OPS, OpImpl, op_table
 from .fast_step import OpCalls, SideStream, StepIO, run_step
-from .graphs import BucketGraphs, bucket_for, capturing, counter_delta
+from .graphs import BucketGraphs, bucket_for, counter_delta, step_in_place
 from .mixed_step import MixedCapture, MixedStepRunner
 from .options import DecodeOptions
 from .options import resolve as resolve_options
@@ -407,19 +407,9 @@ class DecodeExecutor:
         into its graph. Returns ``io.readout``. Traced with what it launched (``graph``: inside a capture)."""
         if not self.fast:
             raise RuntimeError(f"decode_in_place needs the fast step ({self.model_reason or self.backend})")
-        bare = [i for i, c in enumerate(caches.layers) if getattr(c, "slot", None) is None
-                and getattr(c, "paged", None) is None]
-        if bare:
-            raise ValueError(f"decode_in_place: layers {bare} carry no step indices (slot / paged)")
-        before = counters.snapshot()
-        calls = OpCalls(self.ops)
-        run_step(self._plan_or_build(), calls, io, caches, self.prefetcher if self.prefetcher.enabled else None,
-                 self.side)
-        kernels, fallbacks = counter_delta(before, counters.snapshot())
-        cap = capturing(self.device)  # captured into the engine's graph: it ran nothing yet (count 0)
-        self.trace.record(StepRecord(0, self.backend, int(io.tokens.shape[0]), None, kernels=kernels,
-                                     standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks, graph=cap,
-                                     count=0 if cap else 1))
+        step_in_place(self.ops, caches, lambda calls: run_step(
+            self._plan_or_build(), calls, io, caches, self.prefetcher if self.prefetcher.enabled else None,
+            self.side), self.trace, self.backend, self.device, int(io.tokens.shape[0]))
         return io.readout
 
     def _replay_or_run(self, key: Any, rec: StepRecord) -> StepRecord:

@@ -27,6 +27,28 @@ def capturing(device: Any) -> bool:
     return torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def step_in_place(ops: Any, caches: Any, run: Callable[[Any], None], trace: Any, backend: str, device: Any,
+                  batch: int) -> None:
+    """One step on caches an engine owns (``DecodeExecutor`` / ``TPFastDecoder.decode_in_place``): ``run(calls)``
+    with a fresh ``OpCalls`` over ``ops``, then one trace record of what it launched; a step captured into the
+    engine's graph ran nothing yet (``graph``, ``count`` 0; its replays are counted by the caller's router).
+    Every layer of ``caches`` must carry its step indices (``slot`` / ``paged``)."""
+    from .fast_step import OpCalls
+    from .trace import StepRecord
+
+    bare = [i for i, c in enumerate(caches.layers) if getattr(c, "slot", None) is None
+            and getattr(c, "paged", None) is None]
+    if bare:
+        raise ValueError(f"in-place step: layers {bare} carry no step indices (slot / paged)")
+    before = counters.snapshot()
+    calls = OpCalls(ops)
+    run(calls)
+    kernels, fallbacks = counter_delta(before, counters.snapshot())
+    cap = capturing(device)
+    trace.record(StepRecord(0, backend, batch, None, kernels=kernels, standard_ops=calls.standard_ops(),
+                            kernel_fallbacks=fallbacks, graph=cap, count=0 if cap else 1))
+
+
 def bucket_for(batch: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket holding ``batch`` rows, or None when it exceeds every bucket."""
     for b in sorted(buckets):

@@ -34,7 +34,7 @@ import torch
 
 from .._lib import counters
 from ..reference.common import rms_norm
-from .graphs import capturing, counter_delta
+from .graphs import counter_delta, step_in_place
 from .options import DecodeOptions
 from .options import resolve as resolve_options
 from .tp import rank_config
@@ -209,16 +209,9 @@ class TPFastDecoder:
         """``DecodeExecutor.decode_in_place`` for this rank: one step over the engine's caches of this rank
         (each layer carrying its indices), every rank at the same time; capturable by the engine's graph
         (the collectives included, over NCCL). Returns ``io.readout``."""
-        from .fast_step import OpCalls
-
-        before = counters.snapshot()
-        calls = OpCalls(self.ops)
-        run_tp_step(self.plan, calls, io, caches, self.comm, self.vocab_per_rank, self.fronts)
-        kernels, fallbacks = counter_delta(before, counters.snapshot())
-        cap = capturing(self.device)  # captured into the engine's graph: it ran nothing yet (count 0)
-        self.trace.record(StepRecord(0, self.backend, int(io.tokens.shape[0]), None, kernels=kernels,
-                                     standard_ops=calls.standard_ops(), kernel_fallbacks=fallbacks, graph=cap,
-                                     count=0 if cap else 1))
+        step_in_place(self.ops, caches, lambda calls: run_tp_step(
+            self.plan, calls, io, caches, self.comm, self.vocab_per_rank, self.fronts), self.trace, self.backend,
+            self.device, int(io.tokens.shape[0]))
         return io.readout
 
     @property
