@@ -165,12 +165,14 @@ def test_verify_steps_fused_with_the_kernels_emulated(models, seed):
     router = VllmDecodeRouter(ex, vc.layers, VllmLayout(False, BS, num_spec=K), (KDA, MLA))
     out = _scenario(router, vc, {torch.bfloat16: models[torch.bfloat16], torch.float32: models[torch.float32]}, g)
     # BF16 rounding at another M compounds over the steps on this synthetic model: each path is 2-9% of the
-    # logits' scale from FP32, the fused one 0.4-2.8x the reference's error (seeds 11, 21-23); a committed
-    # state one token off, a conv window at the wrong offset or a lost candidate export is 25-110% off
+    # logits' scale from FP32, the fused one 0.4-2.8x the reference's error (seeds 11, 21-23), and at a near
+    # tie further off (seed 2065330915 step 3: 8.4% where the reference is 1.5%; the same at the code of
+    # 2026-12-07, so not a change's doing); a committed state one token off, a conv window at the wrong offset
+    # or a lost candidate export is 25-110% off
     for i, step in enumerate(out["steps"]):
-        assert step["got"] <= 2 * step["ref"] + 0.05, f"seed {seed} step {i}: {step}"
-    for back, bf16 in out["state"]:
-        assert back <= 2 * bf16 + 0.05, f"seed {seed}: state {back:.4f}, BF16 reference {bf16:.4f}"
+        assert step["got"] <= 2 * step["ref"] + 0.1, f"seed {seed} step {i}: {step}"
+    for back, bf16 in out["state"]:  # the same seed: a handed-back state 9.2% off where the reference's is 1.8%
+        assert back <= 2 * bf16 + 0.1, f"seed {seed}: state {back:.4f}, BF16 reference {bf16:.4f}"
     verify = [r for r in ex.trace.records if r.kind == "verify"]
     assert len(verify) == len(PRESENT) and not ex.verify_splits and all(r.fallback is None for r in verify)
     assert router.candidate_exports == 1 and router.imports == 4
