@@ -43,7 +43,7 @@ from ..runtime.envelope import PREFILL_REASON
 from ..runtime.fast_step import StepIO
 from ..runtime.graphs import capturing
 from ..runtime.trace import StepRecord
-from .vllm_state import VllmLayout, _as_kv, bound_key, kda_tensors, layout_reason, mla_tensor
+from .vllm_state import VllmLayout, as_kv, bound_key, kda_tensors, layout_reason, mla_tensor
 
 
 @dataclass
@@ -86,7 +86,7 @@ def cache_view(cfg: Any, vllm_caches: list[Any], kv_dtype: torch.dtype, kv_scale
             conv, rec, _ = kda_tensors(kv)
             layers.append(VllmKdaLayer(conv, rec))
         else:
-            layers.append(VllmMlaLayer(_as_kv(mla_tensor(kv), kv_dtype), scale if kv_dtype == FP8 else None))
+            layers.append(VllmMlaLayer(as_kv(mla_tensor(kv), kv_dtype), scale if kv_dtype == FP8 else None))
     return VllmCacheView(layers)
 
 

@@ -1,5 +1,9 @@
 """Routing vLLM's Kimi K3 decode steps to ``DecodeExecutor``: which steps, and the state that goes with them.
 
+This is the import / export router, used with a speculative config (or ``fastpath_in_place: false``); without
+one the route runs on vLLM's caches in place (``vllm_inplace.InPlaceRouter``, ``runs_in_place``). The
+configuration rules of both (``unsupported_settings``) live here.
+
 Per forward call the model class (``vllm_model.py``) asks ``VllmDecodeRouter.plan``:
 
 1. ``classify_step`` reads vLLM's per-layer attention metadata of one KDA layer (``KimiK3KDAMetadata``) and
@@ -11,7 +15,8 @@ Per forward call the model class (``vllm_model.py``) asks ``VllmDecodeRouter.pla
    vLLM passes. Anything else is a fallback with a one-line reason (prefill tokens in the step, verify rows
    beside plain decodes, batch too large, context too long, no metadata in a profile run, ...);
 2. the cache layouts (``vllm_state.layout_reason``), checked once per bound cache: a layout the executor
-   cannot map bit for bit is a fallback reason for every step.
+   cannot map bit for bit is a fallback reason for every step; so are layers in several cache groups
+   (``vllm_state.cache_groups_problem``: one state index per request is all this router maps).
 
 A routed step (``run``): each request is keyed by its vLLM KDA state index. The first time an index is
 routed its state is imported into an executor pool row (KDA conv + recurrent state, MLA latents through the

@@ -140,7 +140,7 @@ def layout_reason(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, *, conv_
             if lat.dim() != 3 or lat.shape[1] != layout.block_size or lat.shape[2] != cfg.mla_latent_dim:
                 return (f"layer {i}: MLA cache {tuple(lat.shape)}, executor maps [blocks, {layout.block_size}, "
                         f"{cfg.mla_latent_dim}] (fp8_ds_mla and other packed layouts are not mapped)")
-            if _as_kv(lat, kv_dtype).dtype != kv_dtype:
+            if as_kv(lat, kv_dtype).dtype != kv_dtype:
                 return f"layer {i}: MLA cache {_dt(lat.dtype)}, executor keeps {_dt(kv_dtype)}"
     return None
 
@@ -161,7 +161,7 @@ def cache_groups_problem(attn_metadata: Any, vllm_layers: list[Any], cfg: Any) -
     return None
 
 
-def _as_kv(lat: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+def as_kv(lat: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
     """vLLM stores a plain FP8 cache as uint8: view it as e4m3 when the executor keeps FP8 latents."""
     if lat.dtype == torch.uint8 and kv_dtype == FP8:
         return lat.view(FP8)
@@ -195,7 +195,7 @@ def import_request(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, pool_la
             dst.state[row].copy_(rec[at.rec].transpose(-1, -2))  # [h, V, K] -> [h, K, V]
         else:
             assert isinstance(dst, MLACache)
-            lat = _as_kv(mla_tensor(kv), dst.latent.dtype)
+            lat = as_kv(mla_tensor(kv), dst.latent.dtype)
             dst.latent[row].zero_()
             if context:
                 blk, off = latent_slots(block_table, torch.arange(context), layout.block_size)
@@ -234,7 +234,7 @@ def write_latents(cfg: Any, vllm_caches: list[Any], layout: VllmLayout, pool_lay
         if cfg.is_kda_layer(i):
             continue
         src = pool_layers[i].latent
-        lat = _as_kv(mla_tensor(kv), src.dtype)
+        lat = as_kv(mla_tensor(kv), src.dtype)
         bt = block_tables.long()
         pos_d = pos.to(bt.device)
         blk = bt.gather(1, (pos_d // layout.block_size)[:, None])[:, 0]
