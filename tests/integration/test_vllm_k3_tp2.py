@@ -85,7 +85,10 @@ def _child(ckpt: str, rank: int, init: str, out: str) -> None:  # python this_fi
     vc = EngineArgs(model=ckpt, skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
                     enable_prefix_caching=False, tensor_parallel_size=TP, language_model_only=True,
                     additional_config={"decode_backend": "latency_specialized", "fastpath_max_batch": 4,
-                                       "fastpath_max_len": 64}).create_engine_config()
+                                       "fastpath_max_len": 64,
+                                       # the pooled TP decoder (its own caches, decode / new_cache); the in-place
+                                       # one (vLLM's caches) runs on thread ranks in tests/test_vllm_inplace.py
+                                       "fastpath_in_place": False}).create_engine_config()
     with set_current_vllm_config(vc):
         init_distributed_environment(world_size=TP, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"file://{init}")

@@ -91,7 +91,8 @@ def _child(ckpt: str, out: str) -> None:  # python this_file.py --child CKPT OUT
             elif rule.startswith("spec"):
                 if spec is not None:
                     target.speculative_config = spec[rule if target is vc else "everything"]
-                    for assignment in RULES[rule][0].split("; ")[1:]:  # besides the speculative config
+                    # besides the speculative config (".method = ..." describes the config ngram() built)
+                    for assignment in (a for a in RULES[rule][0].split("; ")[1:] if not a.startswith(".")):
                         path, value = assignment.split(" = ")
                         obj, field = path.split(".")
                         setattr(getattr(target, obj), field, eval(value))  # noqa: S307 (the table above)
