@@ -27,7 +27,8 @@ def _inputs(gen, n=5, nb=3, h=48, dtype=torch.float64):
     # sources of very different magnitudes: the mix must use the raw values, the logits the normalised ones
     blocks = torch.randn(n, nb, h, generator=gen, dtype=torch.float64) * torch.rand(1, nb, 1, generator=gen,
                                                                                    dtype=torch.float64).mul(20).add(0.5)
-    proj = torch.randn(1, h, generator=gen, dtype=torch.float64) * (2 / math.sqrt(h))
+    # logits of about unit spread: a mix neither one-hot nor uniform (at 2 / sqrt(h) a row came out 0.9993 one-hot)
+    proj = torch.randn(1, h, generator=gen, dtype=torch.float64) * (1 / math.sqrt(h))
     norm = 1 + 0.1 * torch.randn(h, generator=gen, dtype=torch.float64)
     return prefix.to(dtype), blocks.to(dtype), proj.to(dtype), norm.to(dtype)
 
