@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -26,7 +28,7 @@ from k3_fastpath.runtime.executor import DecodeExecutor
 from k3_fastpath.synthetic import synthetic_state_dict
 
 pytest.importorskip("vllm", reason="needs vLLM (scripts/bootstrap --vllm)")
-from vllm_layout import VllmCaches, decode_metadata, every_layer, kda_pages  # noqa: E402
+from vllm_layout import VllmCaches, decode_metadata, every_layer, kda_pages, mla_pages  # noqa: E402
 
 CFG = preset("k3-tiny").config
 KDA, MLA = "language_model.model.layers.1.self_attn", "language_model.model.layers.3.self_attn"
@@ -48,27 +50,15 @@ def _paged(vc: VllmCaches) -> None:
         if CFG.is_kda_layer(i):
             layer.kv_cache = kda_pages(*layer.kv_cache)
         else:
-            lat = layer.kv_cache
-            buf = torch.full((lat.shape[0], 2 * lat.shape[1], lat.shape[2]), float("nan"), dtype=lat.dtype)
-            buf[:, : lat.shape[1]] = lat
-            layer.kv_cache = buf[:, : lat.shape[1]]
+            layer.kv_cache = mla_pages(layer.kv_cache)
 
 
 def _clone(vc: VllmCaches) -> VllmCaches:
+    """A copy of ``vc``'s caches in the same layouts (``_paged``'s)."""
     out = VllmCaches.__new__(VllmCaches)
     out.__dict__.update(vc.__dict__)
-    from types import SimpleNamespace
-
-    def copy(kv):
-        if isinstance(kv, tuple):
-            return kda_pages(*kv) if not kv[0].is_contiguous() else tuple(t.clone() for t in kv)
-        c = kv.clone() if kv.is_contiguous() else None
-        if c is None:
-            buf = torch.full((kv.shape[0], 2 * kv.shape[1], kv.shape[2]), float("nan"), dtype=kv.dtype)
-            buf[:, : kv.shape[1]] = kv
-            c = buf[:, : kv.shape[1]]
-        return c
-    out.layers = [SimpleNamespace(kv_cache=copy(layer.kv_cache)) for layer in vc.layers]
+    out.layers = [SimpleNamespace(kv_cache=kda_pages(*la.kv_cache) if isinstance(la.kv_cache, tuple)
+                                  else mla_pages(la.kv_cache)) for la in vc.layers]
     return out
 
 

@@ -37,7 +37,7 @@ BS, MAX_LEN, N_IDX, BLOCKS = 64, 256, 8, 24
 
 def _vllm_caches(model, cache, idx, bts):
     """vLLM-layout copies of the pooled cache's rows: request r at state index ``idx[r]`` and block row ``bts[r]``."""
-    from vllm_layout import kda_pages
+    from vllm_layout import kda_pages, mla_pages
 
     g = torch.Generator(device="cuda").manual_seed(7)
     layers = []
@@ -52,8 +52,7 @@ def _vllm_caches(model, cache, idx, bts):
             layers.append(VllmKdaLayer(*kda_pages(conv, state)))
         else:
             D = layer.latent.shape[-1]
-            buf = torch.randn(BLOCKS, 2 * BS, D, device="cuda", generator=g).to(layer.latent.dtype)
-            lat = buf[:, :BS]  # pages interleaved with another layer's
+            lat = mla_pages(torch.randn(BLOCKS, BS, D, device="cuda", generator=g).to(layer.latent.dtype))
             for r in range(len(idx)):
                 n = int(cache.lengths[r])
                 for p in range(n):
@@ -85,17 +84,14 @@ def _copy_into(dst: dict, src: dict) -> None:
 
 
 def _clone_view(view: VllmCacheView) -> VllmCacheView:
-    from vllm_layout import kda_pages
+    from vllm_layout import kda_pages, mla_pages
 
     out = []
     for layer in view.layers:
         if isinstance(layer, VllmKdaLayer):
             out.append(VllmKdaLayer(*kda_pages(layer.conv, layer.state)))
         else:
-            buf = torch.empty(layer.latent.shape[0], 2 * BS, layer.latent.shape[-1], dtype=layer.latent.dtype,
-                              device="cuda")
-            buf[:, :BS] = layer.latent
-            out.append(VllmMlaLayer(buf[:, :BS], None))
+            out.append(VllmMlaLayer(mla_pages(layer.latent), None))
     return VllmCacheView(out)
 
 

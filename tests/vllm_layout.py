@@ -3,8 +3,8 @@
 ``VllmCaches`` allocates per-layer caches the way vLLM 0.32 does for K3 (shapes and dtypes from vLLM's own
 ``MambaStateShapeCalculator.kda_state_shape`` / ``MambaStateDtypeCalculator.kda_state_dtype``; MLA as a
 paged ``[num_blocks, block_size, rank + rope]`` cache), and ``store`` / ``load`` move a reference ``K3Cache``
-row into / out of them position by position (``kda_pages``: one KDA layer's tensors in vLLM's shared padded
-pages), written independently of ``k3_fastpath.integrations.
+row into / out of them position by position (``kda_pages`` / ``mla_pages``: a layer's tensors in vLLM's shared
+padded / interleaved pages), written independently of ``k3_fastpath.integrations.
 vllm_state`` (per-position loops over the block table, explicit q|k|v packing), so the tests compare the
 router's conversions against a second implementation. ``decode_metadata`` / ``prefill_metadata`` build the
 per-layer metadata dict vLLM's forward context holds, from vLLM's real metadata classes.
@@ -33,6 +33,15 @@ def kda_pages(conv: torch.Tensor, state: torch.Tensor, pad: int = 48) -> tuple[t
     c.copy_(conv)
     st.copy_(state)
     return c, st
+
+
+def mla_pages(latent: torch.Tensor) -> torch.Tensor:
+    """A copy of a paged MLA cache ``[pages, page_size, D]`` whose pages lie two pages apart (NaN between), as
+    vLLM's block-major layouts interleave the layers' pages: a strided view."""
+    n, page, d = latent.shape
+    buf = torch.full((n, 2 * page, d), float("nan"), dtype=latent.dtype, device=latent.device)
+    buf[:, :page] = latent
+    return buf[:, :page]
 
 
 class VllmCaches:
